@@ -1,0 +1,35 @@
+# Two commands: `make serve` and `make test`. Both create .venv when it is missing.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV   := .venv
+BIN    := $(VENV)/bin
+# A CPU wheel on machines without a GPU; override for CUDA builds (TORCH_SPEC="torch==2.13.0 --index-url ...").
+TORCH_SPEC ?= torch==2.13.0
+REDIS_URL  ?= redis://127.0.0.1:6379/0
+
+.PHONY: serve test install redis bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+$(VENV)/.installed: $(BIN)/python pyproject.toml
+	$(BIN)/pip install -q $(TORCH_SPEC)
+	$(BIN)/pip install -q -e '.[test]'
+	@touch $@
+
+install: $(VENV)/.installed
+
+serve: $(VENV)/.installed
+	$(BIN)/specprefill serve
+
+redis:
+	@bash scripts/ensure-redis.sh "$(REDIS_URL)"
+
+test: $(VENV)/.installed redis
+	SPECPREFILL_TEST_REDIS_URL="$(REDIS_URL)" $(BIN)/python -m pytest
+
+bench: $(VENV)/.installed
+	$(BIN)/python benchmarks/bench_scorer.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,68 @@
+"""Loading draft (and target) models through the ordinary transformers path: a local folder or a hub id."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+
+class TokenizerMismatchError(ValueError):
+    """The draft and target models do not share one tokenizer, so draft token indices mean nothing to the target."""
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | str:
+    if dtype is None or dtype == "auto":
+        return "auto"
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}: use auto, float32, bfloat16 or float16") from None
+
+
+def load_tokenizer(path_or_id: str | Path) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(str(path_or_id))
+
+
+def load_causal_lm(
+    path_or_id: str | Path,
+    *,
+    device: str | torch.device | None = None,
+    dtype: str | torch.dtype | None = "auto",
+    attn_implementation: str = "sdpa",
+) -> PreTrainedModel:
+    """``AutoModelForCausalLM.from_pretrained`` in eval mode on ``device`` with a fused attention kernel."""
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path_or_id), dtype=resolve_dtype(dtype), attn_implementation=attn_implementation
+    )
+    return model.to(device or default_device()).eval()
+
+
+def check_same_tokenizer(draft: PreTrainedTokenizerBase, target: PreTrainedTokenizerBase) -> None:
+    """Raises ``TokenizerMismatchError`` naming the first difference found."""
+    if len(draft) != len(target):
+        raise TokenizerMismatchError(
+            f"the draft tokenizer has {len(draft)} tokens and the target's {len(target)}: "
+            "SpecPrefill needs a draft from the target's model family (same tokenizer)"
+        )
+    draft_vocab, target_vocab = draft.get_vocab(), target.get_vocab()
+    if draft_vocab != target_vocab:
+        differing = sorted(t for t in draft_vocab.keys() ^ target_vocab.keys())[:5] or [
+            t for t, i in draft_vocab.items() if target_vocab.get(t) != i
+        ][:5]
+        raise TokenizerMismatchError(
+            f"the draft and target vocabularies differ (for example {differing!r}): "
+            "SpecPrefill needs a draft from the target's model family (same tokenizer)"
+        )
+    for attr in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if getattr(draft, attr) != getattr(target, attr):
+            raise TokenizerMismatchError(
+                f"draft and target disagree on {attr}: {getattr(draft, attr)} vs {getattr(target, attr)}"
+            )

@@ -1,0 +1,62 @@
+"""Selection: token scores in, kept indices out. Pure tensor code, no model."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def protected_mask(
+    length: int, protect_first: int, protect_last: int, extra: torch.Tensor | None = None
+) -> torch.Tensor | None:
+    """Boolean [S] mask of tokens that must be kept, or None when nothing is protected."""
+    if not (protect_first or protect_last or (extra is not None and extra.numel())):
+        return None
+    mask = torch.zeros(length, dtype=torch.bool)
+    mask[: min(protect_first, length)] = True
+    if protect_last:
+        mask[max(length - protect_last, 0) :] = True
+    if extra is not None and extra.numel():
+        mask[extra] = True
+    return mask
+
+
+def select_chunks(
+    scores: torch.Tensor, keep_rate: float, chunk_size: int, protected: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Kept token indices, sorted.
+
+    scores: [S] token scores. The sequence is cut into contiguous chunks of ``chunk_size`` (the last may be
+    shorter); a chunk's score is the mean of its tokens' scores, and the top ceil(n_chunks × keep_rate)
+    chunks are kept, as in SpecPrefill. A chunk holding any protected token is always kept and counts
+    against that budget; when protection alone exceeds the budget, protection wins.
+    """
+    assert scores.dim() == 1 and scores.numel() > 0
+    length = scores.numel()
+    n_chunks = math.ceil(length / chunk_size)
+    # ceil(n_chunks × keep_rate), robust to float error (10 × 0.3 is 3.0000000000000004 in floats)
+    budget = math.ceil(round(n_chunks * keep_rate, 9))
+    if budget >= n_chunks:
+        return torch.arange(length)
+
+    padded = _pad_with_nan(scores.float(), n_chunks * chunk_size)
+    chunk_scores = padded.view(n_chunks, chunk_size).nanmean(dim=1)  # [C]
+    if protected is not None:
+        chunk_protected = _pad_with_false(protected, n_chunks * chunk_size).view(n_chunks, chunk_size).any(dim=1)
+        chunk_scores = chunk_scores.masked_fill(chunk_protected, float("inf"))
+        budget = max(budget, int(chunk_protected.sum()))
+    # stable descending sort: ties go to the earlier chunk, so selection is deterministic
+    order = torch.sort(chunk_scores, descending=True, stable=True).indices[:budget]
+    kept_chunks = torch.zeros(n_chunks, dtype=torch.bool)
+    kept_chunks[order] = True
+    token_kept = kept_chunks.repeat_interleave(chunk_size)[:length]
+    return token_kept.nonzero().squeeze(1)
+
+
+def _pad_with_nan(values: torch.Tensor, size: int) -> torch.Tensor:
+    return torch.cat([values, values.new_full((size - values.numel(),), float("nan"))])
+
+
+def _pad_with_false(values: torch.Tensor, size: int) -> torch.Tensor:
+    return torch.cat([values, values.new_zeros(size - values.numel())])

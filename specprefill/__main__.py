@@ -1,0 +1,3 @@
+from specprefill.cli import main
+
+main()

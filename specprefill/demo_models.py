@@ -1,0 +1,171 @@
+"""The demo model pair, made locally and deterministically: no hub, no download.
+
+Both are Llama-architecture models that share one byte-level BPE tokenizer trained with ``tokenizers``
+on generated text, with BOS, EOS, pad and a Llama-3-style chat template. Weights are random from a fixed
+seed. The target costs far more than 10x the draft's FLOPs per token, so speed measurements mean something.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+DEMO_VERSION = "v1"
+BOS, EOS, EOT, PAD = "<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>", "<|pad|>"
+HEADER_START, HEADER_END = "<|start_header_id|>", "<|end_header_id|>"
+SPECIAL_TOKENS = [BOS, EOS, EOT, PAD, HEADER_START, HEADER_END]
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+
+
+DRAFT_SHAPE = ModelShape(128, 512, 2, 4, 2)
+TARGET_SHAPE = ModelShape(512, 2048, 8, 8, 2)
+
+
+def synthetic_corpus(seed: int = 0, n_sentences: int = 20_000) -> list[str]:
+    """Sentences over a Zipf-distributed invented vocabulary, with numbers and punctuation."""
+    rng = random.Random(seed)
+    syllables = [c + v for c in "bcdfghjklmnprstvwz" for v in "aeiou"] + ["th", "qu", "st", "er", "an"]
+    words = sorted({"".join(rng.choices(syllables, k=rng.randint(1, 3))) for _ in range(3000)})
+    weights = [1.0 / (rank + 1) for rank in range(len(words))]
+    sentences = []
+    for _ in range(n_sentences):
+        n = rng.randint(4, 16)
+        tokens = rng.choices(words, weights, k=n)
+        if rng.random() < 0.3:
+            tokens.insert(rng.randrange(n), str(rng.randint(0, 99999)))
+        sentence = " ".join(tokens).capitalize() + rng.choice([".", ".", ".", "?", "!", ";", ":"])
+        sentences.append(sentence)
+    return sentences
+
+
+def train_tokenizer(vocab_size: int = 4096, seed: int = 0) -> PreTrainedTokenizerFast:
+    """A byte-level BPE with the special tokens and chat template the demo pair uses."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(synthetic_corpus(seed), trainer=trainer)
+    bos_id = tokenizer.token_to_id(BOS)
+    tokenizer.post_processor = processors.Sequence(
+        [
+            processors.ByteLevel(trim_offsets=False),
+            processors.TemplateProcessing(single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, bos_id)]),
+        ]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token=BOS,
+        eos_token=EOT,
+        pad_token=PAD,
+        additional_special_tokens=[EOS, HEADER_START, HEADER_END],
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=32768,
+    )
+
+
+def llama_config(shape: ModelShape, tokenizer: PreTrainedTokenizerFast, max_positions: int = 32768) -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_hidden_layers,
+        num_attention_heads=shape.num_attention_heads,
+        num_key_value_heads=shape.num_key_value_heads,
+        max_position_embeddings=max_positions,
+        rope_parameters={"rope_type": "default", "rope_theta": 500_000.0},
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=eos_ids(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+    )
+
+
+def eos_ids(tokenizer: PreTrainedTokenizerFast) -> list[int]:
+    return [tokenizer.convert_tokens_to_ids(EOT), tokenizer.convert_tokens_to_ids(EOS)]
+
+
+def write_model(
+    out_dir: Path, shape: ModelShape, tokenizer: PreTrainedTokenizerFast, seed: int, max_positions: int = 32768
+) -> None:
+    config = llama_config(shape, tokenizer, max_positions)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).eval()
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=eos_ids(tokenizer), pad_token_id=tokenizer.pad_token_id
+    )
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+
+
+def write_demo_models(out_dir: str | Path, seed: int = 0) -> Path:
+    """Writes ``out_dir/draft`` and ``out_dir/target``. Deterministic for a given seed."""
+    out_dir = Path(out_dir)
+    tokenizer = train_tokenizer(seed=seed)
+    write_model(out_dir / "draft", DRAFT_SHAPE, tokenizer, seed=seed + 1)
+    write_model(out_dir / "target", TARGET_SHAPE, tokenizer, seed=seed + 2)
+    (out_dir / "demo.json").write_text(json.dumps({"version": DEMO_VERSION, "seed": seed}))
+    return out_dir
+
+
+def default_cache_dir() -> Path:
+    root = os.environ.get("SPECPREFILL_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "specprefill"
+    )
+    return Path(root)
+
+
+def ensure_demo_models(cache_dir: str | Path | None = None) -> Path:
+    """The demo pair's folder, written on first use (atomically, so concurrent first uses are safe)."""
+    root = Path(cache_dir) if cache_dir else default_cache_dir()
+    final = root / f"demo-{DEMO_VERSION}"
+    if (final / "demo.json").exists():
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".demo-", dir=root))
+    try:
+        write_demo_models(staging)
+        try:
+            staging.rename(final)
+        except OSError:  # another process finished first
+            if not (final / "demo.json").exists():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return final
+
+
+def flops_per_token(config: LlamaConfig) -> int:
+    """Matmul FLOPs per token (2 × weights touched), attention over the context left out."""
+    head_dim = config.hidden_size // config.num_attention_heads
+    attn = config.hidden_size * head_dim * (2 * config.num_attention_heads + 2 * config.num_key_value_heads)
+    mlp = 3 * config.hidden_size * config.intermediate_size
+    return 2 * (config.num_hidden_layers * (attn + mlp) + config.hidden_size * config.vocab_size)

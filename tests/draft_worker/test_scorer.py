@@ -1,0 +1,137 @@
+"""The scorer against a plain reference that spells out every step of SpecPrefill's scoring."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv
+
+from draft_worker.config import ScoringConfig
+from draft_worker.scorer import enable_query_capture, score_prompts
+from draft_worker.selector import select_chunks
+from tests.conftest import tiny_llama
+
+
+@torch.no_grad()
+def reference_scores(model, prompt: list[int], look_ahead: int, pool_kernel: int) -> torch.Tensor:
+    """Eager attention, full recompute, float64 attention math, explicit loops; no KV cache, no capture hook."""
+    eos = set(model.generation_config.eos_token_id)
+    generated: list[int] = []
+    for _ in range(look_ahead - 1):
+        logits = model(torch.tensor([prompt + generated])).logits[0, -1]
+        generated.append(int(logits.argmax()))
+    n_queries = 1
+    for token in generated:  # query j belongs to generated token j; queries from an EOS on are dropped
+        if token in eos:
+            break
+        n_queries += 1
+
+    seq = torch.tensor([prompt + generated])
+    length = len(prompt)
+    out = model(seq, output_hidden_states=True)
+    positions = torch.arange(seq.shape[1])[None]
+    config = model.config
+    head_dim = config.hidden_size // config.num_attention_heads
+    rows = []  # one [Q, S] attention map per (layer, head)
+    for layer_idx, layer in enumerate(model.model.layers):
+        hidden = layer.input_layernorm(out.hidden_states[layer_idx])
+        attn = layer.self_attn
+        q = attn.q_proj(hidden).view(1, -1, config.num_attention_heads, head_dim).transpose(1, 2)
+        k = attn.k_proj(hidden).view(1, -1, config.num_key_value_heads, head_dim).transpose(1, 2)
+        cos, sin = model.model.rotary_emb(hidden, positions)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        k = repeat_kv(k, config.num_attention_heads // config.num_key_value_heads)
+        q = q[0, :, length - 1 : length - 1 + n_queries].double()  # [H, Q, D]
+        k = k[0, :, :length].double()  # [H, S, D]
+        probs = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(head_dim), dim=-1)
+        for head in range(probs.shape[0]):
+            rows.append(probs[head])
+    half = pool_kernel // 2
+    pooled = []
+    for row in rows:  # average pooling, zero padding counted, kernel `pool_kernel`, stride 1
+        p = torch.zeros_like(row)
+        for i in range(length):
+            p[:, i] = row[:, max(0, i - half) : i + half + 1].sum(-1) / pool_kernel
+        pooled.append(p)
+    best = torch.stack(pooled).max(dim=0).values  # max over layers × heads -> [Q, S]
+    return best.mean(dim=0).float()  # mean over queries
+
+
+def reference_select(scores: torch.Tensor, keep_rate: float, chunk_size: int) -> list[int]:
+    chunks = [list(range(i, min(i + chunk_size, len(scores)))) for i in range(0, len(scores), chunk_size)]
+    means = [float(scores[c].mean()) for c in chunks]
+    k = math.ceil(round(len(chunks) * keep_rate, 9))
+    top = sorted(range(len(chunks)), key=lambda i: -means[i])[:k]
+    return sorted(i for c in top for i in chunks[c])
+
+
+def _prompt(length: int, seed: int, vocab: int = 256) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(2, vocab, (length,), generator=g).tolist()
+
+
+@pytest.mark.parametrize("look_ahead", [1, 8])
+@pytest.mark.parametrize("pool_kernel,chunk_size", [(13, 32), (1, 1), (13, 1), (1, 32)])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (4, 4)])
+def test_scores_and_selection_match_reference(look_ahead, pool_kernel, chunk_size, heads, kv_heads):
+    model = tiny_llama(heads=heads, kv_heads=kv_heads)
+    prompt = _prompt(300, seed=heads + kv_heads)
+    expected = reference_scores(model, prompt, look_ahead, pool_kernel)
+
+    enable_query_capture(model)
+    config = ScoringConfig(look_ahead=look_ahead, pool_kernel=pool_kernel, chunk_size=chunk_size)
+    (scores,) = score_prompts(model, [prompt], config)
+
+    torch.testing.assert_close(scores, expected, rtol=1e-5, atol=1e-8)
+    for keep_rate in (0.1, 0.3, 0.5):
+        kept = select_chunks(scores, keep_rate, chunk_size).tolist()
+        assert kept == reference_select(expected, keep_rate, chunk_size)
+
+
+def test_queries_after_generated_eos_are_dropped():
+    model = tiny_llama(seed=3)
+    prompt = _prompt(200, seed=5)
+    # make the 3rd greedy token an EOS: queries 0..2 count, the EOS token's query and later ones do not
+    greedy = model.generate(torch.tensor([prompt]), max_new_tokens=3, do_sample=False, eos_token_id=None,
+                            pad_token_id=0)[0, len(prompt):].tolist()
+    assert len(set(greedy)) == 3, "pick another seed: the first greedy tokens repeat"
+    model.generation_config.eos_token_id = [greedy[2]]
+    enable_query_capture(model)
+    (scores,) = score_prompts(model, [prompt], ScoringConfig(look_ahead=8))
+    torch.testing.assert_close(scores, reference_scores(model, prompt, 8, 13), rtol=1e-5, atol=1e-8)
+    # and it differs from scoring all 8 queries, so the test can see the rule
+    model.generation_config.eos_token_id = [1]
+    (all_queries,) = score_prompts(model, [prompt], ScoringConfig(look_ahead=8))
+    assert not torch.allclose(scores, all_queries, rtol=1e-3)
+
+
+@pytest.mark.parametrize("look_ahead", [1, 8])
+def test_batched_scoring_equals_one_by_one(look_ahead):
+    model = tiny_llama(seed=7)
+    enable_query_capture(model)
+    config = ScoringConfig(look_ahead=look_ahead)
+    prompts = [_prompt(n, seed=n) for n in (37, 300, 129, 300, 5)]
+    batched = score_prompts(model, prompts, config)
+    for prompt, scores in zip(prompts, batched):
+        (single,) = score_prompts(model, [prompt], config)
+        assert scores.shape == (len(prompt),)
+        torch.testing.assert_close(scores, single, rtol=1e-5, atol=1e-7)
+
+
+def test_scores_are_a_distribution_without_pooling():
+    model = tiny_llama()
+    enable_query_capture(model)
+    (scores,) = score_prompts(model, [_prompt(100, 1)], ScoringConfig(look_ahead=1, pool_kernel=1))
+    # one query: max over heads of distributions, so each entry is a probability and they sum to >= 1
+    assert scores.min() >= 0 and scores.max() <= 1 and scores.sum() >= 1 - 1e-5
+
+
+def test_capture_leaves_plain_forwards_unchanged():
+    model = tiny_llama()
+    ids = torch.tensor([_prompt(64, 2)])
+    before = model(ids).logits
+    enable_query_capture(model)
+    enable_query_capture(model)  # idempotent
+    torch.testing.assert_close(model(ids).logits, before)

@@ -1,0 +1,53 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from draft_worker.config import ConfigError, ScoringConfig, validate_keep_rate
+from draft_worker.selector import protected_mask, select_chunks
+
+
+def test_top_chunks_by_mean_score_sorted():
+    scores = torch.tensor([0.0, 0.0, 5.0, 5.0, 1.0, 1.0, 9.0])  # chunks of 2: means 0, 5, 1, 9 (short last)
+    assert select_chunks(scores, 0.5, 2).tolist() == [2, 3, 6]
+
+
+def test_keep_rate_one_keeps_everything():
+    assert select_chunks(torch.rand(77), 1.0, 32).tolist() == list(range(77))
+
+
+def test_budget_is_the_exact_ceiling():
+    # 10 chunks × 0.3 is 3.0000000000000004 in floats; the budget is 3 chunks, not 4
+    assert select_chunks(torch.rand(10), 0.3, 1).numel() == 3
+    assert select_chunks(torch.rand(11), 0.3, 1).numel() == 4
+
+
+def test_protected_chunks_are_kept_and_counted_in_the_budget():
+    scores = torch.tensor([0.0] * 8 + [9.0] * 2 + [0.0] * 10)  # 10 chunks of 2, chunk 4 scores highest
+    protected = protected_mask(20, protect_first=1, protect_last=1)
+    kept = select_chunks(scores, 0.3, 2, protected).tolist()
+    assert kept == [0, 1, 8, 9, 18, 19]  # budget 3 chunks: first, last, then the best
+
+
+def test_protection_wins_over_a_small_budget():
+    protected = protected_mask(100, protect_first=10, protect_last=10)
+    kept = select_chunks(torch.rand(100), 0.01, 1, protected).tolist()
+    assert kept == list(range(10)) + list(range(90, 100))
+
+
+def test_extra_protected_indices():
+    mask = protected_mask(10, 0, 0, torch.tensor([3, 7]))
+    assert mask.nonzero().squeeze(1).tolist() == [3, 7]
+    assert protected_mask(10, 0, 0) is None
+
+
+@pytest.mark.parametrize("rate", [0.0, -0.1, 1.01, float("nan"), float("inf")])
+def test_bad_keep_rates(rate):
+    with pytest.raises(ConfigError):
+        validate_keep_rate(rate)
+
+
+@pytest.mark.parametrize("kwargs", [{"look_ahead": 0}, {"pool_kernel": 4}, {"chunk_size": 0}, {"protect_last": -1}])
+def test_bad_scoring_config(kwargs):
+    with pytest.raises(ConfigError):
+        ScoringConfig(**kwargs)
