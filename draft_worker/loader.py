@@ -66,3 +66,13 @@ def check_same_tokenizer(draft: PreTrainedTokenizerBase, target: PreTrainedToken
             raise TokenizerMismatchError(
                 f"draft and target disagree on {attr}: {getattr(draft, attr)} vs {getattr(target, attr)}"
             )
+
+
+def eos_token_ids(model: PreTrainedModel) -> list[int]:
+    """The model's end-of-sequence IDs, from its generation config, else its config."""
+    eos = model.generation_config.eos_token_id if model.generation_config is not None else None
+    if eos is None:
+        eos = model.config.eos_token_id
+    if eos is None:
+        return []
+    return [eos] if isinstance(eos, int) else list(eos)

@@ -24,6 +24,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from draft_worker.config import ScoringConfig
+from draft_worker.loader import eos_token_ids
 
 CAPTURE_PREFIX = "specprefill_capture_"
 
@@ -66,15 +67,6 @@ def enable_query_capture(model: PreTrainedModel) -> None:
     AttentionInterface.register(name, _capturing_attention(ALL_ATTENTION_FUNCTIONS[current]))
     AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[current])
     model.set_attn_implementation(name)
-
-
-def eos_token_ids(model: PreTrainedModel) -> list[int]:
-    eos = model.generation_config.eos_token_id if model.generation_config is not None else None
-    if eos is None:
-        eos = model.config.eos_token_id
-    if eos is None:
-        return []
-    return [eos] if isinstance(eos, int) else list(eos)
 
 
 def _left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device):

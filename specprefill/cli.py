@@ -56,6 +56,30 @@ class Score(ScoringOptions):
         raise SystemExit(run_score(self))
 
 
+class Engine(BaseSettings):
+    """The reference backend engine: honours prompt token IDs at explicit positions (OpenAI completions)."""
+
+    model_config = _SETTINGS
+    model: str = Field(description="target model: a local folder or a hub id")
+    host: str = "127.0.0.1"
+    port: int = 8001
+    device: str | None = Field(None, description="torch device (default: cuda when available)")
+    dtype: str = Field("auto", description="auto, float32, bfloat16 or float16")
+    served_model_name: str | None = Field(None, description="the model name clients send (default: --model)")
+    max_running: int = Field(8, description="sequences decoded concurrently (interleaved)")
+    max_waiting: int = Field(64, description="queued requests beyond which the engine answers 503")
+    log_level: str = "info"
+
+    def cli_cmd(self) -> None:
+        import uvicorn
+
+        from engine.server import create_app
+
+        app = create_app(self.model, device=self.device, dtype=self.dtype, served_name=self.served_model_name,
+                         max_running=self.max_running, max_waiting=self.max_waiting)
+        uvicorn.run(app, host=self.host, port=self.port, log_level=self.log_level)
+
+
 class DemoModels(BaseSettings):
     """Write the demo draft/target pair into DIR (DIR/draft, DIR/target), made locally."""
 
@@ -73,6 +97,7 @@ class DemoModels(BaseSettings):
 class Main(BaseSettings, cli_prog_name="specprefill", cli_kebab_case=True, cli_implicit_flags=True):
     """SpecPrefill gateway: lower time-to-first-token for long prompts."""
 
+    engine: CliSubCommand[Engine]
     score: CliSubCommand[Score]
     demo_models: CliSubCommand[DemoModels]
 

@@ -92,8 +92,11 @@ def train_tokenizer(vocab_size: int = 4096, seed: int = 0) -> PreTrainedTokenize
     )
 
 
-def llama_config(shape: ModelShape, tokenizer: PreTrainedTokenizerFast, max_positions: int = 32768) -> LlamaConfig:
+def llama_config(
+    shape: ModelShape, tokenizer: PreTrainedTokenizerFast, max_positions: int = 32768, init_std: float = 0.02
+) -> LlamaConfig:
     return LlamaConfig(
+        initializer_range=init_std,
         vocab_size=len(tokenizer),
         hidden_size=shape.hidden_size,
         intermediate_size=shape.intermediate_size,
@@ -114,9 +117,14 @@ def eos_ids(tokenizer: PreTrainedTokenizerFast) -> list[int]:
 
 
 def write_model(
-    out_dir: Path, shape: ModelShape, tokenizer: PreTrainedTokenizerFast, seed: int, max_positions: int = 32768
+    out_dir: Path,
+    shape: ModelShape,
+    tokenizer: PreTrainedTokenizerFast,
+    seed: int,
+    max_positions: int = 32768,
+    init_std: float = 0.02,
 ) -> None:
-    config = llama_config(shape, tokenizer, max_positions)
+    config = llama_config(shape, tokenizer, max_positions, init_std)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).eval()
     model.generation_config = GenerationConfig(

@@ -39,10 +39,13 @@ def tokenizer():
 
 @pytest.fixture(scope="session")
 def model_pair(tmp_path_factory, tokenizer) -> Path:
-    """A small draft/target pair on disk sharing one tokenizer (demo layout, smaller shapes)."""
+    """A small draft/target pair on disk sharing one tokenizer (demo layout, smaller shapes).
+
+    A larger init range than the default makes attention peaked and outputs depend on positions.
+    """
     root = tmp_path_factory.mktemp("pair")
-    write_model(root / "draft", ModelShape(64, 128, 2, 4, 2), tokenizer, seed=1, max_positions=4096)
-    write_model(root / "target", ModelShape(128, 256, 2, 4, 2), tokenizer, seed=2, max_positions=4096)
+    write_model(root / "draft", ModelShape(64, 128, 2, 4, 2), tokenizer, seed=1, max_positions=4096, init_std=0.2)
+    write_model(root / "target", ModelShape(128, 256, 2, 4, 2), tokenizer, seed=2, max_positions=4096, init_std=0.2)
     return root
 
 

@@ -1,0 +1,200 @@
+"""OpenAI completions on top of the reference engine: validation, then answers as plain dicts.
+
+The HTTP server wraps these dicts as JSON or SSE; the gateway's embedded mode consumes them directly,
+exactly as it consumes a remote backend's parsed stream.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from engine.engine import ReferenceEngine, StepOutput
+from engine.protocol import CompletionRequest
+from engine.sampling import SamplingParams
+from specprefill.openai_api import InvalidRequestError, NotFoundError
+
+
+@dataclass(slots=True)
+class PreparedRequest:
+    token_ids: list[int]
+    position_ids: list[int]
+    params: SamplingParams
+
+
+class EngineServing:
+    def __init__(self, engine: ReferenceEngine, served_names: list[str]) -> None:
+        self.engine = engine
+        self.served_names = served_names
+
+    @property
+    def model_name(self) -> str:
+        return self.served_names[0]
+
+    def models(self) -> dict:
+        created = int(time.time())
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": self.model_name,
+                    "object": "model",
+                    "created": created,
+                    "owned_by": "specprefill",
+                    "max_model_len": self.engine.max_positions,
+                }
+            ],
+        }
+
+    def prepare(self, request: CompletionRequest) -> PreparedRequest:
+        """Typed 4xx errors for everything a client can get wrong."""
+        if request.model is not None and request.model not in self.served_names:
+            raise NotFoundError(f"model {request.model!r} does not exist; this server serves {self.model_name!r}",
+                                param="model", code="model_not_found")
+        if request.n != 1:
+            raise InvalidRequestError("only n=1 is supported", param="n")
+        if request.echo:
+            raise InvalidRequestError("echo is not supported", param="echo")
+        token_ids = self._prompt_ids(request.prompt)
+        vocab = self.engine.vocab_size
+        if any(not 0 <= t < vocab for t in token_ids):
+            raise InvalidRequestError(f"prompt token IDs must be in [0, {vocab})", param="prompt")
+        positions = request.positions()
+        if positions is None:
+            positions = list(range(len(token_ids)))
+        else:
+            _check_positions(positions, len(token_ids), self.engine.max_positions)
+        last = positions[-1]
+        room = self.engine.max_positions - 1 - last
+        max_tokens = request.max_tokens if request.max_tokens is not None else room
+        if max_tokens <= 0:
+            raise InvalidRequestError("max_tokens must be at least 1", param="max_tokens")
+        if max_tokens > room:
+            raise InvalidRequestError(
+                f"the prompt ends at position {last} and max_tokens is {max_tokens}, past the model's "
+                f"{self.engine.max_positions} positions; ask for at most {room} tokens",
+                param="max_tokens",
+            )
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            seed=request.seed,
+            stop=request.stop,
+            logprobs=request.logprobs,
+        )
+        return PreparedRequest(token_ids, positions, params)
+
+    def _prompt_ids(self, prompt) -> list[int]:
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
+            if len(prompt) != 1:
+                raise InvalidRequestError("send one prompt per request", param="prompt")
+            prompt = prompt[0]
+        if not prompt:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        if isinstance(prompt, str):
+            prompt = self.engine.tokenizer(prompt).input_ids
+        if not prompt:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        return list(prompt)
+
+    async def completion_stream(self, request: CompletionRequest) -> AsyncIterator[dict]:
+        """OpenAI ``text_completion`` chunks; the usage chunk last when asked for."""
+        prepared = self.prepare(request)
+        chunks = self._stream(request, prepared)
+        # run to the first token here, so that admission errors (a full queue: 503) come before any byte is sent
+        first = await anext(chunks)
+        return _prepend(first, chunks)
+
+    async def _stream(self, request: CompletionRequest, prepared: PreparedRequest) -> AsyncIterator[dict]:
+        completion_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        n_generated, offset = 0, 0
+        async for step in self.engine.generate(prepared.token_ids, prepared.position_ids, prepared.params):
+            n_generated += 1
+            choice = {"index": 0, "text": step.text, "logprobs": None, "finish_reason": step.finish_reason}
+            if prepared.params.logprobs is not None:
+                choice["logprobs"] = self._logprobs([step], offset)
+            if request.return_token_ids:
+                choice["token_ids"] = [step.token_id]
+            offset += len(step.text)
+            chunk = _envelope(completion_id, created, self.model_name, [choice])
+            if include_usage:
+                chunk["usage"] = None
+            yield chunk
+        if include_usage:
+            yield _envelope(completion_id, created, self.model_name, [], _usage(len(prepared.token_ids), n_generated))
+
+    async def completion(self, request: CompletionRequest) -> dict:
+        prepared = self.prepare(request)
+        steps: list[StepOutput] = [s async for s in self.engine.generate(prepared.token_ids, prepared.position_ids,
+                                                                          prepared.params)]
+        choice = {
+            "index": 0,
+            "text": "".join(s.text for s in steps),
+            "logprobs": self._logprobs(steps, 0) if prepared.params.logprobs is not None else None,
+            "finish_reason": steps[-1].finish_reason,
+        }
+        if request.return_token_ids:
+            choice["token_ids"] = [s.token_id for s in steps]
+        return _envelope(f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.model_name, [choice],
+                         _usage(len(prepared.token_ids), len(steps)))
+
+    def _logprobs(self, steps: list[StepOutput], offset: int) -> dict:
+        decode = self.engine.tokenizer.decode
+        tokens, offsets = [], []
+        for step in steps:
+            tokens.append(decode([step.token_id]))
+            offsets.append(offset)
+            offset += len(step.text)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [s.logprob for s in steps],
+            "top_logprobs": [
+                {decode([t]): lp for t, lp in s.top_logprobs.items()} if s.top_logprobs else None for s in steps
+            ],
+            "text_offset": offsets,
+        }
+
+
+async def _prepend(first: dict, rest: AsyncIterator[dict]) -> AsyncIterator[dict]:
+    try:
+        yield first
+        async for chunk in rest:
+            yield chunk
+    finally:
+        await rest.aclose()
+
+
+def _check_positions(positions: list[int], n_tokens: int, max_positions: int) -> None:
+    if len(positions) != n_tokens:
+        raise InvalidRequestError(
+            f"position_ids has {len(positions)} entries for {n_tokens} prompt tokens; give one per token",
+            param="position_ids",
+        )
+    if positions[0] < 0:
+        raise InvalidRequestError("position_ids must be non-negative", param="position_ids")
+    if any(b <= a for a, b in zip(positions, positions[1:])):
+        raise InvalidRequestError("position_ids must be strictly increasing", param="position_ids")
+    if positions[-1] >= max_positions:
+        raise InvalidRequestError(
+            f"position_ids must be below the model's max_position_embeddings ({max_positions})",
+            param="position_ids",
+        )
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def _envelope(completion_id: str, created: int, model: str, choices: list, usage: dict | None = None) -> dict:
+    body = {"id": completion_id, "object": "text_completion", "created": created, "model": model, "choices": choices}
+    if usage is not None:
+        body["usage"] = usage
+    return body

@@ -1,0 +1,242 @@
+"""The reference engine over real HTTP: positions honoured, OpenAI shapes, bad input, concurrency, disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+import torch
+
+from draft_worker.loader import load_causal_lm
+from engine.server import create_app
+from tests.servers import serve
+
+
+@pytest.fixture(scope="module")
+def target(model_pair):
+    return load_causal_lm(model_pair / "target", device="cpu", attn_implementation="eager")
+
+
+@pytest.fixture(scope="module")
+def engine_url(model_pair):
+    with serve(create_app(str(model_pair / "target"), device="cpu", served_name="target")) as url:
+        yield url
+
+
+def _prompt(n: int, seed: int = 0) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(10, 1000, (n,), generator=g).tolist()
+
+
+def _gapped(n_total: int = 400, seed: int = 0) -> tuple[list[int], list[int]]:
+    """Kept tokens of a longer prompt at their original positions, ending with the last one."""
+    prompt = _prompt(n_total, seed)
+    positions = list(range(0, 50)) + list(range(170, 230)) + list(range(n_total - 40, n_total))
+    return [prompt[p] for p in positions], positions
+
+
+@torch.no_grad()
+def reference_logits(model, ids: list[int], positions: list[int]) -> torch.Tensor:
+    """Eager attention, explicit positions, an explicit full causal mask (float, additive): logits of the last token."""
+    n = len(ids)
+    mask = torch.full((n, n), torch.finfo(torch.float32).min).triu(1)[None, None]
+    out = model(torch.tensor([ids]), position_ids=torch.tensor([positions]), attention_mask=mask, use_cache=False)
+    return out.logits[0, -1].float()
+
+
+def _complete(url: str, **body) -> dict:
+    response = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_first_token_logprobs_match_a_plain_forward_at_the_same_positions(engine_url, target, model_pair):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_pair / "target")
+    ids, positions = _gapped()
+    answer = _complete(engine_url, prompt=ids, position_ids=positions, max_tokens=1, temperature=0, logprobs=20,
+                       return_token_ids=True)
+    choice = answer["choices"][0]
+    expected = torch.log_softmax(reference_logits(target, ids, positions), -1)
+    assert choice["token_ids"] == [int(expected.argmax())]
+    assert abs(choice["logprobs"]["token_logprobs"][0] - float(expected.max())) <= 1e-4
+    by_text: dict[str, list[float]] = {}
+    for token_id, value in enumerate(expected.tolist()):
+        by_text.setdefault(tokenizer.decode([token_id]), []).append(value)
+    top = choice["logprobs"]["top_logprobs"][0]
+    assert len(top) >= 10
+    for text, value in top.items():
+        assert min(abs(value - v) for v in by_text[text]) <= 1e-4, text
+    # positions matter: the same tokens at contiguous positions give other log-probabilities
+    contiguous = torch.log_softmax(reference_logits(target, ids, list(range(len(ids)))), -1)
+    assert (contiguous - expected).abs().max() > 1e-2
+
+
+def test_vllm_xargs_positions_are_read_too(engine_url):
+    ids, positions = _gapped(seed=1)
+    top_level = _complete(engine_url, prompt=ids, position_ids=positions, max_tokens=4, temperature=0,
+                          return_token_ids=True)
+    xargs = _complete(engine_url, prompt=ids, vllm_xargs={"position_ids": positions}, max_tokens=4, temperature=0,
+                      return_token_ids=True)
+    assert top_level["choices"][0]["token_ids"] == xargs["choices"][0]["token_ids"]
+
+
+def test_greedy_generation_continues_after_the_last_kept_position(engine_url, target):
+    ids, positions = _gapped(seed=2)
+    n_new = 12
+    answer = _complete(engine_url, prompt=ids, position_ids=positions, max_tokens=n_new, temperature=0,
+                       return_token_ids=True)
+    generated: list[int] = []
+    next_position = positions[-1] + 1
+    eos = set(target.generation_config.eos_token_id)
+    for step in range(n_new):  # step by step, full recompute, generated tokens at L, L+1, ...
+        all_positions = positions + list(range(next_position, next_position + step))
+        token = int(reference_logits(target, ids + generated, all_positions).argmax())
+        generated.append(token)
+        if token in eos:
+            break
+    assert answer["choices"][0]["token_ids"] == generated
+
+
+def test_without_positions_greedy_equals_generate(engine_url, target):
+    ids = _prompt(120, seed=3)
+    answer = _complete(engine_url, prompt=ids, max_tokens=10, temperature=0, return_token_ids=True)
+    expected = target.generate(torch.tensor([ids]), max_new_tokens=10, do_sample=False)[0, len(ids):].tolist()
+    eos = set(target.generation_config.eos_token_id)
+    expected = expected[: next((i + 1 for i, t in enumerate(expected) if t in eos), len(expected))]
+    assert answer["choices"][0]["token_ids"] == expected
+    assert answer["usage"] == {"prompt_tokens": 120, "completion_tokens": len(expected),
+                               "total_tokens": 120 + len(expected)}
+
+
+def test_text_prompt_stream_usage_and_logprobs(engine_url):
+    body = {"prompt": "Bafu anbe zadubu", "max_tokens": 6, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, "logprobs": 2}
+    with httpx.stream("POST", f"{engine_url}/v1/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(c["object"] == "text_completion" for c in chunks)
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == len(chunks) - 1
+    assert chunks[-2]["choices"][0]["finish_reason"] in ("stop", "length")
+    assert all(len(c["choices"][0]["logprobs"]["tokens"]) == 1 for c in chunks[:-1])
+    plain = _complete(engine_url, prompt="Bafu anbe zadubu", max_tokens=6, temperature=0)
+    assert plain["choices"][0]["text"] == "".join(c["choices"][0]["text"] for c in chunks[:-1])
+
+
+def test_seeded_sampling_is_reproducible_and_stop_strings_cut(engine_url):
+    body = {"prompt": _prompt(50), "max_tokens": 20, "temperature": 1.0, "top_p": 0.9, "seed": 7}
+    first, second = _complete(engine_url, **body), _complete(engine_url, **body)
+    assert first["choices"][0]["text"] == second["choices"][0]["text"]
+    text = first["choices"][0]["text"]
+    if len(text) > 4:
+        stop = text[2:4]
+        cut = _complete(engine_url, **body, stop=[stop])
+        assert cut["choices"][0]["text"] == text[: text.find(stop)]
+        assert cut["choices"][0]["finish_reason"] == "stop"
+
+
+BAD_REQUESTS = [
+    ({"prompt": [5, 10**6]}, "prompt"),
+    ({"prompt": [5, -1]}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": [5, 6, 7], "position_ids": [0, 1]}, "position_ids"),
+    ({"prompt": [5, 6, 7], "position_ids": [0, 2, 2]}, "position_ids"),
+    ({"prompt": [5, 6, 7], "position_ids": [3, 2, 5]}, "position_ids"),
+    ({"prompt": [5, 6, 7], "position_ids": [-1, 2, 5]}, "position_ids"),
+    ({"prompt": [5, 6, 7], "position_ids": [0, 1, 4096]}, "position_ids"),
+    ({"prompt": [5, 6, 7], "position_ids": [0, 1, 4090], "max_tokens": 10}, "max_tokens"),
+    ({"prompt": [5, 6], "max_tokens": 0}, "max_tokens"),
+    ({"prompt": [5, 6], "max_tokens": -3}, "max_tokens"),
+    ({"prompt": [5, 6], "temperature": -1}, "temperature"),
+    ({"prompt": [5, 6], "n": 2}, "n"),
+    ({"prompt": [[5, 6], [7]]}, "prompt"),
+    ({"prompt": [5, 6], "model": "nope"}, "model"),
+    ({}, "prompt"),
+]
+
+
+@pytest.mark.parametrize("body,param", BAD_REQUESTS)
+def test_bad_input_is_a_4xx_in_openai_shape_and_the_engine_keeps_serving(engine_url, body, param):
+    response = httpx.post(f"{engine_url}/v1/completions", json=body, timeout=30)
+    assert 400 <= response.status_code < 500, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param and error["message"]
+    assert _complete(engine_url, prompt=[5, 6, 7], max_tokens=1)["choices"][0]["finish_reason"]
+
+
+def test_malformed_json_is_a_400(engine_url):
+    response = httpx.post(f"{engine_url}/v1/completions", content=b"{not json", timeout=30,
+                          headers={"content-type": "application/json"})
+    assert response.status_code == 400 and "JSON" in response.json()["error"]["message"]
+
+
+async def test_concurrent_requests_do_not_corrupt_each_other(engine_url):
+    prompts = [_gapped(seed=s) for s in range(6)]
+    async with httpx.AsyncClient(timeout=120) as client:
+        async def one(ids, positions):
+            r = await client.post(f"{engine_url}/v1/completions", json={
+                "prompt": ids, "position_ids": positions, "max_tokens": 8, "temperature": 0,
+                "return_token_ids": True})
+            return r.json()["choices"][0]["token_ids"]
+        together = await asyncio.gather(*(one(*p) for p in prompts))
+        alone = [await one(*p) for p in prompts]
+    assert together == alone
+
+
+def test_models_and_health(engine_url):
+    assert httpx.get(f"{engine_url}/v1/models").json()["data"][0]["id"] == "target"
+    assert httpx.get(f"{engine_url}/health").json()["status"] == "ok"
+
+
+def _active(url: str) -> float:
+    text = httpx.get(f"{url}/metrics").text
+    return float(next(l.split()[-1] for l in text.splitlines() if l.startswith("specprefill_engine_active_requests ")))
+
+
+def _wait_idle(url: str, within: float = 1.0) -> float:
+    deadline = time.monotonic() + within
+    while _active(url) > 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return _active(url)
+
+
+async def test_disconnects_stop_generation(engine_url):
+    body = {"prompt": _prompt(64), "max_tokens": 3000, "temperature": 0.8}
+    # mid-stream
+    async with httpx.AsyncClient(timeout=60) as client:
+        async with client.stream("POST", f"{engine_url}/v1/completions", json={**body, "stream": True}) as response:
+            async for line in response.aiter_lines():
+                if line.startswith("data: "):
+                    break
+    assert _active(engine_url) <= 1
+    assert await asyncio.to_thread(_wait_idle, engine_url) == 0
+    # a non-streamed request abandoned by its client
+    async with httpx.AsyncClient(timeout=60) as client:
+        task = asyncio.create_task(client.post(f"{engine_url}/v1/completions", json=body))
+        await asyncio.sleep(0.3)
+        assert _active(engine_url) == 1
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    assert await asyncio.to_thread(_wait_idle, engine_url) == 0
+
+
+async def test_a_full_queue_answers_503_with_retry_after(model_pair):
+    app = create_app(str(model_pair / "target"), device="cpu", max_running=1, max_waiting=1)
+    with serve(app) as url:
+        async with httpx.AsyncClient(timeout=120) as client:
+            body = {"prompt": _prompt(64), "max_tokens": 300, "temperature": 0.8}
+            responses = await asyncio.gather(*(client.post(f"{url}/v1/completions", json=body) for _ in range(4)))
+        statuses = sorted(r.status_code for r in responses)
+        assert statuses[0] == 200 and statuses[-1] == 503
+        rejected = next(r for r in responses if r.status_code == 503)
+        assert rejected.headers["retry-after"] == "1" and rejected.json()["error"]["code"] == "queue_full"
+        assert httpx.post(f"{url}/v1/completions", json={"prompt": [5], "max_tokens": 1}).status_code == 200

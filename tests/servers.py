@@ -1,0 +1,30 @@
+"""Real uvicorn servers on free ports, in a background thread, for tests."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+
+import uvicorn
+
+
+@contextlib.contextmanager
+def serve(app, *, timeout: float = 60.0) -> Iterator[str]:
+    """Runs ``app`` on 127.0.0.1 at a free port; yields its base URL; stops it on exit."""
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("server did not start")
+        time.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
