@@ -13,6 +13,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from engine.engine import ReferenceEngine
 from engine.protocol import CompletionRequest
 from engine.serving import EngineServing
+from specprefill.chat_format import ChatCompletionRequest
 from specprefill.openai_api import SSE_DONE, install_error_handlers, sse, sse_error, with_cancellation
 
 
@@ -66,6 +67,18 @@ def create_app(model_path: str | None = None, *, serving: EngineServing | None =
             chunks = await serving_.completion_stream(request)
             return StreamingResponse(_sse_stream(chunks, metrics), media_type="text/event-stream")
         body = await serving_.completion(request)
+        metrics.requests.labels("ok").inc()
+        return JSONResponse(body)
+
+    @app.post("/v1/chat/completions")
+    @with_cancellation
+    async def chat_completions(request: ChatCompletionRequest, raw_request: Request) -> Response:
+        """Chat through the model's chat template, so the engine stands in for any OpenAI-compatible server."""
+        serving_: EngineServing = raw_request.app.state.serving
+        if request.stream:
+            chunks = await serving_.chat_completion_stream(request)
+            return StreamingResponse(_sse_stream(chunks, metrics), media_type="text/event-stream")
+        body = await serving_.chat_completion(request)
         metrics.requests.labels("ok").inc()
         return JSONResponse(body)
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from engine.engine import ReferenceEngine, StepOutput
 from engine.protocol import CompletionRequest
 from engine.sampling import SamplingParams
+from specprefill.chat_format import ChatChunkConverter, ChatCompletionRequest, completion_to_chat, render_chat
 from specprefill.openai_api import InvalidRequestError, NotFoundError
 
 
@@ -142,6 +143,22 @@ class EngineServing:
         return _envelope(f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.model_name, [choice],
                          _usage(len(prepared.token_ids), len(steps)))
 
+    def _chat_as_completion(self, request: ChatCompletionRequest) -> CompletionRequest:
+        if unsupported := request.unsupported_features():
+            raise InvalidRequestError(f"the reference engine does not support {', '.join(unsupported)}",
+                                      param=unsupported[0])
+        _, ids = render_chat(self.engine.tokenizer, request.messages)
+        return CompletionRequest(model=request.model, prompt=ids, **request.completion_params())
+
+    async def chat_completion(self, request: ChatCompletionRequest) -> dict:
+        """Chat through the model's chat template, so the engine stands in for any OpenAI-compatible server."""
+        body = await self.completion(self._chat_as_completion(request))
+        return completion_to_chat(body, self.model_name)
+
+    async def chat_completion_stream(self, request: ChatCompletionRequest) -> AsyncIterator[dict]:
+        chunks = await self.completion_stream(self._chat_as_completion(request))
+        return _chat_chunks(chunks, ChatChunkConverter(self.model_name))
+
     def _logprobs(self, steps: list[StepOutput], offset: int) -> dict:
         decode = self.engine.tokenizer.decode
         tokens, offsets = [], []
@@ -157,6 +174,15 @@ class EngineServing:
             ],
             "text_offset": offsets,
         }
+
+
+async def _chat_chunks(chunks: AsyncIterator[dict], converter: ChatChunkConverter) -> AsyncIterator[dict]:
+    try:
+        async for chunk in chunks:
+            for chat_chunk in converter.convert(chunk):
+                yield chat_chunk
+    finally:
+        await chunks.aclose()
 
 
 async def _prepend(first: dict, rest: AsyncIterator[dict]) -> AsyncIterator[dict]:

@@ -7,35 +7,11 @@ import sys
 from pathlib import Path
 
 from pydantic import AliasChoices, Field
-from pydantic_settings import BaseSettings, CliApp, CliPositionalArg, CliSubCommand, SettingsConfigDict
+from pydantic_settings import BaseSettings, CliApp, CliPositionalArg, CliSubCommand
 
-from draft_worker.config import ScoringConfig
-
-_SETTINGS = SettingsConfigDict(
-    env_prefix="SPECPREFILL_", cli_kebab_case=True, cli_implicit_flags=True, cli_hide_none_type=True
-)
-
-
-class ScoringOptions(BaseSettings):
-    """The scoring options shared by ``serve``, ``score`` and ``draft-worker`` (the paper's defaults)."""
-
-    model_config = _SETTINGS
-
-    look_ahead: int = Field(8, description="draft steps whose queries are scored, the last prompt token's included")
-    pool_kernel: int = Field(13, description="average-pooling kernel along the sequence (1: off)")
-    chunk_size: int = Field(32, description="tokens are kept in contiguous chunks of this size (1: single tokens)")
-    protect_first: int = Field(4, description="the first N tokens are always kept (0: off)")
-    protect_last: int = Field(32, description="the last N tokens are always kept (0: off)")
-
-    def scoring_config(self) -> ScoringConfig:
-        return ScoringConfig(
-            look_ahead=self.look_ahead,
-            pool_kernel=self.pool_kernel,
-            chunk_size=self.chunk_size,
-            protect_first=self.protect_first,
-            protect_last=self.protect_last,
-        )
-
+from specprefill.cli_options import SETTINGS_CONFIG as _SETTINGS
+from specprefill.cli_options import ScoringOptions
+from gateway.settings import GatewaySettings
 
 class Score(ScoringOptions):
     """Score one prompt with a draft model and show what the target would read."""
@@ -54,6 +30,26 @@ class Score(ScoringOptions):
         from specprefill.score_cmd import run_score
 
         raise SystemExit(run_score(self))
+
+
+class Serve(GatewaySettings):
+    """The gateway: OpenAI-compatible, compresses long prompts with SpecPrefill."""
+
+    def cli_cmd(self) -> None:
+        import logging
+
+        import uvicorn
+
+        from gateway.app import DEMO_NAME, create_app
+
+        logging.basicConfig(level=self.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        base = f"http://{self.host}:{self.port}/v1"
+        model = self.served_model_name or self.target_model or DEMO_NAME
+        body = dumps({"model": model, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 16})
+        print(f"SpecPrefill gateway: base URL {base}", flush=True)
+        print(f"  try: curl -s {base}/chat/completions -H 'content-type: application/json' "
+              f"-H 'x-keep-rate: 0.3' -d '{body}'", flush=True)
+        uvicorn.run(create_app(self), host=self.host, port=self.port, log_level=self.log_level)
 
 
 class Engine(BaseSettings):
@@ -97,6 +93,7 @@ class DemoModels(BaseSettings):
 class Main(BaseSettings, cli_prog_name="specprefill", cli_kebab_case=True, cli_implicit_flags=True):
     """SpecPrefill gateway: lower time-to-first-token for long prompts."""
 
+    serve: CliSubCommand[Serve]
     engine: CliSubCommand[Engine]
     score: CliSubCommand[Score]
     demo_models: CliSubCommand[DemoModels]

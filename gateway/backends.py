@@ -1,0 +1,204 @@
+"""Backends: where the gateway sends prompts. Each answers OpenAI completions and chat as plain dicts.
+
+- ``InProcessBackend``: the reference engine in this process (the embedded default), no HTTP.
+- ``HTTPBackend``: any server over HTTP. The kind decides how kept tokens travel (see ``token_body``).
+
+Errors come out typed: unreachable -> 502, timed out -> 504, a backend 4xx passes through unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+import httpx
+
+from engine.protocol import CompletionRequest as EngineCompletionRequest
+from engine.serving import EngineServing
+from specprefill.chat_format import ChatCompletionRequest
+from specprefill.openai_api import APIError, UpstreamError, parse_body
+
+
+class Backend(Protocol):
+    kind: str
+
+    async def model_name(self) -> str: ...
+
+    async def completion(self, body: dict) -> dict: ...
+
+    async def completion_stream(self, body: dict) -> AsyncIterator[dict]: ...
+
+    async def chat(self, body: dict) -> dict: ...
+
+    async def chat_stream(self, body: dict) -> AsyncIterator[dict]: ...
+
+    async def ready(self) -> bool: ...
+
+    async def close(self) -> None: ...
+
+
+def token_body(kind: str, model: str, token_ids: list[int], position_ids: list[int] | None, params: dict) -> dict:
+    """A ``/v1/completions`` body carrying token IDs, and their positions where the kind honours them."""
+    body: dict[str, Any] = {"model": model, "prompt": token_ids, **params}
+    if position_ids is not None and kind in ("reference", "vllm"):
+        body["vllm_xargs"] = {"position_ids": position_ids}
+        if kind == "reference":
+            body["position_ids"] = position_ids
+    return body
+
+
+class InProcessBackend:
+    kind = "reference"
+
+    def __init__(self, serving: EngineServing) -> None:
+        self.serving = serving
+
+    async def model_name(self) -> str:
+        return self.serving.model_name
+
+    async def completion(self, body: dict) -> dict:
+        return await self.serving.completion(parse_body(EngineCompletionRequest, body))
+
+    async def completion_stream(self, body: dict) -> AsyncIterator[dict]:
+        return await self.serving.completion_stream(parse_body(EngineCompletionRequest, body))
+
+    async def chat(self, body: dict) -> dict:
+        return await self.serving.chat_completion(parse_body(ChatCompletionRequest, body))
+
+    async def chat_stream(self, body: dict) -> AsyncIterator[dict]:
+        return await self.serving.chat_completion_stream(parse_body(ChatCompletionRequest, body))
+
+    async def ready(self) -> bool:
+        return True
+
+    async def close(self) -> None:
+        self.serving.engine.close()
+
+
+class HTTPBackend:
+    def __init__(self, base_url: str, kind: str, *, model: str | None = None, api_key: str | None = None,
+                 connect_timeout: float = 5.0, read_timeout: float = 600.0) -> None:
+        self.kind = kind
+        self.base_url = base_url
+        self._model = model
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        timeout = httpx.Timeout(connect=connect_timeout, read=read_timeout, write=read_timeout, pool=connect_timeout)
+        limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
+        self._client = httpx.AsyncClient(base_url=base_url, headers=headers, timeout=timeout, limits=limits)
+
+    async def model_name(self) -> str:
+        if self._model is None:
+            response = await self._request("GET", "/v1/models")
+            models = response.json().get("data") or []
+            if not models:
+                raise UpstreamError("the backend serves no model")
+            self._model = models[0]["id"]
+        return self._model
+
+    async def completion(self, body: dict) -> dict:
+        return (await self._request("POST", "/v1/completions", body)).json()
+
+    async def completion_stream(self, body: dict) -> AsyncIterator[dict]:
+        return await self._stream("/v1/completions", body)
+
+    async def chat(self, body: dict) -> dict:
+        return (await self._request("POST", "/v1/chat/completions", body)).json()
+
+    async def chat_stream(self, body: dict) -> AsyncIterator[dict]:
+        return await self._stream("/v1/chat/completions", body)
+
+    async def ready(self) -> bool:
+        try:
+            response = await self._client.get("/health", timeout=2.0)
+        except httpx.HTTPError:
+            return False
+        return response.status_code == 200
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+    async def _request(self, method: str, path: str, body: dict | None = None) -> httpx.Response:
+        try:
+            response = await self._client.request(method, path, json=body)
+        except httpx.HTTPError as exc:
+            raise _transport_error(exc) from None
+        if response.status_code != 200:
+            raise _status_error(response.status_code, response.content)
+        return response
+
+    async def _stream(self, path: str, body: dict) -> AsyncIterator[dict]:
+        """Opens the stream and reads up to the first event, so that backend errors surface before any byte."""
+        request = self._client.build_request("POST", path, json=body)
+        try:
+            response = await self._client.send(request, stream=True)
+        except httpx.HTTPError as exc:
+            raise _transport_error(exc) from None
+        if response.status_code != 200:
+            content = await response.aread()
+            await response.aclose()
+            raise _status_error(response.status_code, content)
+        events = _sse_events(response)
+        try:
+            first = await anext(events)
+        except StopAsyncIteration:
+            await events.aclose()
+            raise UpstreamError("the backend closed the stream without an answer") from None
+        except BaseException:
+            await events.aclose()
+            raise
+        return _prepend(first, events)
+
+
+async def _sse_events(response: httpx.Response) -> AsyncIterator[dict]:
+    try:
+        async for line in response.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                return
+            event = json.loads(data)
+            if "error" in event:
+                error = event["error"] or {}
+                raise UpstreamError(f"the backend failed mid-stream: {error.get('message', 'unknown error')}")
+            yield event
+        raise UpstreamError("the backend's stream ended without [DONE]")
+    except httpx.TimeoutException as exc:
+        raise _transport_error(exc) from None
+    except httpx.HTTPError as exc:
+        raise UpstreamError(f"the backend connection broke mid-stream ({type(exc).__name__})",
+                            code="backend_error") from None
+    finally:
+        await response.aclose()
+
+
+async def _prepend(first: dict, rest: AsyncIterator[dict]) -> AsyncIterator[dict]:
+    try:
+        yield first
+        async for event in rest:
+            yield event
+    finally:
+        await rest.aclose()
+
+
+def _transport_error(exc: httpx.HTTPError) -> APIError:
+    if isinstance(exc, httpx.TimeoutException) and not isinstance(exc, (httpx.ConnectTimeout, httpx.PoolTimeout)):
+        return UpstreamError("the backend did not answer in time", status_code=504, code="backend_timeout")
+    if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
+        return UpstreamError("the backend is unreachable", code="backend_unreachable")
+    return UpstreamError(f"the backend connection failed: {type(exc).__name__}", code="backend_error")
+
+
+def _status_error(status: int, content: bytes) -> APIError:
+    try:
+        error = json.loads(content).get("error") or {}
+    except (ValueError, AttributeError):
+        error = {}
+    message = error.get("message") if isinstance(error, dict) else None
+    if 400 <= status < 500:  # the client's mistake, as the backend saw it: pass it through
+        exc = APIError(message or f"the backend rejected the request ({status})", status_code=status,
+                       param=error.get("param"), code=error.get("code"))
+        exc.error_type = error.get("type") or "invalid_request_error"
+        return exc
+    return UpstreamError(f"the backend failed ({status}): {message or 'no details'}", code="backend_error")

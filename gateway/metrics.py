@@ -1,0 +1,27 @@
+"""Prometheus metrics of one gateway app (its own registry: no module globals)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+TOKEN_BUCKETS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("specprefill_requests", "Chat and completion requests",
+                                ["endpoint", "status", "reason"], registry=r)
+        self.errors = Counter("specprefill_errors", "Answers with an error", ["endpoint", "code"], registry=r)
+        self.ttft = Histogram("specprefill_ttft_seconds", "Request received to first answer byte",
+                              ["endpoint", "status"], buckets=LATENCY_BUCKETS, registry=r)
+        self.draft_latency = Histogram("specprefill_draft_seconds", "Draft scoring time", ["outcome"],
+                                       buckets=LATENCY_BUCKETS, registry=r)
+        self.original_tokens = Histogram("specprefill_original_prompt_tokens", "Prompt tokens received",
+                                         buckets=TOKEN_BUCKETS, registry=r)
+        self.kept_tokens = Histogram("specprefill_kept_prompt_tokens", "Prompt tokens forwarded",
+                                     buckets=TOKEN_BUCKETS, registry=r)
+        self.keep_rate = Histogram("specprefill_keep_rate", "Keep rate applied to compressed requests",
+                                   buckets=(0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9, 1.0), registry=r)
+        self.cache = Counter("specprefill_score_cache", "Score cache lookups", ["result"], registry=r)

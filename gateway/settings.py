@@ -1,0 +1,58 @@
+"""Gateway settings: one object, from flags (``specprefill serve --keep-rate 0.2``) or ``SPECPREFILL_*`` variables."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, SecretStr, field_validator
+
+from specprefill.cli_options import ScoringOptions, SETTINGS_CONFIG
+
+BackendKind = Literal["reference", "vllm", "tokens", "text"]
+
+
+class GatewaySettings(ScoringOptions):
+    model_config = SETTINGS_CONFIG
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    backend_url: str | None = Field(
+        None, description="the backend engine's base URL (default: the reference engine in-process)"
+    )
+    backend_kind: BackendKind = Field(
+        "reference",
+        description="reference (positions), vllm (vLLM with the plugin: positions), "
+        "tokens (token IDs, no positions), text (kept text to any OpenAI-compatible server)",
+    )
+    backend_model: str | None = Field(None, description="the model name the backend serves (default: asked from it)")
+    backend_api_key: SecretStr | None = Field(None, description="Bearer token the gateway sends to the backend")
+    target_model: str | None = Field(None, description="the target model (its tokenizer and chat template)")
+    draft_model: str | None = Field(None, description="the draft model (same tokenizer as the target)")
+    draft_worker_url: list[str] = Field(default_factory=list, description="remote draft workers (repeatable)")
+    served_model_name: str | None = Field(None, description="the model name clients use (default: the target's)")
+    redis_url: str | None = Field(None, description="Redis for the shared score cache (default: in-memory)")
+    keep_rate: float = Field(0.3, description="default fraction of chunks kept, in (0, 1]")
+    min_prompt_tokens: int = Field(1024, ge=1, description="shorter prompts bypass compression")
+    api_key: SecretStr | None = Field(None, description="clients must send this as a Bearer token")
+    device: str | None = Field(None, description="torch device for in-process models (default: cuda if available)")
+    dtype: str = Field("auto", description="auto, float32, bfloat16 or float16")
+    draft_timeout: float = Field(30.0, gt=0, description="seconds before a draft falls back to the full prompt")
+    backend_connect_timeout: float = Field(5.0, gt=0, description="seconds to connect to the backend")
+    backend_read_timeout: float = Field(600.0, gt=0, description="seconds to wait for each backend read")
+    log_level: str = "info"
+
+    @field_validator("keep_rate")
+    @classmethod
+    def _keep_rate(cls, value: float) -> float:
+        if not 0.0 < value <= 1.0:
+            raise ValueError("keep_rate must be in (0, 1]")
+        return value
+
+    @field_validator("backend_url")
+    @classmethod
+    def _strip_slash(cls, value: str | None) -> str | None:
+        return value.rstrip("/") if value else value
+
+    @property
+    def embedded(self) -> bool:
+        return self.backend_url is None

@@ -1,0 +1,164 @@
+"""Backend kinds, faults and auth, each against real servers on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+
+import httpx
+import openai
+import pytest
+from fastapi import FastAPI
+from fastapi.responses import StreamingResponse
+
+from draft_worker import ScoringConfig
+from gateway.app import create_app
+from tests.gateway.conftest import gateway_settings
+from tests.gateway.test_gateway import LONG_DOC, _client, _messages
+from tests.servers import serve
+
+
+def _body(**extra) -> dict:
+    return {"model": "tiny", "messages": _messages(), "max_tokens": 4, "temperature": 0, **extra}
+
+
+def test_tokens_kind_sends_kept_tokens_without_positions(model_pair, engine_backend):
+    url, recorder = engine_backend
+    with serve(create_app(gateway_settings(model_pair, backend_url=url, backend_kind="tokens"))) as gw:
+        raw = _client(gw).chat.completions.with_raw_response.create(**_body(), extra_headers={"x-keep-rate": "0.3"})
+        assert raw.headers["x-specprefill-status"] == "compressed" and raw.parse().choices[0].message.content
+        sent = recorder.last("/v1/completions")["body"]
+        assert len(sent["prompt"]) == int(raw.headers["x-specprefill-kept-tokens"])
+        assert "position_ids" not in sent and "vllm_xargs" not in sent
+
+
+def test_vllm_kind_sends_positions_in_vllm_xargs_only(model_pair, engine_backend):
+    url, recorder = engine_backend
+    with serve(create_app(gateway_settings(model_pair, backend_url=url, backend_kind="vllm"))) as gw:
+        _client(gw).completions.create(model="tiny", prompt=LONG_DOC, max_tokens=2, extra_headers={"x-keep-rate": "0.3"})
+        sent = recorder.last("/v1/completions")["body"]
+        assert "position_ids" not in sent and len(sent["vllm_xargs"]["position_ids"]) == len(sent["prompt"])
+
+
+def test_text_kind_sends_kept_text_to_chat_completions(model_pair, engine_backend):
+    url, recorder = engine_backend
+    with serve(create_app(gateway_settings(model_pair, backend_url=url, backend_kind="text"))) as gw:
+        client = _client(gw)
+        raw = client.chat.completions.with_raw_response.create(**_body(), extra_headers={"x-keep-rate": "0.2"})
+        assert raw.headers["x-specprefill-status"] == "compressed" and raw.parse().choices[0].message.content
+        sent = recorder.last("/v1/chat/completions")["body"]
+        assert [m["role"] for m in sent["messages"]] == ["system", "user"]
+        assert sent["messages"][0]["content"] == "Answer briefly."  # short message kept whole
+        assert "…" in sent["messages"][1]["content"]
+        assert len(sent["messages"][1]["content"]) < 0.6 * len(_messages()[1]["content"])
+        assert sent["messages"][1]["content"].rstrip().endswith("third number?")  # the protected tail
+        stream = client.completions.create(model="tiny", prompt=LONG_DOC, max_tokens=3, stream=True,
+                                           extra_headers={"x-keep-rate": "0.2"})
+        assert "".join(c.choices[0].text for c in stream if c.choices) is not None
+        sent = recorder.last("/v1/completions")["body"]
+        assert isinstance(sent["prompt"], str) and len(sent["prompt"]) < 0.5 * len(LONG_DOC)
+
+
+class FailingDraft:
+    config = ScoringConfig()
+    max_prompt_tokens = 10**6
+
+    async def score(self, token_ids):
+        raise RuntimeError("draft exploded")
+
+    async def ready(self):
+        return False
+
+    async def close(self):
+        return None
+
+
+def test_a_failing_draft_forwards_the_full_prompt(model_pair, engine_backend):
+    url, recorder = engine_backend
+    with serve(create_app(gateway_settings(model_pair, backend_url=url), draft=FailingDraft())) as gw:
+        for _ in range(2):
+            raw = _client(gw).chat.completions.with_raw_response.create(**_body())
+            assert raw.headers["x-specprefill-status"] == "bypassed"
+            assert raw.headers["x-specprefill-reason"] == "draft_error"
+            assert raw.parse().choices[0].message.content is not None
+        assert int(raw.headers["x-specprefill-kept-tokens"]) == int(raw.headers["x-specprefill-original-tokens"])
+        assert httpx.get(f"{gw}/health").json()["status"] == "degraded"
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_an_unreachable_backend_is_a_502(model_pair):
+    settings = gateway_settings(model_pair, backend_url=f"http://127.0.0.1:{_closed_port()}", backend_model="m")
+    with serve(create_app(settings)) as gw:
+        with pytest.raises(openai.APIStatusError) as excinfo:
+            _client(gw).chat.completions.create(**_body())
+        assert excinfo.value.status_code == 502 and "unreachable" in excinfo.value.message
+
+
+def _fake_backend() -> FastAPI:
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    async def completions(body: dict):
+        if body.get("max_tokens") == 99:  # never answers
+            await asyncio.sleep(3600)
+        async def dying():
+            chunk = {"id": "cmpl-1", "object": "text_completion", "created": 0, "model": "m",
+                     "choices": [{"index": 0, "text": "Hel", "logprobs": None, "finish_reason": None}]}
+            yield f"data: {json.dumps(chunk)}\n\n".encode()
+            await asyncio.sleep(0.05)
+            raise RuntimeError("backend died mid-stream")
+        return StreamingResponse(dying(), media_type="text/event-stream")
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: dict):
+        from fastapi.responses import JSONResponse
+
+        return JSONResponse({"error": {"message": "context too long for this backend", "type": "invalid_request_error",
+                                       "param": "messages", "code": None}}, status_code=400)
+
+    return app
+
+
+def test_backend_faults(model_pair):
+    with serve(_fake_backend()) as backend_url:
+        settings = gateway_settings(model_pair, backend_url=backend_url, backend_model="m", backend_read_timeout=1.0)
+        with serve(create_app(settings)) as gw:
+            client = _client(gw)
+            # never answers: 504
+            with pytest.raises(openai.APIStatusError) as excinfo:
+                client.chat.completions.create(**{**_body(), "max_tokens": 99})
+            assert excinfo.value.status_code == 504
+            # dies mid-stream: the stream has begun, so one error event and [DONE]
+            with httpx.stream("POST", f"{gw}/v1/chat/completions", json={**_body(), "stream": True},
+                              timeout=30) as response:
+                assert response.status_code == 200
+                events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+            assert events[-1] == "[DONE]"
+            assert json.loads(events[0])["choices"][0]["delta"]["content"] == "Hel"
+            error = json.loads(events[-2])["error"]
+            assert set(error) == {"message", "type", "param", "code"} and "mid-stream" in error["message"]
+            # a backend 4xx passes through with its message
+            with pytest.raises(openai.BadRequestError, match="context too long"):
+                client.chat.completions.create(**_body(), extra_headers={"x-specprefill": "off"})
+            # and the gateway still serves
+            assert httpx.get(f"{gw}/v1/models").status_code == 200
+
+
+def test_api_key_is_required_and_not_forwarded(model_pair, engine_backend):
+    url, recorder = engine_backend
+    settings = gateway_settings(model_pair, backend_url=url, api_key="client-secret", backend_api_key="backend-secret")
+    with serve(create_app(settings)) as gw:
+        with pytest.raises(openai.AuthenticationError, match="API key"):
+            _client(gw, api_key="wrong").models.list()
+        assert httpx.post(f"{gw}/v1/chat/completions", json=_body()).status_code == 401
+        assert httpx.get(f"{gw}/health").status_code == 200
+        _client(gw, api_key="client-secret").chat.completions.create(**_body())
+        sent = recorder.requests[-1]["headers"]
+        assert sent["authorization"] == "Bearer backend-secret"
+        assert "client-secret" not in json.dumps(recorder.requests[-1])

@@ -1,0 +1,193 @@
+"""A live gateway in front of a live reference engine, driven by the real OpenAI SDK."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from specprefill.demo_models import synthetic_corpus
+
+LONG_DOC = " ".join(synthetic_corpus(seed=3, n_sentences=60))
+
+
+def _client(url: str, **kwargs) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=kwargs.pop("api_key", "unused"), max_retries=0, **kwargs)
+
+
+def _messages(question: str = "What is the third number?") -> list[dict]:
+    return [{"role": "system", "content": "Answer briefly."},
+            {"role": "user", "content": LONG_DOC + "\n\n" + question}]
+
+
+def test_models_list(gateway_url):
+    assert [m.id for m in _client(gateway_url).models.list().data] == ["tiny"]
+
+
+def test_chat_compressed_with_headers(gateway_url):
+    raw = _client(gateway_url).chat.completions.with_raw_response.create(
+        model="tiny", messages=_messages(), max_tokens=8, temperature=0, extra_headers={"x-keep-rate": "0.3"})
+    completion = raw.parse()
+    assert raw.headers["x-specprefill-status"] == "compressed"
+    original, kept = int(raw.headers["x-specprefill-original-tokens"]), int(raw.headers["x-specprefill-kept-tokens"])
+    assert kept < 0.5 * original
+    assert raw.headers["x-specprefill-keep-rate"] == "0.3"
+    assert raw.headers["x-specprefill-cache"] in ("hit", "miss", "off")
+    assert float(raw.headers["x-specprefill-draft-ms"]) > 0
+    assert completion.object == "chat.completion" and completion.choices[0].message.role == "assistant"
+    assert completion.usage.prompt_tokens == original
+    assert completion.usage.model_extra["specprefill"] == {"original_prompt_tokens": original,
+                                                          "kept_prompt_tokens": kept}
+
+
+def test_chat_stream_with_usage(gateway_url):
+    stream = _client(gateway_url).chat.completions.create(
+        model="tiny", messages=_messages(), max_tokens=6, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_headers={"x-keep-rate": "0.2"})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens >= 1
+    assert any(c.choices and c.choices[0].finish_reason for c in chunks)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    plain = _client(gateway_url).chat.completions.create(
+        model="tiny", messages=_messages(), max_tokens=6, temperature=0, extra_headers={"x-keep-rate": "0.2"})
+    assert plain.choices[0].message.content == text
+
+
+def test_completions_streamed_and_not(gateway_url):
+    client = _client(gateway_url)
+    raw = client.completions.with_raw_response.create(model="tiny", prompt=LONG_DOC, max_tokens=5, temperature=0,
+                                                      extra_body={"specprefill": {"keep_rate": 0.25}})
+    assert raw.headers["x-specprefill-status"] == "compressed"
+    assert raw.headers["x-specprefill-keep-rate"] == "0.25"
+    text = raw.parse().choices[0].text
+    streamed = client.completions.create(model="tiny", prompt=LONG_DOC, max_tokens=5, temperature=0, stream=True,
+                                         extra_body={"specprefill": {"keep_rate": 0.25}})
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == text
+
+
+def test_header_beats_body_extension(gateway_url):
+    raw = _client(gateway_url).completions.with_raw_response.create(
+        model="tiny", prompt=LONG_DOC, max_tokens=1, extra_headers={"x-keep-rate": "0.5"},
+        extra_body={"specprefill": {"keep_rate": 0.1}})
+    assert raw.headers["x-specprefill-keep-rate"] == "0.5"
+
+
+def test_keep_rate_one_equals_off_token_for_token(gateway_url):
+    client = _client(gateway_url)
+    outputs = {}
+    for name, headers in {"one": {"x-keep-rate": "1"}, "off": {"x-specprefill": "off"}}.items():
+        raw = client.chat.completions.with_raw_response.create(
+            model="tiny", messages=_messages(), max_tokens=24, temperature=0, logprobs=True, extra_headers=headers)
+        outputs[name] = raw.parse()
+        assert raw.headers["x-specprefill-status"] == "bypassed"
+        assert raw.headers["x-specprefill-reason"] == {"one": "keep_rate_one", "off": "off"}[name]
+    tokens = {k: [t.token for t in v.choices[0].logprobs.content] for k, v in outputs.items()}
+    assert tokens["one"] == tokens["off"] and len(tokens["one"]) > 0
+    assert outputs["one"].choices[0].message.content == outputs["off"].choices[0].message.content
+
+
+def test_engine_receives_what_compress_reports(gateway_url, engine_backend):
+    _, recorder = engine_backend
+    body = {"model": "tiny", "messages": _messages("Which word comes first?"), "max_tokens": 2, "temperature": 0}
+    headers = {"x-keep-rate": "0.3"}
+    report = httpx.post(f"{gateway_url}/v1/specprefill/compress", json=body, headers=headers, timeout=60).json()
+    assert report["status"] == "compressed" and report["kept_tokens"] == len(report["token_ids"])
+    assert report["kept_tokens"] < report["original_tokens"]
+    assert report["position_ids"][-1] == report["original_tokens"] - 1  # the last prompt token always goes
+    response = httpx.post(f"{gateway_url}/v1/chat/completions", json=body, headers=headers, timeout=60)
+    assert response.status_code == 200
+    sent = recorder.last("/v1/completions")["body"]
+    assert sent["prompt"] == report["token_ids"]
+    assert sent["position_ids"] == report["position_ids"] == sent["vllm_xargs"]["position_ids"]
+
+
+def test_short_prompts_bypass(gateway_url):
+    raw = _client(gateway_url).chat.completions.with_raw_response.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert raw.headers["x-specprefill-status"] == "bypassed"
+    assert raw.headers["x-specprefill-reason"] == "short_prompt"
+
+
+def test_unsupported_features_bypass_with_the_reason(gateway_url):
+    client = _client(gateway_url)
+    with pytest.raises(openai.BadRequestError, match="does not support n"):
+        client.chat.completions.create(model="tiny", messages=_messages(), max_tokens=2, n=2)
+    response = httpx.post(f"{gateway_url}/v1/specprefill/compress", timeout=60,
+                          json={"model": "tiny", "messages": _messages(), "n": 2})
+    assert response.json()["reason"] == "unsupported_n"
+
+
+def test_sdk_errors_carry_the_server_message(gateway_url):
+    client = _client(gateway_url)
+    with pytest.raises(openai.BadRequestError) as excinfo:
+        client.chat.completions.create(model="tiny", messages=_messages(), extra_headers={"x-keep-rate": "2"})
+    assert "x-keep-rate must be a decimal in (0, 1]" in str(excinfo.value)
+    assert excinfo.value.body["param"] == "x-keep-rate"
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.chat.completions.create(model="gpt-4o", messages=_messages())
+
+
+BAD_KEEP_RATES = ["", "abc", "nan", "NaN", "inf", "-inf", "0", "0.0", "-0.5", "1.5", "1e400", "0x1"]
+
+
+@pytest.mark.parametrize("value", BAD_KEEP_RATES)
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/specprefill/compress"])
+def test_bad_keep_rate_header(gateway_url, value, path):
+    body = {"model": "tiny", "messages": _messages()} if "chat" in path else {"model": "tiny", "prompt": LONG_DOC}
+    response = httpx.post(f"{gateway_url}{path}", json=body, headers={"x-keep-rate": value}, timeout=60)
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "x-keep-rate"
+
+
+BAD_BODIES = [
+    ("/v1/chat/completions", b"{not json", 400, None),
+    ("/v1/chat/completions", json.dumps({"model": "tiny"}).encode(), 400, "messages"),
+    ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "x"}]}).encode(), 400, "model"),
+    ("/v1/chat/completions", json.dumps({"model": "tiny", "messages": []}).encode(), 400, "messages"),
+    ("/v1/chat/completions", json.dumps({"model": "nope", "messages": [{"role": "user", "content": "x"}]}).encode(),
+     404, "model"),
+    ("/v1/chat/completions", json.dumps({"model": "tiny", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "x"}}]}]}).encode(), 400, "messages"),
+    ("/v1/chat/completions", json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                                         "temperature": 5}).encode(), 400, "temperature"),
+    ("/v1/chat/completions", json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                                         "specprefill": {"keep_rate": 0}}).encode(), 400, "specprefill.keep_rate"),
+    ("/v1/chat/completions", json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                                         "max_tokens": 0}).encode(), 400, "max_tokens"),
+    ("/v1/completions", json.dumps({"model": "tiny", "prompt": [1, 10**7]}).encode(), 400, "prompt"),
+    ("/v1/completions", json.dumps({"model": "tiny", "prompt": ""}).encode(), 400, "prompt"),
+    ("/v1/completions", json.dumps({"model": "tiny", "prompt": ["a", "b"]}).encode(), 400, "prompt"),
+    ("/v1/completions", json.dumps({"model": "tiny"}).encode(), 400, "prompt"),
+]
+
+
+@pytest.mark.parametrize("path,content,status,param", BAD_BODIES)
+def test_bad_bodies_get_openai_errors_and_the_gateway_keeps_serving(gateway_url, path, content, status, param):
+    response = httpx.post(f"{gateway_url}{path}", content=content, timeout=60,
+                          headers={"content-type": "application/json"})
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["param"] == param
+    ok = httpx.post(f"{gateway_url}/v1/chat/completions", timeout=60,
+                    json={"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1})
+    assert ok.status_code == 200
+
+
+def test_bad_mode_header(gateway_url):
+    response = httpx.post(f"{gateway_url}/v1/completions", json={"model": "tiny", "prompt": "x"},
+                          headers={"x-specprefill": "maybe"}, timeout=60)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "x-specprefill"
+
+
+def test_health_and_metrics(gateway_url):
+    assert httpx.get(f"{gateway_url}/health").json() == {
+        "status": "ok", "draft": {"ready": True}, "backend": {"ready": True, "kind": "reference"}}
+    text = httpx.get(f"{gateway_url}/metrics").text
+    for name in ("specprefill_requests_total", "specprefill_ttft_seconds_bucket", "specprefill_draft_seconds",
+                 "specprefill_original_prompt_tokens", "specprefill_kept_prompt_tokens", "specprefill_keep_rate"):
+        assert name in text, name
+    assert 'reason="short_prompt"' in text or 'status="compressed"' in text
