@@ -213,10 +213,11 @@ async def test_disconnects_stop_generation(engine_url):
     # mid-stream
     async with httpx.AsyncClient(timeout=60) as client:
         async with client.stream("POST", f"{engine_url}/v1/completions", json={**body, "stream": True}) as response:
+            assert response.status_code == 200
+            assert _active(engine_url) == 1
             async for line in response.aiter_lines():
                 if line.startswith("data: "):
                     break
-    assert _active(engine_url) <= 1
     assert await asyncio.to_thread(_wait_idle, engine_url) == 0
     # a non-streamed request abandoned by its client
     async with httpx.AsyncClient(timeout=60) as client:
