@@ -188,7 +188,7 @@ class ReferenceEngine:
                 top = dict(zip(indices.tolist(), values.tolist()))
         n_generated = len(seq.stream.token_ids) + 1
         finish = None
-        if token_id in self.eos_ids:
+        if token_id in self.eos_ids and not seq.params.ignore_eos:
             finish = "stop"
         else:
             seq.stream.push(token_id)

@@ -31,6 +31,8 @@ class CompletionRequest(WireModel):
     """The prompt tokens' positions (strictly increasing); decoding continues at position_ids[-1] + 1."""
     vllm_xargs: dict[str, Any] | None = None
     """vLLM's per-request extension; ``position_ids`` is read from here too, so one body serves both."""
+    ignore_eos: bool = False
+    """Keep generating past EOS until max_tokens or a stop string (vLLM's name; for benchmarks and tests)."""
     return_token_ids: bool = False
     """Also return the generated token IDs in each choice (vLLM's name for it)."""
 

@@ -15,6 +15,7 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     logprobs: int | None = None
+    ignore_eos: bool = False
 
 
 def make_generator(seed: int | None, device: torch.device) -> torch.Generator:

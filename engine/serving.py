@@ -85,6 +85,7 @@ class EngineServing:
             seed=request.seed,
             stop=request.stop,
             logprobs=request.logprobs,
+            ignore_eos=request.ignore_eos,
         )
         return PreparedRequest(token_ids, positions, params)
 

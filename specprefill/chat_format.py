@@ -39,6 +39,8 @@ class SamplingFields(WireModel):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
+    ignore_eos: bool = False
+    """vLLM's extension, forwarded to backends that know it (the reference engine, vLLM)."""
     # --- extensions ---
     specprefill: SpecPrefillOptions | None = None
     """Per-request options (``extra_body={"specprefill": {"keep_rate": 0.2}}`` in the OpenAI SDK)."""
@@ -149,6 +151,8 @@ def _sampling_params(request: SamplingFields) -> dict[str, Any]:
     params: dict[str, Any] = {"temperature": request.temperature, "top_p": request.top_p, "stream": request.stream}
     if request.seed is not None:
         params["seed"] = request.seed
+    if request.ignore_eos:
+        params["ignore_eos"] = True
     if request.stop:
         params["stop"] = request.stop
     if request.stream and request.stream_options is not None:

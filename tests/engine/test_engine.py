@@ -209,7 +209,7 @@ def _wait_idle(url: str, within: float = 1.0) -> float:
 
 
 async def test_disconnects_stop_generation(engine_url):
-    body = {"prompt": _prompt(64), "max_tokens": 3000, "temperature": 0.8}
+    body = {"prompt": _prompt(64), "max_tokens": 3000, "temperature": 0.8, "ignore_eos": True}
     # mid-stream
     async with httpx.AsyncClient(timeout=60) as client:
         async with client.stream("POST", f"{engine_url}/v1/completions", json={**body, "stream": True}) as response:
@@ -234,10 +234,16 @@ async def test_a_full_queue_answers_503_with_retry_after(model_pair):
     app = create_app(str(model_pair / "target"), device="cpu", max_running=1, max_waiting=1)
     with serve(app) as url:
         async with httpx.AsyncClient(timeout=120) as client:
-            body = {"prompt": _prompt(64), "max_tokens": 300, "temperature": 0.8}
+            body = {"prompt": _prompt(64), "max_tokens": 300, "temperature": 0.8, "ignore_eos": True}
             responses = await asyncio.gather(*(client.post(f"{url}/v1/completions", json=body) for _ in range(4)))
         statuses = sorted(r.status_code for r in responses)
         assert statuses[0] == 200 and statuses[-1] == 503
         rejected = next(r for r in responses if r.status_code == 503)
         assert rejected.headers["retry-after"] == "1" and rejected.json()["error"]["code"] == "queue_full"
         assert httpx.post(f"{url}/v1/completions", json={"prompt": [5], "max_tokens": 1}).status_code == 200
+
+
+def test_ignore_eos_generates_exactly_max_tokens(engine_url):
+    answer = _complete(engine_url, prompt=_prompt(30, seed=9), max_tokens=40, temperature=1.0, seed=1,
+                       ignore_eos=True)
+    assert answer["usage"]["completion_tokens"] == 40 and answer["choices"][0]["finish_reason"] == "length"

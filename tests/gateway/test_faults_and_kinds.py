@@ -178,7 +178,7 @@ async def _wait_engine_idle(engine_url: str, within: float = 1.0) -> float:
 
 async def test_client_disconnects_cancel_the_backend_request(gateway_url, engine_backend):
     engine_url, _ = engine_backend
-    body = {"model": "tiny", "messages": _messages(), "max_tokens": 2000, "temperature": 0.8}
+    body = {"model": "tiny", "messages": _messages(), "max_tokens": 2000, "temperature": 0.8, "ignore_eos": True}
     async with httpx.AsyncClient(timeout=60) as client:  # mid-stream
         async with client.stream("POST", f"{gateway_url}/v1/chat/completions", json={**body, "stream": True},
                                  headers={"x-keep-rate": "0.3"}) as response:
