@@ -14,6 +14,7 @@ are read back from the KV cache (they are stored after RoPE). Scoring then costs
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -69,6 +70,18 @@ def enable_query_capture(model: PreTrainedModel) -> None:
     model.set_attn_implementation(name)
 
 
+def model_identity(model: PreTrainedModel, name: str) -> str:
+    """A short hash naming these exact weights: the name, the config, every tensor's name, shape and dtype,
+    and a sample of its values (so two random inits of one config differ). Part of every score-cache key."""
+    digest = hashlib.sha256(name.encode())
+    digest.update(model.config.to_json_string(use_diff=False).encode())
+    with torch.no_grad():
+        for param_name, tensor in model.state_dict().items():
+            sample = tensor.flatten()[:64].float().cpu().numpy().tobytes()
+            digest.update(f"{param_name}:{tuple(tensor.shape)}:{tensor.dtype}".encode() + sample)
+    return digest.hexdigest()[:16]
+
+
 def _left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device):
     lengths = [len(p) for p in prompts]
     width = max(lengths)
@@ -83,25 +96,58 @@ def _left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.devic
     return input_ids, mask, position_ids
 
 
+@dataclass
+class PromptKV:
+    """One prompt's draft KV cache (keys after RoPE), kept so that prompts extending it skip its prefill."""
+
+    token_ids: torch.Tensor  # [L] int64, on CPU
+    layers: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values): [1, Hkv, L, D]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(k.nbytes + v.nbytes for k, v in self.layers) + self.token_ids.nbytes
+
+
 @torch.inference_mode()
 def score_prompts(
-    model: PreTrainedModel, prompts: Sequence[Sequence[int]], config: ScoringConfig
-) -> list[torch.Tensor]:
-    """Scores every token of each prompt (one batched draft run). Returns float32 CPU tensors, one per prompt.
+    model: PreTrainedModel,
+    prompts: Sequence[Sequence[int]],
+    config: ScoringConfig,
+    *,
+    prefix: PromptKV | None = None,
+    prefix_len: int = 0,
+    return_kv: bool = False,
+) -> tuple[list[torch.Tensor], list[PromptKV] | None]:
+    """Scores every token of each prompt in one batched draft run: float32 CPU tensors, one per prompt.
 
     Batched prompts are left-padded so that every row's last prompt token sits at index -1; padded keys get
     zero probability, which matches zero padding in the pooling exactly, so a batch scores like single runs.
+    With ``prefix`` (one prompt only), its first ``prefix_len`` KV entries stand in for the prompt's first
+    ``prefix_len`` tokens, which must be the same tokens: only the rest is prefilled.
+    With ``return_kv``, each prompt's KV cache (prompt entries only) comes back for reuse.
     The model must have had ``enable_query_capture`` applied.
     """
     assert model.config._attn_implementation.startswith(CAPTURE_PREFIX), "call enable_query_capture first"
     assert all(len(p) > 0 for p in prompts), "empty prompt"
     device = model.device
-    pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
-    input_ids, attention_mask, position_ids = _left_pad(prompts, pad_id, device)
-    batch, width = input_ids.shape
+    if prefix is not None:
+        assert len(prompts) == 1 and 0 < prefix_len < len(prompts[0])
+        width = len(prompts[0])
+        cache = DynamicCache(
+            ddp_cache_data=[(k[:, :, :prefix_len], v[:, :, :prefix_len]) for k, v in prefix.layers],
+            config=model.config,
+        )
+        input_ids = torch.tensor([prompts[0][prefix_len:]], device=device)
+        position_ids = torch.arange(prefix_len, width, device=device)[None]
+        attention_mask = None
+    else:
+        pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+        input_ids, attention_mask, position_ids = _left_pad(prompts, pad_id, device)
+        width = input_ids.shape[1]
+        cache = DynamicCache(config=model.config)
+    batch = len(prompts)
 
     recorder = QueryRecorder()
-    cache = DynamicCache(config=model.config)
     out = model(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -146,7 +192,25 @@ def score_prompts(
     weights = valid.float()  # [B, Q]
     token_scores = (scores * weights[:, :, None]).sum(1) / weights.sum(1, keepdim=True)  # [B, S]
     token_scores = token_scores.cpu()
-    return [token_scores[row, width - len(p) :] for row, p in enumerate(prompts)]
+    results = [token_scores[row, width - len(p) :] for row, p in enumerate(prompts)]
+    kvs = _prompt_kvs(cache, prompts, width) if return_kv else None
+    return results, kvs
+
+
+def _prompt_kvs(cache: DynamicCache, prompts: Sequence[Sequence[int]], width: int) -> list[PromptKV]:
+    """Each row's prompt entries, without padding or look-ahead; rows of a batch are copied out of it."""
+    kvs = []
+    for row, prompt in enumerate(prompts):
+        start = width - len(prompt)
+        layers = []
+        for layer in cache.layers:
+            k = layer.keys[row : row + 1, :, start:width]
+            v = layer.values[row : row + 1, :, start:width]
+            if len(prompts) > 1:
+                k, v = k.clone(), v.clone()
+            layers.append((k, v))
+        kvs.append(PromptKV(torch.tensor(list(prompt), dtype=torch.long), layers))
+    return kvs
 
 
 def _layer_attention(

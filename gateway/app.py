@@ -14,7 +14,9 @@ from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from gateway.backends import Backend, HTTPBackend, InProcessBackend
-from gateway.draft import DraftClient, LocalDraft
+from gateway.cache import MemoryScoreCache, RedisScoreCache, ScoreCache
+from gateway.draft import DraftClient, LocalDraft, RemoteDraft
+from gateway.scores import ScoreProvider
 from gateway.metrics import GatewayMetrics
 from gateway.serving import Answer, GatewayServing
 from gateway.settings import GatewaySettings
@@ -49,6 +51,8 @@ def create_app(settings: GatewaySettings | None = None, *, draft: DraftClient | 
         finally:
             await app.state.serving.backend.close()
             await app.state.serving.draft.close()
+            if app.state.serving.scores.cache is not None:
+                await app.state.serving.scores.cache.close()
 
     app = FastAPI(title="SpecPrefill gateway", lifespan=lifespan)
     install_error_handlers(app)
@@ -160,9 +164,13 @@ async def _build_serving(settings: GatewaySettings, metrics: GatewayMetrics, dra
     elif target_path is None or (draft_path is None and not settings.draft_worker_url and draft is None):
         raise ValueError("set both --target-model and --draft-model (or neither, for the demo pair)")
     tokenizer = load_tokenizer(target_path)
-    if draft is None:
+    if draft is None and settings.draft_worker_url:
+        draft = RemoteDraft(settings.draft_worker_url, settings.scoring_config(), timeout=settings.draft_timeout)
+        await _check_remote_tokenizer(draft, tokenizer)
+    elif draft is None:
         worker = DraftWorker.from_pretrained(draft_path, settings.scoring_config(), device=settings.device,
-                                             dtype=settings.dtype)
+                                             dtype=settings.dtype,
+                                             prefix_cache_bytes=settings.draft_prefix_cache_mb << 20)
         check_same_tokenizer(worker.tokenizer, tokenizer)
         draft = LocalDraft(worker)
     served = settings.served_model_name or (DEMO_NAME if demo else target_path)
@@ -178,4 +186,27 @@ async def _build_serving(settings: GatewaySettings, metrics: GatewayMetrics, dra
                                   api_key=api_key, connect_timeout=settings.backend_connect_timeout,
                                   read_timeout=settings.backend_read_timeout)
     names = list(dict.fromkeys(n for n in (served, target_path, settings.backend_model) if n))
-    return GatewayServing(settings, tokenizer, draft, backend, metrics, names)
+    scores = ScoreProvider(draft, _score_cache(settings), metrics, settings.redis_key_prefix)
+    return GatewayServing(settings, tokenizer, draft, backend, metrics, names, scores)
+
+
+def _score_cache(settings: GatewaySettings) -> ScoreCache | None:
+    max_entry = settings.score_cache_max_entry_kb << 10
+    if settings.redis_url:
+        return RedisScoreCache(settings.redis_url, settings.score_cache_ttl, max_entry)
+    if settings.memory_cache_mb > 0:
+        return MemoryScoreCache(settings.memory_cache_mb << 20, settings.score_cache_ttl, max_entry)
+    return None
+
+
+async def _check_remote_tokenizer(draft: RemoteDraft, tokenizer) -> None:
+    """Refuses to start when a draft worker that answers has another tokenizer than the target."""
+    from draft_worker.loader import TokenizerMismatchError
+    from draft_worker.service import tokenizer_fingerprint
+
+    expected = tokenizer_fingerprint(tokenizer)
+    for url, info in (await draft.infos()).items():
+        if info.get("tokenizer_fingerprint") not in (None, expected):
+            raise TokenizerMismatchError(
+                f"the draft worker at {url} uses another tokenizer than the target: SpecPrefill needs a draft "
+                "from the target's model family (same tokenizer)")

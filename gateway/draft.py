@@ -1,18 +1,33 @@
-"""Draft clients: what the gateway asks for token scores. In-process here; remote workers plug in the same way."""
+"""Draft clients: what the gateway asks for token scores, in this process or from remote draft workers."""
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import itertools
+import logging
+import time
 from typing import Protocol
 
+import httpx
+import numpy as np
 import torch
 
 from draft_worker import DraftWorker, ScoringConfig
 
+logger = logging.getLogger("specprefill.gateway")
+
+
+class DraftUnavailableError(RuntimeError):
+    """No draft worker could score the prompt."""
+
 
 class DraftClient(Protocol):
-    config: ScoringConfig
+    config: ScoringConfig  # selection options (chunk size, protection) the gateway applies
+    score_params: tuple[int, ...]
     max_prompt_tokens: int
+
+    async def identity(self) -> str: ...
 
     async def score(self, token_ids: list[int]) -> torch.Tensor: ...
 
@@ -27,7 +42,11 @@ class LocalDraft:
     def __init__(self, worker: DraftWorker) -> None:
         self.worker = worker
         self.config = worker.config
+        self.score_params = worker.config.score_params
         self.max_prompt_tokens = worker.max_prompt_tokens
+
+    async def identity(self) -> str:
+        return self.worker.identity
 
     async def score(self, token_ids: list[int]) -> torch.Tensor:
         return await asyncio.to_thread(self.worker.score, token_ids)
@@ -37,3 +56,96 @@ class LocalDraft:
 
     async def close(self) -> None:
         return None
+
+
+def decode_wire_scores(payload: dict) -> torch.Tensor:
+    data = base64.b64decode(payload["scores"])
+    return torch.from_numpy(np.frombuffer(data, dtype="<f4").copy())
+
+
+class RemoteDraft:
+    """Spreads scoring over ``specprefill draft-worker`` services, round-robin.
+
+    A worker that fails (unreachable, timed out, 5xx) is skipped for ``cooldown`` seconds and the next
+    one is tried; when none answers, ``score`` raises and the gateway forwards the full prompt.
+    """
+
+    def __init__(self, urls: list[str], config: ScoringConfig, *, timeout: float = 30.0, cooldown: float = 5.0):
+        self.urls = [u.rstrip("/") for u in urls]
+        self.config = config
+        self.score_params = config.score_params
+        self.max_prompt_tokens = 1 << 31  # each worker checks its own limit
+        self.cooldown = cooldown
+        self._client = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=2.0))
+        self._down_until = {url: 0.0 for url in self.urls}
+        self._rotation = itertools.cycle(range(len(self.urls)))
+        self._identity: str | None = None
+
+    async def identity(self) -> str:
+        if self._identity is None:
+            for url in self._candidates():
+                try:
+                    info = (await self._client.get(f"{url}/v1/info")).raise_for_status().json()
+                except httpx.HTTPError as exc:
+                    self._mark_down(url, exc)
+                    continue
+                self._identity = info["identity"]
+                self.score_params = tuple(info["score_params"])
+                self.max_prompt_tokens = info["max_prompt_tokens"]
+                break
+            else:
+                raise DraftUnavailableError("no draft worker answers")
+        return self._identity
+
+    async def score(self, token_ids: list[int]) -> torch.Tensor:
+        last_error: Exception | None = None
+        for url in self._candidates():
+            try:
+                response = await self._client.post(f"{url}/v1/score", json={"token_ids": token_ids})
+            except httpx.HTTPError as exc:
+                self._mark_down(url, exc)
+                last_error = exc
+                continue
+            if response.status_code >= 500:
+                self._mark_down(url, RuntimeError(f"HTTP {response.status_code}"))
+                last_error = RuntimeError(response.text)
+                continue
+            if response.status_code != 200:  # the prompt itself is the problem: no other worker will differ
+                raise DraftUnavailableError(f"draft worker rejected the prompt: {response.text[:200]}")
+            return decode_wire_scores(response.json())
+        raise DraftUnavailableError(f"no draft worker answered: {last_error!r}")
+
+    def _candidates(self) -> list[str]:
+        start = next(self._rotation)
+        ordered = self.urls[start:] + self.urls[:start]
+        now = time.monotonic()
+        healthy = [u for u in ordered if self._down_until[u] <= now]
+        return healthy or ordered  # all in cooldown: try them anyway rather than fail outright
+
+    def _mark_down(self, url: str, exc: Exception) -> None:
+        if self._down_until[url] <= time.monotonic():
+            logger.warning("draft worker %s failed (%s); skipping it for %.0f s", url, type(exc).__name__,
+                           self.cooldown)
+        self._down_until[url] = time.monotonic() + self.cooldown
+
+    async def infos(self) -> dict[str, dict]:
+        """``/v1/info`` of every worker that answers now."""
+        infos = {}
+        for url in self.urls:
+            try:
+                infos[url] = (await self._client.get(f"{url}/v1/info", timeout=5.0)).raise_for_status().json()
+            except httpx.HTTPError:
+                continue
+        return infos
+
+    async def ready(self) -> bool:
+        for url in self.urls:
+            try:
+                if (await self._client.get(f"{url}/health", timeout=2.0)).status_code == 200:
+                    return True
+            except httpx.HTTPError:
+                continue
+        return False
+
+    async def close(self) -> None:
+        await self._client.aclose()

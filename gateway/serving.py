@@ -17,6 +17,7 @@ import torch
 from draft_worker.selector import protected_mask, select_chunks
 from gateway.backends import Backend, token_body
 from gateway.draft import DraftClient
+from gateway.scores import ScoreProvider
 from gateway.metrics import GatewayMetrics
 from gateway.policy import Reason, RequestOptions, request_options
 from gateway.settings import GatewaySettings
@@ -82,10 +83,11 @@ class Answer:
 
 class GatewayServing:
     def __init__(self, settings: GatewaySettings, tokenizer, draft: DraftClient, backend: Backend,
-                 metrics: GatewayMetrics, served_names: list[str]) -> None:
+                 metrics: GatewayMetrics, served_names: list[str], scores: ScoreProvider) -> None:
         self.settings = settings
         self.tokenizer = tokenizer
         self.draft = draft
+        self.scores = scores
         self.backend = backend
         self.metrics = metrics
         self.served_names = served_names
@@ -117,14 +119,15 @@ class GatewayServing:
             return Plan(token_ids, reason=Reason.PROMPT_TOO_LONG)
         start = time.perf_counter()
         try:
-            scores = await asyncio.wait_for(self.draft.score(token_ids), self.settings.draft_timeout)
+            scores, cache = await asyncio.wait_for(self.scores.scores(token_ids), self.settings.draft_timeout)
         except Exception as exc:  # any draft fault: the full prompt goes through instead
             draft_ms = (time.perf_counter() - start) * 1e3
             self.metrics.draft_latency.labels("error").observe(draft_ms / 1e3)
             logger.warning("draft failed, forwarding the full prompt: %s", type(exc).__name__ + (f": {exc}" if str(exc) else ""))
             return Plan(token_ids, reason=Reason.DRAFT_ERROR, draft_ms=draft_ms)
         draft_ms = (time.perf_counter() - start) * 1e3
-        self.metrics.draft_latency.labels("ok").observe(draft_ms / 1e3)
+        if cache != "hit":
+            self.metrics.draft_latency.labels("ok").observe(draft_ms / 1e3)
         config = self.draft.config
         special = [i for i, t in enumerate(token_ids) if t in self._special_ids]
         # the last prompt token always goes, so the first generated token sits right after the prompt
@@ -132,7 +135,7 @@ class GatewayServing:
         kept = select_chunks(scores, options.keep_rate, config.chunk_size, protected).tolist()
         self.metrics.keep_rate.observe(options.keep_rate)
         return Plan(token_ids, status="compressed", kept_indices=kept, keep_rate=options.keep_rate,
-                    cache="miss", draft_ms=draft_ms)
+                    cache=cache, draft_ms=draft_ms)
 
     def completion_ids(self, request: CompletionRequest) -> list[int]:
         """The prompt's token IDs as the backend would make them (special tokens added, like vLLM)."""

@@ -76,6 +76,35 @@ class Engine(BaseSettings):
         uvicorn.run(app, host=self.host, port=self.port, log_level=self.log_level)
 
 
+class DraftWorkerCmd(ScoringOptions):
+    """A standalone draft worker service, for gateways started with --draft-worker-url."""
+
+    model: str = Field(description="draft model: a local folder or a hub id")
+    host: str = "127.0.0.1"
+    port: int = 8002
+    device: str | None = Field(None, description="torch device (default: cuda when available)")
+    dtype: str = Field("auto", description="auto, float32, bfloat16 or float16")
+    max_batch_size: int = Field(8, description="prompts scored in one draft forward")
+    max_batch_tokens: int = Field(65536, description="padded tokens (rows x longest prompt) in one forward")
+    max_wait_ms: float = Field(5.0, description="how long a request waits for others to batch with")
+    prefix_cache_mb: int = Field(1024, description="draft KV kept for prefix reuse (0: off)")
+    log_level: str = "info"
+
+    def cli_cmd(self) -> None:
+        import uvicorn
+
+        from draft_worker import DraftWorker
+        from draft_worker.service import create_app
+
+        def factory() -> DraftWorker:
+            return DraftWorker.from_pretrained(self.model, self.scoring_config(), device=self.device,
+                                               dtype=self.dtype, prefix_cache_bytes=self.prefix_cache_mb << 20)
+
+        app = create_app(factory, max_batch_size=self.max_batch_size, max_batch_tokens=self.max_batch_tokens,
+                         max_wait_ms=self.max_wait_ms)
+        uvicorn.run(app, host=self.host, port=self.port, log_level=self.log_level)
+
+
 class DemoModels(BaseSettings):
     """Write the demo draft/target pair into DIR (DIR/draft, DIR/target), made locally."""
 
@@ -95,6 +124,7 @@ class Main(BaseSettings, cli_prog_name="specprefill", cli_kebab_case=True, cli_i
 
     serve: CliSubCommand[Serve]
     engine: CliSubCommand[Engine]
+    draft_worker: CliSubCommand[DraftWorkerCmd]
     score: CliSubCommand[Score]
     demo_models: CliSubCommand[DemoModels]
 

@@ -9,7 +9,10 @@ import pytest
 import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
+from engine.server import create_app as create_engine_app
 from specprefill.demo_models import ModelShape, train_tokenizer, write_model
+from tests.helpers import RecordingApp
+from tests.servers import serve
 
 
 def tiny_llama(
@@ -52,3 +55,10 @@ def model_pair(tmp_path_factory, tokenizer) -> Path:
 @pytest.fixture(scope="session")
 def redis_url() -> str:
     return os.environ.get("SPECPREFILL_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+@pytest.fixture(scope="session")
+def engine_backend(model_pair):
+    recorder = RecordingApp(create_engine_app(str(model_pair / "target"), device="cpu", served_name="target"))
+    with serve(recorder) as url:
+        yield url, recorder

@@ -82,7 +82,7 @@ def test_scores_and_selection_match_reference(look_ahead, pool_kernel, chunk_siz
 
     enable_query_capture(model)
     config = ScoringConfig(look_ahead=look_ahead, pool_kernel=pool_kernel, chunk_size=chunk_size)
-    (scores,) = score_prompts(model, [prompt], config)
+    (scores,), _ = score_prompts(model, [prompt], config)
 
     torch.testing.assert_close(scores, expected, rtol=1e-5, atol=1e-8)
     for keep_rate in (0.1, 0.3, 0.5):
@@ -99,11 +99,11 @@ def test_queries_after_generated_eos_are_dropped():
     assert len(set(greedy)) == 3, "pick another seed: the first greedy tokens repeat"
     model.generation_config.eos_token_id = [greedy[2]]
     enable_query_capture(model)
-    (scores,) = score_prompts(model, [prompt], ScoringConfig(look_ahead=8))
+    (scores,), _ = score_prompts(model, [prompt], ScoringConfig(look_ahead=8))
     torch.testing.assert_close(scores, reference_scores(model, prompt, 8, 13), rtol=1e-5, atol=1e-8)
     # and it differs from scoring all 8 queries, so the test can see the rule
     model.generation_config.eos_token_id = [1]
-    (all_queries,) = score_prompts(model, [prompt], ScoringConfig(look_ahead=8))
+    (all_queries,), _ = score_prompts(model, [prompt], ScoringConfig(look_ahead=8))
     assert not torch.allclose(scores, all_queries, rtol=1e-3)
 
 
@@ -113,9 +113,9 @@ def test_batched_scoring_equals_one_by_one(look_ahead):
     enable_query_capture(model)
     config = ScoringConfig(look_ahead=look_ahead)
     prompts = [_prompt(n, seed=n) for n in (37, 300, 129, 300, 5)]
-    batched = score_prompts(model, prompts, config)
+    batched, _ = score_prompts(model, prompts, config)
     for prompt, scores in zip(prompts, batched):
-        (single,) = score_prompts(model, [prompt], config)
+        (single,), _ = score_prompts(model, [prompt], config)
         assert scores.shape == (len(prompt),)
         torch.testing.assert_close(scores, single, rtol=1e-5, atol=1e-7)
 
@@ -123,7 +123,7 @@ def test_batched_scoring_equals_one_by_one(look_ahead):
 def test_scores_are_a_distribution_without_pooling():
     model = tiny_llama()
     enable_query_capture(model)
-    (scores,) = score_prompts(model, [_prompt(100, 1)], ScoringConfig(look_ahead=1, pool_kernel=1))
+    (scores,), _ = score_prompts(model, [_prompt(100, 1)], ScoringConfig(look_ahead=1, pool_kernel=1))
     # one query: max over heads of distributions, so each entry is a probability and they sum to >= 1
     assert scores.min() >= 0 and scores.max() <= 1 and scores.sum() >= 1 - 1e-5
 

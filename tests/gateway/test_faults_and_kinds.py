@@ -14,8 +14,10 @@ from fastapi.responses import StreamingResponse
 
 from draft_worker import ScoringConfig
 from gateway.app import create_app
-from tests.gateway.conftest import gateway_settings
-from tests.gateway.test_gateway import LONG_DOC, _client, _messages
+from tests.helpers import gateway_settings
+from tests.gateway.test_gateway import _client
+from tests.helpers import LONG_DOC
+from tests.helpers import chat_messages as _messages
 from tests.servers import serve
 
 
@@ -62,7 +64,11 @@ def test_text_kind_sends_kept_text_to_chat_completions(model_pair, engine_backen
 
 class FailingDraft:
     config = ScoringConfig()
+    score_params = config.score_params
     max_prompt_tokens = 10**6
+
+    async def identity(self):
+        return "failing"
 
     async def score(self, token_ids):
         raise RuntimeError("draft exploded")

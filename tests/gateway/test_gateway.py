@@ -8,18 +8,12 @@ import httpx
 import openai
 import pytest
 
-from specprefill.demo_models import synthetic_corpus
-
-LONG_DOC = " ".join(synthetic_corpus(seed=3, n_sentences=60))
+from tests.helpers import LONG_DOC
+from tests.helpers import chat_messages as _messages
 
 
 def _client(url: str, **kwargs) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{url}/v1", api_key=kwargs.pop("api_key", "unused"), max_retries=0, **kwargs)
-
-
-def _messages(question: str = "What is the third number?") -> list[dict]:
-    return [{"role": "system", "content": "Answer briefly."},
-            {"role": "user", "content": LONG_DOC + "\n\n" + question}]
 
 
 def test_models_list(gateway_url):

@@ -1,0 +1,71 @@
+"""Recent prompts' draft KV caches, so a prompt that extends one (the same document with a new question,
+the next turn of a chat) prefills only its new suffix. LRU, bounded by bytes."""
+
+from __future__ import annotations
+
+import collections
+import threading
+from collections.abc import Sequence
+
+import torch
+
+from draft_worker.scorer import PromptKV
+
+
+class PrefixKVCache:
+    def __init__(self, max_bytes: int, min_prefix: int = 64) -> None:
+        self.max_bytes = max_bytes
+        self.min_prefix = min_prefix
+        self._entries: collections.OrderedDict[int, PromptKV] = collections.OrderedDict()
+        self._bytes = 0
+        self._ids = 0
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
+    def lookup(self, prompt: Sequence[int]) -> tuple[PromptKV, int] | None:
+        """The entry sharing the longest prefix with ``prompt`` and how many of its tokens to reuse.
+
+        At least the prompt's last token is always recomputed: its query is the first one scored.
+        """
+        query = torch.as_tensor(list(prompt), dtype=torch.long)
+        best, best_len = None, 0
+        with self._lock:
+            for key, entry in self._entries.items():
+                common = _common_prefix(query, entry.token_ids)
+                if common > best_len:
+                    best, best_len, best_key = entry, common, key
+            reuse = min(best_len, len(query) - 1)
+            if best is None or reuse < self.min_prefix:
+                self.misses += 1
+                return None
+            self._entries.move_to_end(best_key)
+            self.hits += 1
+        return best, reuse
+
+    def store(self, kv: PromptKV) -> None:
+        size = kv.nbytes
+        if size > self.max_bytes:
+            return
+        with self._lock:
+            self._ids += 1
+            self._entries[self._ids] = kv
+            self._bytes += size
+            while self._bytes > self.max_bytes:
+                _, evicted = self._entries.popitem(last=False)
+                self._bytes -= evicted.nbytes
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._bytes = 0
+
+
+def _common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
+    n = min(a.numel(), b.numel())
+    differ = (a[:n] != b[:n]).nonzero()
+    return int(differ[0]) if differ.numel() else n

@@ -1,0 +1,74 @@
+"""Draft prefix reuse: a prompt extending a recent one prefills only its suffix, with the same scores."""
+
+from __future__ import annotations
+
+import torch
+
+from draft_worker import DraftWorker, ScoringConfig
+from draft_worker.prefix_cache import PrefixKVCache
+from draft_worker.scorer import PromptKV, enable_query_capture, score_prompts
+from tests.conftest import tiny_llama
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    return torch.randint(2, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _workers():
+    model = tiny_llama(seed=11)
+    reuse = DraftWorker(model, None, ScoringConfig(), prefix_cache_bytes=1 << 26)
+    scratch = DraftWorker(model, None, ScoringConfig(), prefix_cache_bytes=0)
+    return reuse, scratch
+
+
+def test_document_then_new_questions():
+    reuse, scratch = _workers()
+    document = _ids(900, 1)
+    for question_seed in (2, 3, 4):
+        prompt = document + _ids(40, question_seed)
+        torch.testing.assert_close(reuse.score(prompt), scratch.score(prompt), rtol=1e-5, atol=1e-8)
+    assert reuse.prefix_cache.hits == 2 and reuse.prefix_cache.misses == 1
+
+
+def test_three_turn_chat():
+    reuse, scratch = _workers()
+    history: list[int] = []
+    for turn in range(3):
+        history = history + _ids(300, 10 + turn)  # the next user message
+        torch.testing.assert_close(reuse.score(history), scratch.score(history), rtol=1e-5, atol=1e-8)
+        history = history + _ids(50, 20 + turn)  # the assistant's answer, sent back next turn
+    assert reuse.prefix_cache.hits == 2
+
+
+def test_the_same_prompt_again_recomputes_only_its_last_token():
+    reuse, scratch = _workers()
+    prompt = _ids(500, 5)
+    first = reuse.score(prompt)
+    entry, reused = reuse.prefix_cache.lookup(prompt)
+    assert reused == len(prompt) - 1
+    torch.testing.assert_close(reuse.score(prompt), first, rtol=1e-5, atol=1e-8)
+
+
+def test_batched_runs_store_unpadded_entries():
+    model = tiny_llama(seed=12)
+    enable_query_capture(model)
+    prompts = [_ids(200, 1), _ids(350, 2)]
+    _, kvs = score_prompts(model, prompts, ScoringConfig(), return_kv=True)
+    for prompt, kv in zip(prompts, kvs):
+        assert kv.token_ids.tolist() == prompt and kv.layers[0][0].shape[2] == len(prompt)
+        extended = prompt + _ids(30, 9)
+        (with_prefix,), _ = score_prompts(model, [extended], ScoringConfig(), prefix=kv, prefix_len=len(prompt))
+        (alone,), _ = score_prompts(model, [extended], ScoringConfig())
+        torch.testing.assert_close(with_prefix, alone, rtol=1e-5, atol=1e-8)
+
+
+def test_lru_is_bounded_by_bytes_and_short_prefixes_do_not_count():
+    def kv(n: int) -> PromptKV:
+        return PromptKV(torch.arange(n), [(torch.zeros(1, 1, n, 4), torch.zeros(1, 1, n, 4))])
+
+    cache = PrefixKVCache(max_bytes=kv(100).nbytes * 2 + 1, min_prefix=64)
+    for n in (100, 101, 102):
+        cache.store(kv(n))
+    assert cache.nbytes <= cache.max_bytes
+    assert cache.lookup(list(range(100)) + [7])[1] == 100  # the 100-token entry was evicted; 101 matches 100
+    assert cache.lookup(list(range(10)) + [999] * 100) is None
