@@ -46,6 +46,9 @@ class Plan:
     cache: str = "off"
     draft_ms: float = 0.0
     passthrough: bool = False  # forward the client's body unchanged
+    tokenize_ms: float = 0.0
+    select_ms: float = 0.0
+    backend_ms: float = 0.0  # request sent to first answer event received
 
     @property
     def original_tokens(self) -> int:
@@ -71,6 +74,11 @@ class Plan:
         }
         if self.reason:
             headers["x-specprefill-reason"] = self.reason
+        headers["server-timing"] = ", ".join(
+            f"{name};dur={value:.1f}"
+            for name, value in (("tokenize", self.tokenize_ms), ("draft", self.draft_ms),
+                                ("select", self.select_ms), ("backend", self.backend_ms))
+        )
         return headers
 
 
@@ -128,6 +136,7 @@ class GatewayServing:
         draft_ms = (time.perf_counter() - start) * 1e3
         if cache != "hit":
             self.metrics.draft_latency.labels("ok").observe(draft_ms / 1e3)
+        start = time.perf_counter()
         config = self.draft.config
         special = [i for i, t in enumerate(token_ids) if t in self._special_ids]
         # the last prompt token always goes, so the first generated token sits right after the prompt
@@ -135,7 +144,7 @@ class GatewayServing:
         kept = select_chunks(scores, options.keep_rate, config.chunk_size, protected).tolist()
         self.metrics.keep_rate.observe(options.keep_rate)
         return Plan(token_ids, status="compressed", kept_indices=kept, keep_rate=options.keep_rate,
-                    cache=cache, draft_ms=draft_ms)
+                    cache=cache, draft_ms=draft_ms, select_ms=(time.perf_counter() - start) * 1e3)
 
     def completion_ids(self, request: CompletionRequest) -> list[int]:
         """The prompt's token IDs as the backend would make them (special tokens added, like vLLM)."""
@@ -152,8 +161,11 @@ class GatewayServing:
     async def chat(self, request: ChatCompletionRequest, headers) -> Answer:
         self.check_model(request.model)
         options = request_options(headers, request.specprefill, self.settings.keep_rate)
+        start = time.perf_counter()
         text, ids = render_chat(self.tokenizer, request.messages)
+        tokenize_ms = (time.perf_counter() - start) * 1e3
         plan = await self.plan(ids, options, request.unsupported_features())
+        plan.tokenize_ms = tokenize_ms
         backend_model = await self.backend.model_name()
         kind = self.backend.kind
         if plan.passthrough or (kind == "text" and plan.kept_indices is None):
@@ -167,16 +179,19 @@ class GatewayServing:
                           request.completion_params())
         converter = ChatChunkConverter(self.model_name)
         if request.stream:
-            stream = await self.backend.completion_stream(body)
+            stream = await self._timed(plan, self.backend.completion_stream(body))
             return Answer(plan, stream=self._rewrite_stream(_converted(stream, converter), plan))
-        answer = await self.backend.completion(body)
+        answer = await self._timed(plan, self.backend.completion(body))
         return Answer(plan, body=self._rewrite(completion_to_chat(answer, self.model_name), plan))
 
     async def completion(self, request: CompletionRequest, headers) -> Answer:
         self.check_model(request.model)
         options = request_options(headers, request.specprefill, self.settings.keep_rate)
+        start = time.perf_counter()
         ids = self.completion_ids(request)
+        tokenize_ms = (time.perf_counter() - start) * 1e3
         plan = await self.plan(ids, options, request.unsupported_features())
+        plan.tokenize_ms = tokenize_ms
         backend_model = await self.backend.model_name()
         kind = self.backend.kind
         if plan.passthrough or (kind == "text" and plan.kept_indices is None):
@@ -188,9 +203,9 @@ class GatewayServing:
             body = token_body(kind, backend_model, plan.kept_token_ids(), plan.kept_indices,
                               request.completion_params())
         if request.stream:
-            stream = await self.backend.completion_stream(body)
+            stream = await self._timed(plan, self.backend.completion_stream(body))
             return Answer(plan, stream=self._rewrite_stream(stream, plan))
-        return Answer(plan, body=self._rewrite(await self.backend.completion(body), plan))
+        return Answer(plan, body=self._rewrite(await self._timed(plan, self.backend.completion(body)), plan))
 
     async def compress(self, body: dict, headers) -> dict:
         """What would be sent to the backend for this chat or completion body, without sending it."""
@@ -215,8 +230,17 @@ class GatewayServing:
 
     async def _forward_chat(self, plan: Plan, body: dict) -> Answer:
         if body.get("stream"):
-            return Answer(plan, stream=self._rewrite_stream(await self.backend.chat_stream(body), plan))
-        return Answer(plan, body=self._rewrite(await self.backend.chat(body), plan))
+            return Answer(plan, stream=self._rewrite_stream(await self._timed(plan, self.backend.chat_stream(body)), plan))
+        return Answer(plan, body=self._rewrite(await self._timed(plan, self.backend.chat(body)), plan))
+
+    @staticmethod
+    async def _timed(plan: Plan, call):
+        """Awaits a backend call (a stream is opened up to its first event) and records how long it took."""
+        start = time.perf_counter()
+        try:
+            return await call
+        finally:
+            plan.backend_ms = (time.perf_counter() - start) * 1e3
 
     # --- answers ---
 

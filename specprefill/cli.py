@@ -105,6 +105,34 @@ class DraftWorkerCmd(ScoringOptions):
         uvicorn.run(app, host=self.host, port=self.port, log_level=self.log_level)
 
 
+class Bench(BaseSettings):
+    """TTFT through the gateway vs directly at the same backend; launches the demo when no URL is given."""
+
+    model_config = _SETTINGS
+    base_url: str | None = Field(None, description="the gateway (default: launch the demo gateway and engine)")
+    backend_url: str | None = Field(None, description="the same backend, measured directly")
+    model: str | None = Field(None, description="model name at the gateway (default: its first)")
+    backend_model: str | None = Field(None, description="model name at the backend (default: its first)")
+    lengths: list[int] = Field([1024, 4096, 8192, 16384], description="prompt lengths in tokens")
+    keep_rates: list[float] = Field([0.1, 0.3, 0.5, 1.0], description="keep rates through the gateway")
+    repeats: int = Field(3, description="measured requests per point (after the warm-up)")
+    warmup: int = Field(1, description="unmeasured requests per length first")
+    max_tokens: int = Field(1, description="tokens generated per request")
+    out: str = Field("bench_results", description="folder for bench.json and the plots")
+    load: bool = Field(False, description="also run the Poisson load mode")
+    load_only: bool = Field(False, description="only the load mode")
+    rates: list[float] = Field([0.1, 0.2, 0.4, 0.8], description="load mode: offered requests per second")
+    duration: float = Field(30.0, description="load mode: seconds per rate")
+    ttft_slo: float = Field(2.0, description="load mode: the p99 TTFT objective in seconds")
+    load_tokens: int = Field(4096, description="load mode: prompt length")
+    load_keep_rate: float = Field(0.1, description="load mode: keep rate through the gateway")
+
+    def cli_cmd(self) -> None:
+        from specprefill.bench_cmd import run_bench
+
+        raise SystemExit(run_bench(self))
+
+
 class DemoModels(BaseSettings):
     """Write the demo draft/target pair into DIR (DIR/draft, DIR/target), made locally."""
 
@@ -127,6 +155,7 @@ class Main(BaseSettings, cli_prog_name="specprefill", cli_kebab_case=True, cli_i
     draft_worker: CliSubCommand[DraftWorkerCmd]
     score: CliSubCommand[Score]
     demo_models: CliSubCommand[DemoModels]
+    bench: CliSubCommand[Bench]
 
     def cli_cmd(self) -> None:
         CliApp.run_subcommand(self)

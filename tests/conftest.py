@@ -11,7 +11,8 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from engine.server import create_app as create_engine_app
 from specprefill.demo_models import ModelShape, train_tokenizer, write_model
-from tests.helpers import RecordingApp
+from gateway.app import create_app
+from tests.helpers import RecordingApp, gateway_settings
 from tests.servers import serve
 
 
@@ -62,3 +63,10 @@ def engine_backend(model_pair):
     recorder = RecordingApp(create_engine_app(str(model_pair / "target"), device="cpu", served_name="target"))
     with serve(recorder) as url:
         yield url, recorder
+
+
+@pytest.fixture(scope="session")
+def gateway_url(model_pair, engine_backend):
+    settings = gateway_settings(model_pair, backend_url=engine_backend[0], backend_kind="reference")
+    with serve(create_app(settings)) as url:
+        yield url

@@ -185,3 +185,13 @@ def test_health_and_metrics(gateway_url):
                  "specprefill_original_prompt_tokens", "specprefill_kept_prompt_tokens", "specprefill_keep_rate"):
         assert name in text, name
     assert 'reason="short_prompt"' in text or 'status="compressed"' in text
+
+
+def test_server_timing_breaks_the_request_down(gateway_url):
+    raw = _client(gateway_url).chat.completions.with_raw_response.create(
+        model="tiny", messages=_messages("timing?"), max_tokens=2, stream=True, extra_headers={"x-keep-rate": "0.3"})
+    list(raw.parse())
+    parts = dict(p.strip().split(";dur=") for p in raw.headers["server-timing"].split(","))
+    assert set(parts) == {"tokenize", "draft", "select", "backend"}
+    assert all(float(v) >= 0 for v in parts.values()) and float(parts["backend"]) > 0
+    assert float(parts["draft"]) == float(raw.headers["x-specprefill-draft-ms"])

@@ -1,0 +1,317 @@
+"""``specprefill bench``: time to first token through the gateway vs directly at the same backend.
+
+For each prompt length S and keep rate, in one run:
+  measured speedup = TTFT_direct(S) / TTFT_gateway(S, keep)
+  ideal speedup    = TTFT_direct(S) / (t_draft(S) + TTFT_direct(K))   with K the tokens actually kept
+  efficiency       = measured / ideal
+Every measurement uses a fresh prompt (another document), so no cache or prefix reuse flatters it.
+The load mode sends Poisson arrivals at fixed rates and reports TTFT p50/p99 and the highest rate whose
+p99 meets the objective, gateway vs direct.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+from tqdm import tqdm
+
+from specprefill.demo_models import synthetic_corpus
+
+
+@dataclass
+class Sample:
+    path: str  # "direct", "direct_kept" or "gateway"
+    tokens: int
+    keep_rate: float
+    ttft_s: float
+    kept_tokens: int | None = None
+    timing_ms: dict[str, float] = field(default_factory=dict)
+    status: str | None = None
+
+
+@dataclass
+class Row:
+    tokens: int
+    keep_rate: float
+    kept_tokens: int
+    direct_s: float
+    gateway_s: float
+    gateway_spread_s: float
+    draft_s: float
+    direct_kept_s: float
+    speedup: float
+    ideal: float
+    efficiency: float
+    breakdown_ms: dict[str, float]
+
+
+def ideal_speedup(full_s: float, draft_s: float, kept_s: float) -> float:
+    return full_s / (draft_s + kept_s)
+
+
+def parse_server_timing(header: str | None) -> dict[str, float]:
+    out = {}
+    for part in (header or "").split(","):
+        name, _, dur = part.strip().partition(";dur=")
+        if name and dur:
+            out[name] = float(dur)
+    return out
+
+
+class PromptMaker:
+    """Chat prompts of a requested token length, each from a different document.
+
+    Lengths are calibrated against the gateway's /v1/specprefill/compress (the target's own template and
+    tokenizer), so it works for any deployment without a local tokenizer.
+    """
+
+    def __init__(self, client: httpx.Client, gateway: str, model: str) -> None:
+        self.client, self.gateway, self.model = client, gateway, model
+        self._seed = 1000
+        self._sentences: list[str] = []
+        self._chars_per_token: float | None = None
+
+    def count(self, messages: list[dict]) -> int:
+        response = self.client.post(f"{self.gateway}/v1/specprefill/compress",
+                                    json={"model": self.model, "messages": messages},
+                                    headers={"x-keep-rate": "1"})
+        response.raise_for_status()
+        return response.json()["original_tokens"]
+
+    def make(self, tokens: int) -> list[dict]:
+        self._seed += 1
+        rng = random.Random(self._seed)
+        if len(self._sentences) < 50_000:
+            self._sentences = synthetic_corpus(seed=7, n_sentences=50_000)
+        question = "\n\nWhich number appears first in the text above?"
+        if self._chars_per_token is None:
+            probe = " ".join(self._sentences[:400])
+            self._chars_per_token = len(probe) / self.count([{"role": "user", "content": probe + question}])
+        start = rng.randrange(len(self._sentences) // 2)
+        text, chars = [], 0
+        target_chars = int(tokens * self._chars_per_token)
+        for sentence in self._sentences[start:] + self._sentences[:start]:
+            if chars >= target_chars:
+                break
+            text.append(sentence)
+            chars += len(sentence) + 1
+        body = " ".join(text)
+        messages = [{"role": "user", "content": body + question}]
+        # one correction step against the real count keeps lengths within a few percent
+        actual = self.count(messages)
+        body = body[: max(1, int(len(body) * tokens / actual))]
+        return [{"role": "user", "content": body + question}]
+
+
+async def stream_ttft(client: httpx.AsyncClient, url: str, body: dict, headers: dict) -> tuple[float, httpx.Headers]:
+    """Seconds from sending the request to the first streamed event with content; the stream is then dropped."""
+    start = time.perf_counter()
+    async with client.stream("POST", url, json={**body, "stream": True}, headers=headers) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"{url} answered {response.status_code}: {(await response.aread())[:300]!r}")
+        async for line in response.aiter_lines():
+            if line.startswith("data:") and '"choices":[{' in line.replace(" ", ""):
+                return time.perf_counter() - start, response.headers
+    raise RuntimeError(f"{url}: the stream ended without an answer")
+
+
+@dataclass
+class BenchConfig:
+    gateway_url: str
+    backend_url: str
+    model: str
+    backend_model: str
+    lengths: list[int]
+    keep_rates: list[float]
+    repeats: int = 3
+    warmup: int = 1
+    max_tokens: int = 1
+
+
+async def run_sweep(config: BenchConfig, prompts: PromptMaker) -> tuple[list[Sample], list[Row]]:
+    samples: list[Sample] = []
+    total = len(config.lengths) * (config.warmup + config.repeats)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0)) as client:
+        progress = tqdm(total=total, desc="bench", unit="prompt")
+        for length in config.lengths:
+            for repeat in range(config.warmup + config.repeats):
+                measured = repeat >= config.warmup
+                messages = prompts.make(length)
+                direct_body = {"model": config.backend_model, "messages": messages, "max_tokens": config.max_tokens,
+                               "temperature": 0}
+                ttft, _ = await stream_ttft(client, f"{config.backend_url}/v1/chat/completions", direct_body, {})
+                if measured:
+                    samples.append(Sample("direct", length, 1.0, ttft))
+                for keep in config.keep_rates:
+                    body = {**direct_body, "model": config.model, "messages": prompts.make(length)}
+                    ttft, headers = await stream_ttft(client, f"{config.gateway_url}/v1/chat/completions", body,
+                                                      {"x-keep-rate": f"{keep:g}"})
+                    kept = int(headers.get("x-specprefill-kept-tokens", length))
+                    if measured:
+                        samples.append(Sample("gateway", length, keep, ttft, kept,
+                                              parse_server_timing(headers.get("server-timing")),
+                                              headers.get("x-specprefill-status")))
+                    if keep < 1.0:  # the target reading only the kept tokens, directly
+                        kept_body = {**direct_body, "messages": prompts.make(kept)}
+                        ttft, _ = await stream_ttft(client, f"{config.backend_url}/v1/chat/completions", kept_body,
+                                                    {})
+                        if measured:
+                            samples.append(Sample("direct_kept", length, keep, ttft, kept))
+                progress.update(1)
+        progress.close()
+    return samples, summarize(samples, config.keep_rates)
+
+
+def summarize(samples: list[Sample], keep_rates: list[float]) -> list[Row]:
+    rows = []
+    for length in sorted({s.tokens for s in samples}):
+        direct = [s.ttft_s for s in samples if s.path == "direct" and s.tokens == length]
+        for keep in keep_rates:
+            gateway = [s for s in samples if s.path == "gateway" and s.tokens == length and s.keep_rate == keep]
+            if not direct or not gateway:
+                continue
+            kept_direct = [s.ttft_s for s in samples
+                           if s.path == "direct_kept" and s.tokens == length and s.keep_rate == keep]
+            direct_s = statistics.median(direct)
+            gateway_s = statistics.median(s.ttft_s for s in gateway)
+            draft_s = statistics.median(s.timing_ms.get("draft", 0.0) for s in gateway) / 1e3
+            kept_s = statistics.median(kept_direct) if kept_direct else direct_s
+            ideal = ideal_speedup(direct_s, draft_s, kept_s) if keep < 1.0 else 1.0
+            breakdown = {name: statistics.median(s.timing_ms.get(name, 0.0) for s in gateway)
+                         for name in ("tokenize", "draft", "select", "backend")}
+            breakdown["gateway_overhead"] = max(0.0, gateway_s * 1e3 - sum(breakdown.values()))
+            speedup = direct_s / gateway_s
+            rows.append(Row(
+                tokens=length, keep_rate=keep, kept_tokens=int(statistics.median(s.kept_tokens or 0 for s in gateway)),
+                direct_s=direct_s, gateway_s=gateway_s,
+                gateway_spread_s=max(s.ttft_s for s in gateway) - min(s.ttft_s for s in gateway),
+                draft_s=draft_s, direct_kept_s=kept_s, speedup=speedup, ideal=ideal, efficiency=speedup / ideal,
+                breakdown_ms=breakdown,
+            ))
+    return rows
+
+
+def format_table(rows: list[Row]) -> str:
+    head = (f"{'tokens':>7} {'keep':>5} {'kept':>6} {'direct s':>9} {'gateway s':>10} {'draft s':>8} "
+            f"{'kept s':>7} {'speedup':>8} {'ideal':>6} {'eff.':>5}  breakdown ms (tokenize/draft/select/backend/other)")
+    lines = [head]
+    for r in rows:
+        b = r.breakdown_ms
+        lines.append(
+            f"{r.tokens:>7} {r.keep_rate:>5g} {r.kept_tokens:>6} {r.direct_s:>9.3f} {r.gateway_s:>10.3f} "
+            f"{r.draft_s:>8.3f} {r.direct_kept_s:>7.3f} {r.speedup:>7.2f}x {r.ideal:>5.2f}x {r.efficiency:>5.2f}  "
+            f"{b['tokenize']:.0f}/{b['draft']:.0f}/{b['select']:.0f}/{b['backend']:.0f}/{b['gateway_overhead']:.0f}"
+        )
+    return "\n".join(lines)
+
+
+# --- load mode ---
+
+def poisson_arrivals(rate: float, duration: float, rng: random.Random) -> list[float]:
+    times, t = [], 0.0
+    while True:
+        t += rng.expovariate(rate)
+        if t >= duration:
+            return times
+        times.append(t)
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return math.nan
+    index = min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))
+    return ordered[index]
+
+
+def max_rate_meeting(results: list[dict], slo_s: float) -> float | None:
+    """The highest offered rate whose p99 TTFT met the objective with no errors."""
+    passing = [r["rate"] for r in results if r["p99_s"] <= slo_s and r["errors"] == 0]
+    return max(passing) if passing else None
+
+
+async def run_load(url: str, bodies: list[dict], headers: dict, rates: list[float], duration: float,
+                   seed: int = 0) -> list[dict]:
+    """Poisson arrivals at each rate for ``duration`` seconds; request i sends ``bodies[i % len(bodies)]``."""
+    results = []
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=httpx.Limits(max_connections=1000)) as client:
+        for rate in tqdm(rates, desc=f"load {url}", unit="rate"):
+            arrivals = poisson_arrivals(rate, duration, random.Random(seed))
+            start = time.perf_counter()
+
+            async def one(index: int, at: float) -> float | None:
+                await asyncio.sleep(max(0.0, at - (time.perf_counter() - start)))
+                try:
+                    return (await stream_ttft(client, url, bodies[index % len(bodies)], headers))[0]
+                except Exception:
+                    return None
+
+            ttfts = await asyncio.gather(*(one(i, at) for i, at in enumerate(arrivals)))
+            ok = [t for t in ttfts if t is not None]
+            results.append({"rate": rate, "requests": len(ttfts), "errors": len(ttfts) - len(ok),
+                            "p50_s": percentile(ok, 0.5), "p99_s": percentile(ok, 0.99)})
+    return results
+
+
+# --- output ---
+
+def write_outputs(out_dir: Path, rows: list[Row], samples: list[Sample], load: dict | None, meta: dict) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    payload = {"meta": meta, "rows": [asdict(r) for r in rows], "samples": [asdict(s) for s in samples]}
+    if load:
+        payload["load"] = load
+    written = [out_dir / "bench.json"]
+    written[0].write_text(json.dumps(payload, indent=2))
+    written += plot(out_dir, rows, load)
+    return written
+
+
+def plot(out_dir: Path, rows: list[Row], load: dict | None) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    if rows:
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+        lengths = sorted({r.tokens for r in rows})
+        direct = [next(r.direct_s for r in rows if r.tokens == n) for n in lengths]
+        ax1.plot(lengths, direct, "k-o", label="direct (full prompt)")
+        for keep in sorted({r.keep_rate for r in rows}):
+            sel = [r for r in rows if r.keep_rate == keep]
+            ax1.plot([r.tokens for r in sel], [r.gateway_s for r in sel], "-o", label=f"gateway, keep {keep:g}")
+            if keep < 1.0:
+                ax2.plot([r.tokens for r in sel], [r.speedup for r in sel], "-o", label=f"measured, keep {keep:g}")
+                ax2.plot([r.tokens for r in sel], [r.ideal for r in sel], "--", color=ax2.lines[-1].get_color(),
+                         label=f"ideal, keep {keep:g}")
+        ax1.set(xlabel="prompt tokens", ylabel="TTFT (s)", title="Time to first token", xscale="log", yscale="log")
+        ax2.set(xlabel="prompt tokens", ylabel="speedup over direct", title="TTFT speedup: measured vs ideal",
+                xscale="log")
+        ax1.legend(fontsize=8)
+        ax2.legend(fontsize=7)
+        fig.tight_layout()
+        written.append(out_dir / "ttft.png")
+        fig.savefig(written[-1], dpi=110)
+        plt.close(fig)
+    if load:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for name, results in load["results"].items():
+            ax.plot([r["rate"] for r in results], [r["p50_s"] for r in results], "-o", label=f"{name} p50")
+            ax.plot([r["rate"] for r in results], [r["p99_s"] for r in results], "--o", label=f"{name} p99")
+        ax.axhline(load["slo_s"], color="grey", lw=0.8, label=f"objective {load['slo_s']:g} s")
+        ax.set(xlabel="offered load (requests/s)", ylabel="TTFT (s)", title="TTFT under Poisson load")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        written.append(out_dir / "load.png")
+        fig.savefig(written[-1], dpi=110)
+        plt.close(fig)
+    return written

@@ -1,0 +1,72 @@
+"""The bench's logic on tiny models: the math, a live sweep and load run, its outputs. No timings asserted."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+
+import httpx
+import pytest
+
+from specprefill.bench import (
+    BenchConfig,
+    PromptMaker,
+    Sample,
+    ideal_speedup,
+    max_rate_meeting,
+    parse_server_timing,
+    percentile,
+    poisson_arrivals,
+    run_load,
+    run_sweep,
+    summarize,
+    write_outputs,
+)
+
+
+def test_ideal_and_efficiency_from_samples():
+    samples = [
+        Sample("direct", 1000, 1.0, 10.0), Sample("direct", 1000, 1.0, 12.0),
+        Sample("gateway", 1000, 0.1, 2.0, 100, {"tokenize": 1, "draft": 500, "select": 1, "backend": 1400}),
+        Sample("gateway", 1000, 0.1, 2.2, 100, {"tokenize": 1, "draft": 500, "select": 1, "backend": 1600}),
+        Sample("direct_kept", 1000, 0.1, 1.0, 100),
+    ]
+    (row,) = summarize(samples, [0.1])
+    assert row.direct_s == 11.0 and row.gateway_s == pytest.approx(2.1)
+    assert row.ideal == pytest.approx(ideal_speedup(11.0, 0.5, 1.0)) == pytest.approx(11.0 / 1.5)
+    assert row.speedup == pytest.approx(11.0 / 2.1)
+    assert row.efficiency == pytest.approx(row.speedup / row.ideal)
+    assert row.breakdown_ms["gateway_overhead"] == pytest.approx(2100 - 1 - 500 - 1 - 1500)
+
+
+def test_small_helpers():
+    assert parse_server_timing("tokenize;dur=1.5, draft;dur=20") == {"tokenize": 1.5, "draft": 20.0}
+    assert parse_server_timing(None) == {}
+    assert percentile([1, 2, 3, 4], 0.5) == 2 and percentile(list(range(1, 101)), 0.99) == 99
+    results = [{"rate": 1, "p99_s": 0.5, "errors": 0}, {"rate": 2, "p99_s": 0.9, "errors": 0},
+               {"rate": 4, "p99_s": 3.0, "errors": 0}, {"rate": 3, "p99_s": 0.5, "errors": 2}]
+    assert max_rate_meeting(results, 1.0) == 2 and max_rate_meeting(results, 0.1) is None
+    arrivals = poisson_arrivals(50.0, 20.0, random.Random(0))
+    assert 900 < len(arrivals) < 1100 and arrivals == sorted(arrivals)
+
+
+def test_a_live_sweep_and_load_run(gateway_url, engine_backend, tmp_path):
+    engine_url, _ = engine_backend
+    with httpx.Client(timeout=60) as client:
+        prompts = PromptMaker(client, gateway_url, "tiny")
+        messages = prompts.make(300)
+        assert abs(prompts.count(messages) - 300) <= 30
+        config = BenchConfig(gateway_url, engine_url, "tiny", "target", [200], [0.3, 1.0], repeats=1, warmup=0)
+        samples, rows = asyncio.run(run_sweep(config, prompts))
+    assert {s.path for s in samples} == {"direct", "gateway", "direct_kept"}
+    assert [r.keep_rate for r in rows] == [0.3, 1.0]
+    assert rows[0].kept_tokens < rows[1].kept_tokens and rows[1].ideal == 1.0
+    bodies = [{"model": "tiny", "messages": messages, "max_tokens": 1}]
+    load = asyncio.run(run_load(f"{gateway_url}/v1/chat/completions", bodies, {"x-keep-rate": "0.3"}, [4.0], 1.0))
+    assert load[0]["errors"] == 0 and load[0]["requests"] >= 1 and load[0]["p99_s"] >= load[0]["p50_s"]
+    written = write_outputs(tmp_path, rows, samples, {"slo_s": 1.0, "results": {"gateway": load}}, {"x": 1})
+    assert {p.name for p in written} == {"bench.json", "ttft.png", "load.png"}
+    payload = json.loads((tmp_path / "bench.json").read_text())
+    assert payload["rows"][0]["efficiency"] == rows[0].efficiency
+    assert (tmp_path / "ttft.png").read_bytes()[:4] == b"\x89PNG"
