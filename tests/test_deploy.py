@@ -1,0 +1,78 @@
+"""docker/ and compose.yaml, checked statically (no Docker engine runs here)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+from specprefill_vllm import SUPPORTED_VLLM
+
+from gateway.settings import GatewaySettings
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return yaml.safe_load((ROOT / "compose.yaml").read_text())
+
+
+def _env(service: dict) -> dict[str, str]:
+    return {k: str(v) for k, v in service.get("environment", {}).items()}
+
+
+def test_services_and_healthchecks(compose):
+    services = compose["services"]
+    assert {"redis", "vllm", "draft-worker", "gateway", "tgi", "gateway-text"} <= services.keys()
+    for name, service in services.items():
+        assert "test" in service.get("healthcheck", {}), f"{name} has no healthcheck"
+
+
+def test_images_are_pinned(compose):
+    for name, service in compose["services"].items():
+        image = service.get("image", "")
+        assert image and not image.endswith(":latest") and re.search(r":\d", image), f"{name}: {image!r}"
+    for dockerfile in (ROOT / "docker").glob("*.Dockerfile"):
+        for line in dockerfile.read_text().splitlines():
+            if line.startswith("FROM "):
+                assert re.search(r":v?\d+\.\d+", line) and "latest" not in line, line
+
+
+def test_gpu_reservations(compose):
+    for name in ("vllm", "draft-worker", "tgi"):
+        devices = compose["services"][name]["deploy"]["resources"]["reservations"]["devices"]
+        assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
+    assert "deploy" not in compose["services"]["gateway"]  # the gateway needs no GPU
+
+
+def test_gateway_wiring(compose):
+    services = compose["services"]
+    env = _env(services["gateway"])
+    assert env["SPECPREFILL_BACKEND_URL"] == "http://vllm:8000" and env["SPECPREFILL_BACKEND_KIND"] == "vllm"
+    assert env["SPECPREFILL_REDIS_URL"].startswith("redis://redis:")
+    assert "draft-worker:8002" in env["SPECPREFILL_DRAFT_WORKER_URL"]
+    assert set(services["gateway"]["depends_on"]) == {"redis", "vllm", "draft-worker"}
+    text_env = _env(services["gateway-text"])
+    assert text_env["SPECPREFILL_BACKEND_KIND"] == "text" and services["gateway-text"]["profiles"] == ["tgi"]
+    assert services["vllm"]["environment"]["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+
+
+def test_every_gateway_variable_is_a_setting(compose, monkeypatch):
+    """The variables compose sets are ones the gateway reads, and their values parse."""
+    fields = {f"SPECPREFILL_{name.upper()}" for name in GatewaySettings.model_fields}
+    env = _env(compose["services"]["gateway"])
+    for key, value in env.items():
+        if key.startswith("SPECPREFILL_"):
+            assert key in fields, key
+            monkeypatch.setenv(key, re.sub(r"\$\{[^}:]+:-([^}]*)\}", r"\1", value).replace("${TARGET_MODEL:?set TARGET_MODEL}", "m"))
+    settings = GatewaySettings()
+    assert settings.draft_worker_url == ["http://draft-worker:8002"] and settings.backend_kind == "vllm"
+
+
+def test_the_vllm_image_matches_the_plugin(compose):
+    dockerfile = (ROOT / "docker" / "vllm.Dockerfile").read_text()
+    tag = re.search(r"FROM vllm/vllm-openai:v(\S+)", dockerfile).group(1)
+    assert tag.startswith(SUPPORTED_VLLM) and "pip install --no-cache-dir /opt/specprefill-vllm" in dockerfile
+    assert tag in compose["services"]["vllm"]["image"]
