@@ -1,8 +1,9 @@
 """The reference engine: runs a target model on prompt tokens at explicit positions.
 
-One scheduler thread owns the model. Admitted sequences are prefilled as they arrive, then their decode
-steps are interleaved round-robin, so a new request waits for at most one step of each running one
-(no batching: each sequence has its own KV cache, which keeps positions per sequence trivially right).
+One scheduler thread owns the model. Admitted sequences are prefilled as they arrive, in chunks of
+``prefill_chunk`` tokens, and their steps are interleaved round-robin, so a new request waits for at most
+one step (a decode step or a prefill chunk) of each running one (no batching: each sequence has its own
+KV cache, which keeps positions per sequence trivially right).
 Waiting requests sit in a bounded queue; past it, ``submit`` raises ``OverloadedError`` (503).
 A consumer that stops listening (client disconnect) marks its sequence cancelled, and the scheduler
 drops it before its next step.
@@ -48,6 +49,7 @@ class Sequence:
     outputs: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     cache: DynamicCache | None = None
+    prefilled: int = 0
     next_logits: torch.Tensor | None = None
     generator: torch.Generator | None = None
 
@@ -63,6 +65,7 @@ class ReferenceEngine:
         *,
         max_running: int = 8,
         max_waiting: int = 64,
+        prefill_chunk: int = 2048,
         name: str = "target",
         on_active_change=None,
     ) -> None:
@@ -71,6 +74,7 @@ class ReferenceEngine:
         self.name = name
         self.max_running = max_running
         self.max_waiting = max_waiting
+        self.prefill_chunk = prefill_chunk
         self.eos_ids = set(eos_token_ids(model))
         self._waiting: collections.deque[Sequence] = collections.deque()
         self._running: list[Sequence] = []
@@ -171,10 +175,15 @@ class ReferenceEngine:
     def _step(self, seq: Sequence) -> bool:
         """Prefill or one decode step; returns True when the sequence is finished."""
         device = self.model.device
-        if seq.cache is None:
-            ids = torch.tensor([seq.token_ids], device=device)
-            positions = torch.tensor([seq.position_ids], device=device)
-            seq.next_logits, seq.cache = prefill(self.model, ids, positions)
+        if seq.prefilled < len(seq.token_ids):
+            # prefill in chunks: between them, other sequences step and a cancelled one is dropped
+            end = min(len(seq.token_ids), seq.prefilled + self.prefill_chunk)
+            ids = torch.tensor([seq.token_ids[seq.prefilled:end]], device=device)
+            positions = torch.tensor([seq.position_ids[seq.prefilled:end]], device=device)
+            seq.next_logits, seq.cache = prefill(self.model, ids, positions, seq.cache)
+            seq.prefilled = end
+            if end < len(seq.token_ids):
+                return False
             seq.generator = make_generator(seq.params.seed, device)
         logits = seq.next_logits
         token = sample_next(logits, seq.params, seq.generator)

@@ -7,18 +7,22 @@ from transformers import DynamicCache, PreTrainedModel
 
 
 @torch.inference_mode()
-def prefill(model: PreTrainedModel, input_ids: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, DynamicCache]:
-    """Runs the kept tokens at their original positions into a fresh KV cache of K entries.
+def prefill(
+    model: PreTrainedModel, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: DynamicCache | None = None
+) -> tuple[torch.Tensor, DynamicCache]:
+    """Runs prompt tokens at their original positions into the KV cache (a fresh one, or ``cache`` to continue
+    a chunked prefill); the cache holds only the tokens given, never the gaps between their positions.
 
     input_ids, position_ids: [1, K]; returns last-token logits [V] (float32) and the cache.
     The explicit all-ones mask plus a cache keeps transformers from reading gapped positions as packed
     sequences: the causal mask is by index (kept token i sees kept tokens <= i), RoPE by position.
     """
-    cache = DynamicCache(config=model.config)
+    cache = cache if cache is not None else DynamicCache(config=model.config)
+    past = cache.get_seq_length()
     out = model(
         input_ids=input_ids,
         position_ids=position_ids,
-        attention_mask=torch.ones_like(input_ids),
+        attention_mask=torch.ones(1, past + input_ids.shape[1], dtype=torch.long, device=input_ids.device),
         past_key_values=cache,
         use_cache=True,
         logits_to_keep=1,

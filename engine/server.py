@@ -27,12 +27,13 @@ class EngineMetrics:
 
 
 def build_serving(model_path: str, *, device: str | None = None, dtype: str = "auto", served_name: str | None = None,
-                  max_running: int = 8, max_waiting: int = 64, on_active_change=None) -> EngineServing:
+                  max_running: int = 8, max_waiting: int = 64, prefill_chunk: int = 2048,
+                  on_active_change=None) -> EngineServing:
     from draft_worker.loader import load_causal_lm, load_tokenizer
 
     model = load_causal_lm(model_path, device=device, dtype=dtype)
     engine = ReferenceEngine(model, load_tokenizer(model_path), max_running=max_running, max_waiting=max_waiting,
-                             on_active_change=on_active_change)
+                             prefill_chunk=prefill_chunk, on_active_change=on_active_change)
     names = [n for n in (served_name, str(model_path)) if n]
     return EngineServing(engine, names)
 

@@ -88,7 +88,7 @@ def create_app(settings: GatewaySettings | None = None, *, draft: DraftClient | 
             "backend": {"ready": backend_ready, "kind": serving.backend.kind},
         })
 
-    @app.get("/metrics", dependencies=auth)
+    @app.get("/metrics", dependencies=[] if settings.metrics_public else auth)
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 

@@ -105,6 +105,19 @@ class GatewayServing:
     def model_name(self) -> str:
         return self.served_names[0]
 
+    def check_limits(self, request, token_ids: list[int]) -> None:
+        """The gateway's own limits, before any draft or backend work."""
+        settings = self.settings
+        limit = settings.max_prompt_tokens or _tokenizer_limit(self.tokenizer)
+        if limit is not None and len(token_ids) > limit:
+            param = "messages" if isinstance(request, ChatCompletionRequest) else "prompt"
+            raise InvalidRequestError(f"the prompt has {len(token_ids)} tokens; this gateway accepts at most {limit}",
+                                      param=param, code="context_length_exceeded")
+        requested = request.completion_params().get("max_tokens")
+        if requested is not None and requested > settings.max_tokens_limit:
+            raise InvalidRequestError(f"max_tokens is {requested}; this gateway allows at most "
+                                      f"{settings.max_tokens_limit}", param="max_tokens")
+
     def check_model(self, model: str) -> None:
         if model not in self.served_names:
             raise NotFoundError(f"model {model!r} does not exist; this gateway serves {self.model_name!r}",
@@ -160,10 +173,14 @@ class GatewayServing:
 
     async def chat(self, request: ChatCompletionRequest, headers) -> Answer:
         self.check_model(request.model)
+        if len(request.messages) > self.settings.max_messages:
+            raise InvalidRequestError(f"the chat has {len(request.messages)} messages; this gateway accepts at most "
+                                      f"{self.settings.max_messages}", param="messages")
         options = request_options(headers, request.specprefill, self.settings.keep_rate)
         start = time.perf_counter()
         text, ids = render_chat(self.tokenizer, request.messages)
         tokenize_ms = (time.perf_counter() - start) * 1e3
+        self.check_limits(request, ids)
         plan = await self.plan(ids, options, request.unsupported_features())
         plan.tokenize_ms = tokenize_ms
         backend_model = await self.backend.model_name()
@@ -190,6 +207,7 @@ class GatewayServing:
         start = time.perf_counter()
         ids = self.completion_ids(request)
         tokenize_ms = (time.perf_counter() - start) * 1e3
+        self.check_limits(request, ids)
         plan = await self.plan(ids, options, request.unsupported_features())
         plan.tokenize_ms = tokenize_ms
         backend_model = await self.backend.model_name()
@@ -319,3 +337,8 @@ def _passthrough_body(request, backend_model: str) -> dict:
 
 def _as_tensor(indices: list[int]) -> torch.Tensor | None:
     return torch.as_tensor(indices, dtype=torch.long) if indices else None
+
+
+def _tokenizer_limit(tokenizer) -> int | None:
+    limit = getattr(tokenizer, "model_max_length", None)
+    return limit if isinstance(limit, int) and 0 < limit < 10**9 else None

@@ -44,6 +44,12 @@ class GatewaySettings(ScoringOptions):
     draft_timeout: float = Field(30.0, gt=0, description="seconds before a draft falls back to the full prompt")
     backend_connect_timeout: float = Field(5.0, gt=0, description="seconds to connect to the backend")
     backend_read_timeout: float = Field(600.0, gt=0, description="seconds to wait for each backend read")
+    max_request_bytes: int = Field(16 << 20, gt=0, description="larger request bodies get 413")
+    max_prompt_tokens: int | None = Field(None, gt=0, description="longer prompts get 400 (default: the target's limit)")
+    max_tokens_limit: int = Field(32768, gt=0, description="max_tokens above this gets 400")
+    max_messages: int = Field(4096, gt=0, description="chats with more messages get 400")
+    metrics_public: bool = Field(False, description="serve /metrics without the API key")
+    drain_timeout: float = Field(30.0, ge=0, description="on SIGTERM, seconds in-flight requests may take to finish")
     log_level: str = "info"
 
     @field_validator("keep_rate")

@@ -28,7 +28,7 @@ class SamplingFields(WireModel):
     """The sampling fields that chat and completion requests share and that backends reproduce exactly."""
 
     model: str = Field(description="the served model's name")
-    max_tokens: int | None = None
+    max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     seed: int | None = None
@@ -87,7 +87,7 @@ class ChatMessage(WireModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None

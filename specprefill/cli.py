@@ -38,7 +38,7 @@ class Serve(GatewaySettings):
     def cli_cmd(self) -> None:
         import logging
 
-        import uvicorn
+        from specprefill.server import run_server
 
         from gateway.app import DEMO_NAME, create_app
 
@@ -49,7 +49,8 @@ class Serve(GatewaySettings):
         print(f"SpecPrefill gateway: base URL {base}", flush=True)
         print(f"  try: curl -s {base}/chat/completions -H 'content-type: application/json' "
               f"-H 'x-keep-rate: 0.3' -d '{body}'", flush=True)
-        uvicorn.run(create_app(self), host=self.host, port=self.port, log_level=self.log_level)
+        run_server(create_app(self), host=self.host, port=self.port, log_level=self.log_level,
+                   drain_timeout=self.drain_timeout, max_body_bytes=self.max_request_bytes)
 
 
 class Engine(BaseSettings):
@@ -64,16 +65,19 @@ class Engine(BaseSettings):
     served_model_name: str | None = Field(None, description="the model name clients send (default: --model)")
     max_running: int = Field(8, description="sequences decoded concurrently (interleaved)")
     max_waiting: int = Field(64, description="queued requests beyond which the engine answers 503")
+    prefill_chunk: int = Field(2048, description="prompt tokens per prefill step (cancellation and fairness)")
     log_level: str = "info"
+    drain_timeout: float = Field(30.0, description="on SIGTERM, seconds in-flight requests may take to finish")
 
     def cli_cmd(self) -> None:
-        import uvicorn
+        from specprefill.server import run_server
 
         from engine.server import create_app
 
         app = create_app(self.model, device=self.device, dtype=self.dtype, served_name=self.served_model_name,
-                         max_running=self.max_running, max_waiting=self.max_waiting)
-        uvicorn.run(app, host=self.host, port=self.port, log_level=self.log_level)
+                         max_running=self.max_running, max_waiting=self.max_waiting,
+                         prefill_chunk=self.prefill_chunk)
+        run_server(app, host=self.host, port=self.port, log_level=self.log_level, drain_timeout=self.drain_timeout)
 
 
 class DraftWorkerCmd(ScoringOptions):
@@ -89,9 +93,10 @@ class DraftWorkerCmd(ScoringOptions):
     max_wait_ms: float = Field(5.0, description="how long a request waits for others to batch with")
     prefix_cache_mb: int = Field(1024, description="draft KV kept for prefix reuse (0: off)")
     log_level: str = "info"
+    drain_timeout: float = Field(30.0, description="on SIGTERM, seconds in-flight requests may take to finish")
 
     def cli_cmd(self) -> None:
-        import uvicorn
+        from specprefill.server import run_server
 
         from draft_worker import DraftWorker
         from draft_worker.service import create_app
@@ -102,7 +107,7 @@ class DraftWorkerCmd(ScoringOptions):
 
         app = create_app(factory, max_batch_size=self.max_batch_size, max_batch_tokens=self.max_batch_tokens,
                          max_wait_ms=self.max_wait_ms)
-        uvicorn.run(app, host=self.host, port=self.port, log_level=self.log_level)
+        run_server(app, host=self.host, port=self.port, log_level=self.log_level, drain_timeout=self.drain_timeout)
 
 
 class Bench(BaseSettings):

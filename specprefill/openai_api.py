@@ -118,6 +118,10 @@ def install_error_handlers(app: FastAPI) -> None:
         cls = kinds.get(exc.status_code, InvalidRequestError if exc.status_code < 500 else APIError)
         return error_response(cls(str(exc.detail), status_code=exc.status_code))
 
+    @app.exception_handler(RecursionError)
+    async def _too_deep(_: Request, exc: RecursionError) -> JSONResponse:
+        return error_response(InvalidRequestError("the request body is nested too deeply"))
+
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error")

@@ -9,11 +9,15 @@ from collections.abc import Iterator
 
 import uvicorn
 
+from specprefill.server import GuardMiddleware
+
 
 @contextlib.contextmanager
-def serve(app, *, timeout: float = 60.0) -> Iterator[str]:
-    """Runs ``app`` on 127.0.0.1 at a free port; yields its base URL; stops it on exit."""
-    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
+def serve(app, *, timeout: float = 60.0, port: int = 0, max_body_bytes: int = 16 << 20) -> Iterator[str]:
+    """Runs ``app`` on 127.0.0.1 at a free port (or ``port``) behind the production guard middleware and header
+    limit; yields its base URL; stops it on exit."""
+    config = uvicorn.Config(GuardMiddleware(app, max_body_bytes=max_body_bytes), host="127.0.0.1", port=port,
+                            log_level="warning", lifespan="on")
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

@@ -247,3 +247,20 @@ def test_ignore_eos_generates_exactly_max_tokens(engine_url):
     answer = _complete(engine_url, prompt=_prompt(30, seed=9), max_tokens=40, temperature=1.0, seed=1,
                        ignore_eos=True)
     assert answer["usage"]["completion_tokens"] == 40 and answer["choices"][0]["finish_reason"] == "length"
+
+
+async def test_chunked_prefill_equals_one_prefill(model_pair, target):
+    from engine.engine import ReferenceEngine
+    from engine.sampling import SamplingParams
+    from draft_worker.loader import load_tokenizer
+
+    ids, positions = _gapped(seed=11)
+    results = []
+    for chunk in (7, 4096):
+        engine = ReferenceEngine(target, load_tokenizer(model_pair / "target"), prefill_chunk=chunk)
+        steps = [s async for s in engine.generate(ids, positions, SamplingParams(max_tokens=6, temperature=0,
+                                                                                 logprobs=0))]
+        engine.close()
+        results.append(([s.token_id for s in steps], [s.logprob for s in steps]))
+    assert results[0][0] == results[1][0]
+    assert max(abs(a - b) for a, b in zip(results[0][1], results[1][1])) <= 1e-4

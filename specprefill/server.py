@@ -1,0 +1,114 @@
+"""Running an app: request-size limits, in-flight tracking, and a graceful drain on SIGTERM.
+
+On the first SIGTERM (or SIGINT) the server keeps listening but answers new requests 503 (``/health``
+too, so load balancers take it out), lets in-flight requests and streams finish for up to
+``drain_timeout`` seconds, then stops. A second signal stops it at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+import uvicorn
+
+from specprefill.openai_api import error_body
+
+logger = logging.getLogger("specprefill")
+
+
+class GuardMiddleware:
+    """Pure ASGI: caps request headers (431) and body (413), counts in-flight requests, refuses new ones while
+    draining (503). Every refusal is in OpenAI's error shape."""
+
+    def __init__(self, app, max_body_bytes: int = 16 << 20, max_header_bytes: int = 64 << 10) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+        self.max_header_bytes = max_header_bytes
+        self.in_flight = 0
+        self.draining = False
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if self.draining:
+            return await _send_error(send, 503, "the server is shutting down; retry on another replica",
+                                     "overloaded_error", {"retry-after": "1"})
+        if sum(len(k) + len(v) for k, v in scope["headers"]) > self.max_header_bytes:
+            return await _send_error(send, 431, f"the request headers are larger than {self.max_header_bytes} bytes",
+                                     "invalid_request_error")
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            return await _send_error(send, 413, f"the request body is larger than {self.max_body_bytes} bytes",
+                                     "invalid_request_error")
+        received = 0
+
+        async def limited_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_body_bytes:
+                    raise _BodyTooLarge
+            return message
+
+        self.in_flight += 1
+        started = False
+
+        async def tracking_send(message):
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, tracking_send)
+        except _BodyTooLarge:
+            if not started:
+                await _send_error(send, 413, f"the request body is larger than {self.max_body_bytes} bytes",
+                                  "invalid_request_error")
+        finally:
+            self.in_flight -= 1
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+async def _send_error(send, status: int, message: str, error_type: str, headers: dict | None = None) -> None:
+    body = json.dumps(error_body(message, error_type)).encode()
+    raw_headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    raw_headers += [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": raw_headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, guard: GuardMiddleware, drain_timeout: float) -> None:
+        super().__init__(config)
+        self.guard = guard
+        self.drain_timeout = drain_timeout
+        self._drain_task: asyncio.Task | None = None
+
+    def handle_exit(self, sig, frame) -> None:
+        if self.guard.draining:  # a second signal: stop now
+            return super().handle_exit(sig, frame)
+        self.guard.draining = True
+        logger.warning("draining: refusing new requests, waiting up to %.0f s for %d in flight",
+                       self.drain_timeout, self.guard.in_flight)
+        self._drain_task = asyncio.get_event_loop().create_task(self._drain(sig, frame))
+
+    async def _drain(self, sig, frame) -> None:
+        deadline = asyncio.get_running_loop().time() + self.drain_timeout
+        while self.guard.in_flight > 0 and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        super().handle_exit(sig, frame)
+
+
+def run_server(app, *, host: str, port: int, log_level: str = "info", drain_timeout: float = 30.0,
+               max_body_bytes: int = 16 << 20, max_header_bytes: int = 64 << 10) -> None:
+    guard = GuardMiddleware(app, max_body_bytes=max_body_bytes, max_header_bytes=max_header_bytes)
+    config = uvicorn.Config(guard, host=host, port=port, log_level=log_level,
+                            h11_max_incomplete_event_size=max_header_bytes, timeout_graceful_shutdown=5)
+    DrainingServer(config, guard, drain_timeout).run()

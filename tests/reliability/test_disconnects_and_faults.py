@@ -1,0 +1,178 @@
+"""Client disconnects at each moment release all work; backend faults and shutdown are handled cleanly."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from draft_worker import DraftWorker
+from draft_worker.loader import load_causal_lm, load_tokenizer
+from engine.engine import ReferenceEngine
+from engine.serving import EngineServing
+from engine.server import create_app as create_engine_app
+from gateway.app import create_app
+from gateway.draft import LocalDraft
+from tests.helpers import RecordingApp, chat_messages, gateway_settings
+from tests.servers import serve
+
+
+def _active(engine_url: str) -> float:
+    text = httpx.get(f"{engine_url}/metrics").text
+    return float(next(l.split()[-1] for l in text.splitlines() if l.startswith("specprefill_engine_active_requests ")))
+
+
+async def _wait(predicate, within: float) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        await asyncio.sleep(0.02)
+    return predicate()
+
+
+class SlowDraft(LocalDraft):
+    async def score(self, token_ids):
+        await asyncio.sleep(2.0)
+        return await super().score(token_ids)
+
+
+@pytest.fixture(scope="module")
+def slow_prefill_engine(model_pair):
+    """The reference engine on a target whose prefill chunks take 0.25 s each (slow hardware, simulated)."""
+    model = load_causal_lm(model_pair / "target", device="cpu")
+
+    def slow(module, args, kwargs):
+        ids = kwargs.get("input_ids")
+        if ids is not None and ids.shape[1] > 1:
+            time.sleep(0.25)
+
+    model.register_forward_pre_hook(slow, with_kwargs=True)
+    engine = ReferenceEngine(model, load_tokenizer(model_pair / "target"), prefill_chunk=64)
+    recorder = RecordingApp(create_engine_app(serving=EngineServing(engine, ["target"])))
+    with serve(recorder) as url:
+        yield url, recorder
+    engine.close()
+
+
+async def test_disconnect_during_the_draft_never_reaches_the_backend(model_pair, slow_prefill_engine):
+    engine_url, recorder = slow_prefill_engine
+    worker = DraftWorker.from_pretrained(model_pair / "draft", device="cpu")
+    settings = gateway_settings(model_pair, backend_url=engine_url)
+    with serve(create_app(settings, draft=SlowDraft(worker))) as gw:
+        before = len(recorder.requests)
+        body = {"model": "tiny", "messages": chat_messages("draft?"), "max_tokens": 500, "stream": True}
+        async with httpx.AsyncClient(timeout=60) as client:
+            task = asyncio.create_task(client.post(f"{gw}/v1/chat/completions", json=body,
+                                                   headers={"x-keep-rate": "0.3"}))
+            await asyncio.sleep(0.5)  # inside the 2 s draft
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        await asyncio.sleep(2.5)  # past the draft's end: nothing may be sent on
+        assert len(recorder.requests) == before and _active(engine_url) == 0
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_disconnect_during_prefill_stops_the_engine_within_a_second(model_pair, slow_prefill_engine, stream):
+    engine_url, _ = slow_prefill_engine
+    settings = gateway_settings(model_pair, backend_url=engine_url)
+    with serve(create_app(settings)) as gw:
+        body = {"model": "tiny", "messages": chat_messages("prefill?"), "max_tokens": 500, "stream": stream}
+        async with httpx.AsyncClient(timeout=60) as client:
+            task = asyncio.create_task(client.post(f"{gw}/v1/chat/completions", json=body,
+                                                   headers={"x-specprefill": "off"}))  # the whole prompt: slow
+            assert await _wait(lambda: _active(engine_url) == 1, within=5)
+            await asyncio.sleep(0.3)  # inside the prefill (about 20 chunks of 0.25 s)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        assert await _wait(lambda: _active(engine_url) == 0, within=1.0)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(args: list[str], url: str) -> subprocess.Popen:
+    process = subprocess.Popen([sys.executable, "-m", "specprefill", *args, "--log-level", "warning"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return process
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    process.kill()
+    raise RuntimeError(f"{args[0]} did not start")
+
+
+def _engine_process(model_pair, port: int) -> subprocess.Popen:
+    return _start(["engine", "--model", str(model_pair / "target"), "--port", str(port), "--device", "cpu",
+                   "--served-model-name", "target"], f"http://127.0.0.1:{port}")
+
+
+def test_backend_killed_mid_stream_then_restarted(model_pair):
+    port = _free_port()
+    engine = _engine_process(model_pair, port)
+    settings = gateway_settings(model_pair, backend_url=f"http://127.0.0.1:{port}", backend_model="target")
+    try:
+        with serve(create_app(settings)) as gw:
+            body = {"model": "tiny", "messages": chat_messages("kill?"), "max_tokens": 2000, "stream": True,
+                    "temperature": 0.8, "ignore_eos": True}
+            with httpx.stream("POST", f"{gw}/v1/chat/completions", json=body, timeout=60) as response:
+                assert response.status_code == 200
+                events = []
+                for line in response.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+                        if len(events) == 3:
+                            engine.send_signal(signal.SIGKILL)
+            assert events[-1] == "[DONE]" and "error" in json.loads(events[-2])
+            down = httpx.post(f"{gw}/v1/chat/completions", json={**body, "stream": False, "max_tokens": 1}, timeout=30)
+            assert down.status_code == 502 and down.json()["error"]["code"] == "backend_unreachable"
+            engine.wait()
+            engine = _engine_process(model_pair, port)  # the backend comes back on the same address
+            again = httpx.post(f"{gw}/v1/chat/completions", json={**body, "stream": False, "max_tokens": 1}, timeout=60)
+            assert again.status_code == 200  # the gateway recovered without a restart
+    finally:
+        engine.kill()
+        engine.wait()
+
+
+def test_sigterm_drains_in_flight_streams_and_refuses_new_requests(model_pair):
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    gateway = _start(["serve", "--port", str(port), "--target-model", str(model_pair / "target"),
+                      "--draft-model", str(model_pair / "draft"), "--device", "cpu", "--served-model-name", "tiny",
+                      "--drain-timeout", "20"], url)
+    try:
+        body = {"model": "tiny", "messages": chat_messages("drain?"), "max_tokens": 300, "stream": True,
+                "temperature": 0.8, "ignore_eos": True}
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as response:
+            assert response.status_code == 200
+            lines = response.iter_lines()
+            next(line for line in lines if line.startswith("data: "))
+            gateway.send_signal(signal.SIGTERM)
+            time.sleep(0.3)
+            refused = httpx.post(f"{url}/v1/chat/completions", json={**body, "stream": False}, timeout=10)
+            assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+            assert refused.json()["error"]["type"] == "overloaded_error"
+            assert httpx.get(f"{url}/health", timeout=10).status_code == 503
+            rest = [line[6:] for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "[DONE]" and not any('"error"' in e for e in rest)  # the stream finished whole
+        # uvicorn re-raises the captured SIGTERM once it has shut down cleanly
+        assert gateway.wait(timeout=30) in (0, -signal.SIGTERM)
+    finally:
+        gateway.kill()
+        gateway.wait()
