@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 REDIS_URL  ?= redis://127.0.0.1:6379/0
 
-.PHONY: serve test install redis bench clean
+.PHONY: serve test install redis bench loadtest clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,9 @@ test: $(VENV)/.installed redis
 
 bench: $(VENV)/.installed
 	$(BIN)/python benchmarks/bench_scorer.py
+
+loadtest: $(VENV)/.installed
+	$(BIN)/python benchmarks/loadtest.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

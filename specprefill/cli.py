@@ -138,6 +138,29 @@ class Bench(BaseSettings):
         raise SystemExit(run_bench(self))
 
 
+class Eval(BaseSettings):
+    """Answer quality vs keep rate: the built-in retrieval task, or --dataset FILE.jsonl against --base-url."""
+
+    model_config = _SETTINGS
+    keep_rates: list[float] = Field([0.1, 0.3, 0.5, 1.0], description="keep rates (comma-separated)")
+    out: str = Field("eval_results", description="folder for eval.json (and eval.png)")
+    samples: int = Field(100, description="retrieval: samples")
+    words: int = Field(1500, description="retrieval: words of context per sample (about 1.1 tokens each)")
+    pair: str | None = Field(None, description="retrieval: the trained pair's folder (default: shipped or trained)")
+    dataset: str | None = Field(None, description="JSONL rows: messages or prompt, answers, metric")
+    base_url: str | None = Field(None, description="dataset: the gateway's base URL (without /v1)")
+    model: str | None = Field(None, description="dataset: the model name at the gateway (default: its first)")
+    direct_url: str | None = Field(None, description="dataset: the backend direct (default: x-specprefill: off)")
+    direct_model: str | None = Field(None, description="dataset: the model name at --direct-url")
+    max_tokens: int = Field(64, description="dataset: tokens generated per answer")
+    api_key: str | None = Field(None, description="dataset: Bearer token for the gateway")
+
+    def cli_cmd(self) -> None:
+        from specprefill.eval_cmd import run_eval
+
+        raise SystemExit(run_eval(self))
+
+
 class DemoModels(BaseSettings):
     """Write the demo draft/target pair into DIR (DIR/draft, DIR/target), made locally."""
 
@@ -161,6 +184,7 @@ class Main(BaseSettings, cli_prog_name="specprefill", cli_kebab_case=True, cli_i
     score: CliSubCommand[Score]
     demo_models: CliSubCommand[DemoModels]
     bench: CliSubCommand[Bench]
+    eval: CliSubCommand[Eval]
 
     def cli_cmd(self) -> None:
         CliApp.run_subcommand(self)

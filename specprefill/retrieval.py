@@ -181,3 +181,15 @@ def train_pair(out_dir: Path, *, draft_steps: int = DRAFT_STEPS, target_steps: i
     (out_dir / "retrieval.json").write_text(json.dumps({"version": TASK_VERSION, "seed": seed,
                                                          "draft_steps": draft_steps, "target_steps": target_steps}))
     return out_dir
+
+
+def ensure_retrieval_pair(cache_dir: Path | None = None) -> Path:
+    """The trained pair: shipped with the package when present, else trained once into the cache."""
+    shipped = Path(__file__).parent / "assets" / "retrieval-pair"
+    if (shipped / "retrieval.json").exists():
+        return shipped
+    out = (cache_dir or default_cache_dir()) / f"retrieval-pair-{TASK_VERSION}"
+    if not (out / "retrieval.json").exists():
+        print(f"training the retrieval pair into {out} (once; about 15-25 minutes on 2 CPU cores)", flush=True)
+        train_pair(out)
+    return out

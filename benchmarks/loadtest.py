@@ -1,0 +1,145 @@
+"""Load test: N concurrent streaming clients on loopback for a fixed time, gateway vs the same backend direct.
+
+    .venv/bin/python benchmarks/loadtest.py [--concurrency 200] [--duration 20]     (or: make loadtest)
+
+The backend answers at once (benchmarks/fast_backend.py), so the numbers are the gateway's own cost.
+Prompts are short (they bypass compression: the gateway tokenizes, renders the chat template and
+proxies). Reports requests/s, TTFT p50/p99 (and the gateway's addition), errors, and the gateway's
+resident memory before, during and after the load. Everything runs on this machine: the client, the
+gateway and the backend share its cores, which counts against every number here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def _wait_healthy(url: str, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    raise RuntimeError(f"{url} did not start")
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+async def load(url: str, model: str, concurrency: int, duration: float) -> dict:
+    body = {"model": model, "messages": [{"role": "user", "content": "Hello there, how are you?"}],
+            "max_tokens": 8, "stream": True}
+    ttfts: list[float] = []
+    errors = 0
+    stop_at = time.monotonic() + duration
+    limits = httpx.Limits(max_connections=concurrency * 2, max_keepalive_connections=concurrency * 2)
+    async with httpx.AsyncClient(timeout=60, limits=limits) as client:
+        async def user() -> None:
+            nonlocal errors
+            while time.monotonic() < stop_at:
+                start = time.perf_counter()
+                first = None
+                try:
+                    async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
+                        if response.status_code != 200:
+                            errors += 1
+                            await response.aread()
+                            continue
+                        done = False
+                        async for line in response.aiter_lines():
+                            if first is None and line.startswith("data: {"):
+                                first = time.perf_counter() - start
+                            if line == "data: [DONE]":
+                                done = True
+                        if not done or first is None or '"error"' in line:
+                            errors += 1
+                            continue
+                    ttfts.append(first)
+                except httpx.HTTPError:
+                    errors += 1
+
+        started = time.perf_counter()
+        await asyncio.gather(*(user() for _ in range(concurrency)))
+        elapsed = time.perf_counter() - started
+    return {"requests": len(ttfts), "errors": errors, "rps": len(ttfts) / elapsed,
+            "p50_ms": _percentile(ttfts, 0.5) * 1e3, "p99_ms": _percentile(ttfts, 0.99) * 1e3,
+            "mean_ms": statistics.fmean(ttfts) * 1e3 if ttfts else float("nan")}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--concurrency", type=int, default=200)
+    parser.add_argument("--duration", type=float, default=20.0)
+    args = parser.parse_args()
+    from specprefill.demo_models import ensure_demo_models
+
+    root = ensure_demo_models()
+    backend_port, gateway_port = _free_port(), _free_port()
+    backend_url, gateway_url = f"http://127.0.0.1:{backend_port}", f"http://127.0.0.1:{gateway_port}"
+    processes = [subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "fast_backend.py"), str(backend_port)])]
+    try:
+        _wait_healthy(backend_url)
+        gateway = subprocess.Popen([sys.executable, "-m", "specprefill", "serve", "--port", str(gateway_port),
+                                    "--backend-url", backend_url, "--backend-model", "fast",
+                                    "--target-model", str(root / "target"), "--draft-model", str(root / "draft"),
+                                    "--served-model-name", "demo", "--log-level", "warning"])
+        processes.append(gateway)
+        _wait_healthy(gateway_url)
+        asyncio.run(load(gateway_url, "demo", 4, 2.0))  # warm-up
+        rss_before = _rss_mib(gateway.pid)
+        results = {}
+        for name, url, model in (("sequential direct", backend_url, "fast"), ("sequential gateway", gateway_url, "demo")):
+            results[name] = asyncio.run(load(url, model, 1, min(args.duration, 10.0)))
+        rss_peak = rss_before
+        for name, url, model in (("direct", backend_url, "fast"), ("gateway", gateway_url, "demo")):
+            results[name] = asyncio.run(load(url, model, args.concurrency, args.duration))
+            rss_peak = max(rss_peak, _rss_mib(gateway.pid))
+        time.sleep(3)
+        rss_after = _rss_mib(gateway.pid)
+    finally:
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            process.wait(timeout=30)
+    print(f"\n{'':>19} {'clients':>7} {'requests':>8} {'errors':>6} {'req/s':>7} {'TTFT p50':>9} {'p99':>8}")
+    for name, r in results.items():
+        clients = 1 if name.startswith("sequential") else args.concurrency
+        print(f"{name:>19} {clients:>7} {r['requests']:>8} {r['errors']:>6} {r['rps']:>7.1f} "
+              f"{r['p50_ms']:>7.2f}ms {r['p99_ms']:>6.1f}ms")
+    seq = results["sequential gateway"]["p50_ms"] - results["sequential direct"]["p50_ms"]
+    loaded = results["gateway"]["p50_ms"] - results["direct"]["p50_ms"]
+    print(f"\ngateway p50 TTFT overhead: {seq:.2f} ms with one client, {loaded:.1f} ms with {args.concurrency}")
+    print(f"gateway resident memory: {rss_before:.0f} MiB before, {rss_peak:.0f} MiB at peak, "
+          f"{rss_after:.0f} MiB 3 s after the load")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+"""``specprefill eval``: the built-in retrieval evaluation, or a JSONL dataset against an OpenAI endpoint."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from specprefill.cli import Eval
+
+
+def run_eval(options: Eval) -> int:
+    out = Path(options.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if options.dataset:
+        from specprefill.eval import evaluate_dataset, load_dataset
+
+        if not options.base_url:
+            print("specprefill eval: --dataset needs --base-url (the gateway)", file=sys.stderr)
+            return 2
+        rows = load_dataset(Path(options.dataset))
+        model = options.model
+        if model is None:
+            import httpx
+
+            model = httpx.get(f"{options.base_url.rstrip('/')}/v1/models", timeout=30).json()["data"][0]["id"]
+        results = evaluate_dataset(rows, options.base_url.rstrip("/"), model, options.keep_rates,
+                                   direct_url=options.direct_url, direct_model=options.direct_model,
+                                   max_tokens=options.max_tokens, api_key=options.api_key)
+        print(f"{'variant':>10} {'score':>7} {'kept':>6}")
+        for name, r in results.items():
+            kept = f"{r['kept_fraction']:.1%}" if r["kept_fraction"] is not None else "-"
+            print(f"{name:>10} {r['score']:>7.3f} {kept:>6}")
+        (out / "eval.json").write_text(json.dumps({"dataset": options.dataset, "rows": len(rows), "results": results},
+                                                  indent=2))
+        print(f"wrote {out / 'eval.json'}")
+        return 0
+
+    from specprefill.eval import evaluate_retrieval, format_retrieval, plot_retrieval
+    from specprefill.retrieval import ensure_retrieval_pair
+
+    pair = Path(options.pair) if options.pair else ensure_retrieval_pair()
+    result = evaluate_retrieval(pair, samples=options.samples, words=options.words, keep_rates=options.keep_rates)
+    print(format_retrieval(result))
+    payload = asdict(result) | {"pair": str(pair), "words": options.words}
+    (out / "eval.json").write_text(json.dumps(payload, indent=2))
+    written = plot_retrieval(result, out / "eval.png")
+    print(f"wrote {out / 'eval.json'}, {written}")
+    return 0
