@@ -18,6 +18,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import httpx
@@ -59,6 +60,7 @@ async def load(url: str, model: str, concurrency: int, duration: float) -> dict:
             "max_tokens": 8, "stream": True}
     ttfts: list[float] = []
     errors = 0
+    reasons: Counter[str] = Counter()
     stop_at = time.monotonic() + duration
     limits = httpx.Limits(max_connections=concurrency * 2, max_keepalive_connections=concurrency * 2)
     async with httpx.AsyncClient(timeout=60, limits=limits) as client:
@@ -71,7 +73,7 @@ async def load(url: str, model: str, concurrency: int, duration: float) -> dict:
                     async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
                         if response.status_code != 200:
                             errors += 1
-                            await response.aread()
+                            reasons[f"HTTP {response.status_code}: {(await response.aread())[:120]!r}"] += 1
                             continue
                         done = False
                         async for line in response.aiter_lines():
@@ -81,17 +83,19 @@ async def load(url: str, model: str, concurrency: int, duration: float) -> dict:
                                 done = True
                         if not done or first is None or '"error"' in line:
                             errors += 1
+                            reasons[f"stream: {line[:160]}"] += 1
                             continue
                     ttfts.append(first)
-                except httpx.HTTPError:
+                except httpx.HTTPError as exc:
                     errors += 1
+                    reasons[type(exc).__name__] += 1
 
         started = time.perf_counter()
         await asyncio.gather(*(user() for _ in range(concurrency)))
         elapsed = time.perf_counter() - started
     return {"requests": len(ttfts), "errors": errors, "rps": len(ttfts) / elapsed,
             "p50_ms": _percentile(ttfts, 0.5) * 1e3, "p99_ms": _percentile(ttfts, 0.99) * 1e3,
-            "mean_ms": statistics.fmean(ttfts) * 1e3 if ttfts else float("nan")}
+            "mean_ms": statistics.fmean(ttfts) * 1e3 if ttfts else float("nan"), "error_reasons": dict(reasons)}
 
 
 def main() -> None:
@@ -134,6 +138,9 @@ def main() -> None:
         clients = 1 if name.startswith("sequential") else args.concurrency
         print(f"{name:>19} {clients:>7} {r['requests']:>8} {r['errors']:>6} {r['rps']:>7.1f} "
               f"{r['p50_ms']:>7.2f}ms {r['p99_ms']:>6.1f}ms")
+    for name, r in results.items():
+        if r["error_reasons"]:
+            print(f"{name} errors: {r['error_reasons']}")
     seq = results["sequential gateway"]["p50_ms"] - results["sequential direct"]["p50_ms"]
     loaded = results["gateway"]["p50_ms"] - results["direct"]["p50_ms"]
     print(f"\ngateway p50 TTFT overhead: {seq:.2f} ms with one client, {loaded:.1f} ms with {args.concurrency}")

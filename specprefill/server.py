@@ -110,5 +110,8 @@ def run_server(app, *, host: str, port: int, log_level: str = "info", drain_time
                max_body_bytes: int = 16 << 20, max_header_bytes: int = 64 << 10) -> None:
     guard = GuardMiddleware(app, max_body_bytes=max_body_bytes, max_header_bytes=max_header_bytes)
     config = uvicorn.Config(guard, host=host, port=port, log_level=log_level,
-                            h11_max_incomplete_event_size=max_header_bytes, timeout_graceful_shutdown=5)
+                            h11_max_incomplete_event_size=max_header_bytes, timeout_graceful_shutdown=5,
+                            # idle keep-alive longer than a typical load balancer's (60 s), so a client never
+                            # sends on a connection the server is closing at that instant
+                            timeout_keep_alive=75)
     DrainingServer(config, guard, drain_timeout).run()
