@@ -1,6 +1,8 @@
-"""Trains the retrieval draft/target pair that `specprefill eval` uses (fixed seeds: reproducible on a CPU).
+"""Trains the retrieval draft/target pair for `specprefill eval --pair DIR` (fixed seeds; experimental recipe).
 
-    .venv/bin/python benchmarks/train_retrieval_pair.py [OUT_DIR]    (default: specprefill/assets/retrieval-pair)
+    .venv/bin/python benchmarks/train_retrieval_pair.py OUT_DIR
+
+See specprefill.retrieval.train for what this recipe does and does not reach yet.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from pathlib import Path
 from specprefill.retrieval import train_pair
 
 if __name__ == "__main__":
-    out = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).resolve().parents[1] / "specprefill" / "assets" / "retrieval-pair"
-    train_pair(out)
+    if len(sys.argv) != 2:
+        raise SystemExit(__doc__)
+    out = train_pair(Path(sys.argv[1]))
     print(f"wrote {out}")

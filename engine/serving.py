@@ -16,6 +16,7 @@ from engine.protocol import CompletionRequest
 from engine.sampling import SamplingParams
 from specprefill.chat_format import ChatChunkConverter, ChatCompletionRequest, completion_to_chat, render_chat
 from specprefill.openai_api import InvalidRequestError, NotFoundError
+from specprefill.streams import as_chat_chunks, prepend
 
 
 @dataclass(slots=True)
@@ -108,7 +109,7 @@ class EngineServing:
         chunks = self._stream(request, prepared)
         # run to the first token here, so that admission errors (a full queue: 503) come before any byte is sent
         first = await anext(chunks)
-        return _prepend(first, chunks)
+        return prepend(first, chunks)
 
     async def _stream(self, request: CompletionRequest, prepared: PreparedRequest) -> AsyncIterator[dict]:
         completion_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -158,7 +159,7 @@ class EngineServing:
 
     async def chat_completion_stream(self, request: ChatCompletionRequest) -> AsyncIterator[dict]:
         chunks = await self.completion_stream(self._chat_as_completion(request))
-        return _chat_chunks(chunks, ChatChunkConverter(self.model_name))
+        return as_chat_chunks(chunks, ChatChunkConverter(self.model_name))
 
     def _logprobs(self, steps: list[StepOutput], offset: int) -> dict:
         decode = self.engine.tokenizer.decode
@@ -175,24 +176,6 @@ class EngineServing:
             ],
             "text_offset": offsets,
         }
-
-
-async def _chat_chunks(chunks: AsyncIterator[dict], converter: ChatChunkConverter) -> AsyncIterator[dict]:
-    try:
-        async for chunk in chunks:
-            for chat_chunk in converter.convert(chunk):
-                yield chat_chunk
-    finally:
-        await chunks.aclose()
-
-
-async def _prepend(first: dict, rest: AsyncIterator[dict]) -> AsyncIterator[dict]:
-    try:
-        yield first
-        async for chunk in rest:
-            yield chunk
-    finally:
-        await rest.aclose()
 
 
 def _check_positions(positions: list[int], n_tokens: int, max_positions: int) -> None:

@@ -18,6 +18,7 @@ from engine.protocol import CompletionRequest as EngineCompletionRequest
 from engine.serving import EngineServing
 from specprefill.chat_format import ChatCompletionRequest
 from specprefill.openai_api import APIError, UpstreamError, parse_body
+from specprefill.streams import prepend
 
 
 class Backend(Protocol):
@@ -147,7 +148,7 @@ class HTTPBackend:
         except BaseException:
             await events.aclose()
             raise
-        return _prepend(first, events)
+        return prepend(first, events)
 
 
 async def _sse_events(response: httpx.Response) -> AsyncIterator[dict]:
@@ -171,15 +172,6 @@ async def _sse_events(response: httpx.Response) -> AsyncIterator[dict]:
                             code="backend_error") from None
     finally:
         await response.aclose()
-
-
-async def _prepend(first: dict, rest: AsyncIterator[dict]) -> AsyncIterator[dict]:
-    try:
-        yield first
-        async for event in rest:
-            yield event
-    finally:
-        await rest.aclose()
 
 
 def _transport_error(exc: httpx.HTTPError) -> APIError:

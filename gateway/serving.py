@@ -29,6 +29,7 @@ from specprefill.chat_format import (
     render_chat,
 )
 from specprefill.openai_api import InvalidRequestError, NotFoundError, parse_body
+from specprefill.streams import as_chat_chunks
 
 logger = logging.getLogger("specprefill.gateway")
 DROPPED_MARK = " … "
@@ -171,19 +172,31 @@ class GatewayServing:
 
     # --- requests ---
 
-    async def chat(self, request: ChatCompletionRequest, headers) -> Answer:
+    async def _planned(self, request, headers, tokenize) -> tuple[Plan, list[int], str]:
+        """The steps every chat and completion request takes before the backend: checks, tokens, the plan."""
         self.check_model(request.model)
-        if len(request.messages) > self.settings.max_messages:
-            raise InvalidRequestError(f"the chat has {len(request.messages)} messages; this gateway accepts at most "
-                                      f"{self.settings.max_messages}", param="messages")
         options = request_options(headers, request.specprefill, self.settings.keep_rate)
         start = time.perf_counter()
-        text, ids = render_chat(self.tokenizer, request.messages)
+        ids = tokenize()
         tokenize_ms = (time.perf_counter() - start) * 1e3
         self.check_limits(request, ids)
         plan = await self.plan(ids, options, request.unsupported_features())
         plan.tokenize_ms = tokenize_ms
-        backend_model = await self.backend.model_name()
+        return plan, ids, await self.backend.model_name()
+
+    async def chat(self, request: ChatCompletionRequest, headers) -> Answer:
+        if len(request.messages) > self.settings.max_messages:
+            raise InvalidRequestError(f"the chat has {len(request.messages)} messages; this gateway accepts at most "
+                                      f"{self.settings.max_messages}", param="messages")
+        rendered: list[str] = []
+
+        def tokenize() -> list[int]:
+            text, ids = render_chat(self.tokenizer, request.messages)
+            rendered.append(text)
+            return ids
+
+        plan, ids, backend_model = await self._planned(request, headers, tokenize)
+        text = rendered[0]
         kind = self.backend.kind
         if plan.passthrough or (kind == "text" and plan.kept_indices is None):
             body = _passthrough_body(request, backend_model)
@@ -197,20 +210,12 @@ class GatewayServing:
         converter = ChatChunkConverter(self.model_name)
         if request.stream:
             stream = await self._timed(plan, self.backend.completion_stream(body))
-            return Answer(plan, stream=self._rewrite_stream(_converted(stream, converter), plan))
+            return Answer(plan, stream=self._rewrite_stream(as_chat_chunks(stream, converter), plan))
         answer = await self._timed(plan, self.backend.completion(body))
         return Answer(plan, body=self._rewrite(completion_to_chat(answer, self.model_name), plan))
 
     async def completion(self, request: CompletionRequest, headers) -> Answer:
-        self.check_model(request.model)
-        options = request_options(headers, request.specprefill, self.settings.keep_rate)
-        start = time.perf_counter()
-        ids = self.completion_ids(request)
-        tokenize_ms = (time.perf_counter() - start) * 1e3
-        self.check_limits(request, ids)
-        plan = await self.plan(ids, options, request.unsupported_features())
-        plan.tokenize_ms = tokenize_ms
-        backend_model = await self.backend.model_name()
+        plan, ids, backend_model = await self._planned(request, headers, lambda: self.completion_ids(request))
         kind = self.backend.kind
         if plan.passthrough or (kind == "text" and plan.kept_indices is None):
             body = _passthrough_body(request, backend_model)
@@ -318,15 +323,6 @@ class GatewayServing:
                 out["content"] = content
             messages.append(out)
         return messages
-
-
-async def _converted(stream: AsyncIterator[dict], converter: ChatChunkConverter) -> AsyncIterator[dict]:
-    try:
-        async for chunk in stream:
-            for chat_chunk in converter.convert(chunk):
-                yield chat_chunk
-    finally:
-        await stream.aclose()
 
 
 def _passthrough_body(request, backend_model: str) -> dict:

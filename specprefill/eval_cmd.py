@@ -42,6 +42,11 @@ def run_eval(options: Eval) -> int:
     from specprefill.eval import evaluate_retrieval, format_retrieval, plot_retrieval
     from specprefill.retrieval import ensure_retrieval_pair
 
+    if not options.pair and not options.train:
+        print("specprefill eval: give --pair DIR (a trained draft/target pair: DIR/draft, DIR/target), or --train "
+              "to train one with the experimental recipe (20-40 min), or --dataset FILE --base-url URL",
+              file=sys.stderr)
+        return 2
     pair = Path(options.pair) if options.pair else ensure_retrieval_pair()
     result = evaluate_retrieval(pair, samples=options.samples, words=options.words, keep_rates=options.keep_rates)
     print(format_retrieval(result))

@@ -101,3 +101,22 @@ def test_dataset_mode_against_a_live_gateway(gateway_url, tmp_path):
     bad.write_text(json.dumps({"prompt": "x"}))
     with pytest.raises(ValueError, match="answers"):
         load_dataset(bad)
+
+
+def test_builtin_eval_needs_a_pair_or_an_explicit_train(tmp_path):
+    from specprefill.cli import main
+
+    with pytest.raises(SystemExit) as excinfo:
+        main(["eval", "--out", str(tmp_path)])
+    assert excinfo.value.code == 2
+
+
+def test_builtin_eval_command_on_a_given_pair(tiny_retrieval_pair, tmp_path):
+    from specprefill.cli import main
+
+    with pytest.raises(SystemExit) as excinfo:
+        main(["eval", "--pair", str(tiny_retrieval_pair), "--samples", "2", "--words", "120",
+              "--keep-rates", "0.3,1.0", "--out", str(tmp_path)])
+    assert excinfo.value.code == 0
+    payload = json.loads((tmp_path / "eval.json").read_text())
+    assert payload["samples"] == 2 and (tmp_path / "eval.png").exists()
