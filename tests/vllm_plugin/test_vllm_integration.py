@@ -194,3 +194,16 @@ def test_the_gateway_in_front_of_vllm_answers_the_openai_sdk(vllm_servers, engin
                 extra_headers={"x-keep-rate": "0.3"})
             assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == answers[kind]
     assert answers["vllm"] == answers["reference"] and answers["vllm"]
+
+
+def test_tokens_kind_works_against_stock_vllm(vllm_servers, model_pair):
+    settings = gateway_settings(model_pair, backend_url=vllm_servers["stock"], backend_kind="tokens")
+    with serve(create_app(settings)) as gw:
+        client = openai.OpenAI(base_url=f"{gw}/v1", api_key="unused", max_retries=0)
+        raw = client.chat.completions.with_raw_response.create(
+            model="tiny", messages=chat_messages("stock?"), max_tokens=4, temperature=0,
+            extra_headers={"x-keep-rate": "0.3"})
+        assert raw.headers["x-specprefill-status"] == "compressed"
+        assert raw.parse().choices[0].message.content
+        completion = client.completions.create(model="tiny", prompt="w1 w2 w3", max_tokens=2)  # short: bypassed
+        assert completion.choices[0].text is not None
