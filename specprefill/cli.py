@@ -36,13 +36,9 @@ class Serve(GatewaySettings):
     """The gateway: OpenAI-compatible, compresses long prompts with SpecPrefill."""
 
     def cli_cmd(self) -> None:
-        import logging
-
+        from gateway.app import DEMO_NAME, create_app
         from specprefill.server import run_server
 
-        from gateway.app import DEMO_NAME, create_app
-
-        logging.basicConfig(level=self.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         base = f"http://{self.host}:{self.port}/v1"
         model = self.served_model_name or self.target_model or DEMO_NAME
         body = dumps({"model": model, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 16})

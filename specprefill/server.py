@@ -108,6 +108,7 @@ class DrainingServer(uvicorn.Server):
 
 def run_server(app, *, host: str, port: int, log_level: str = "info", drain_timeout: float = 30.0,
                max_body_bytes: int = 16 << 20, max_header_bytes: int = 64 << 10) -> None:
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     guard = GuardMiddleware(app, max_body_bytes=max_body_bytes, max_header_bytes=max_header_bytes)
     config = uvicorn.Config(guard, host=host, port=port, log_level=log_level,
                             h11_max_incomplete_event_size=max_header_bytes, timeout_graceful_shutdown=5,
