@@ -132,7 +132,8 @@ def train(shape: PairShape, tokenizer, *, steps: int, seed: int, log_every: int 
     128 words, where always naming one of the ~3 values present already scores a third; it copies a value
     from the context but has not learned to select it by key (an induction head has not formed). Repeat-
     sequence pre-training forms induction in ~150 steps only when the repeat sits at a fixed distance (a
-    positional shortcut that does not transfer); with random distances it did not form in 600 steps.
+    positional shortcut that does not transfer); with random distances it did not form in 600 steps, nor
+    with a curriculum that widened the distance jitter from 0 to 100 over the first 400 steps.
     """
     torch.manual_seed(seed)
     rng = random.Random(seed)
