@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import socket
 import statistics
 import subprocess
 import sys
@@ -23,13 +22,9 @@ from pathlib import Path
 
 import httpx
 
+from specprefill.bench_cmd import free_port, wait_healthy
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rss_mib(pid: int) -> float:
@@ -37,17 +32,6 @@ def _rss_mib(pid: int) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return float("nan")
-
-
-def _wait_healthy(url: str, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    raise RuntimeError(f"{url} did not start")
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -106,17 +90,17 @@ def main() -> None:
     from specprefill.demo_models import ensure_demo_models
 
     root = ensure_demo_models()
-    backend_port, gateway_port = _free_port(), _free_port()
+    backend_port, gateway_port = free_port(), free_port()
     backend_url, gateway_url = f"http://127.0.0.1:{backend_port}", f"http://127.0.0.1:{gateway_port}"
     processes = [subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "fast_backend.py"), str(backend_port)])]
     try:
-        _wait_healthy(backend_url)
+        wait_healthy(backend_url)
         gateway = subprocess.Popen([sys.executable, "-m", "specprefill", "serve", "--port", str(gateway_port),
                                     "--backend-url", backend_url, "--backend-model", "fast",
                                     "--target-model", str(root / "target"), "--draft-model", str(root / "draft"),
                                     "--served-model-name", "demo", "--log-level", "warning"])
         processes.append(gateway)
-        _wait_healthy(gateway_url)
+        wait_healthy(gateway_url)
         asyncio.run(load(gateway_url, "demo", 4, 2.0))  # warm-up
         rss_before = _rss_mib(gateway.pid)
         results = {}

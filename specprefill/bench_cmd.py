@@ -20,16 +20,16 @@ if TYPE_CHECKING:
     from specprefill.cli import Bench
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _wait_healthy(url: str, process: subprocess.Popen, timeout: float = 600) -> None:
+def wait_healthy(url: str, process: subprocess.Popen | None = None, timeout: float = 600) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if process.poll() is not None:
+        if process is not None and process.poll() is not None:
             raise RuntimeError(f"the server for {url} exited with {process.returncode}")
         try:
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:
@@ -46,18 +46,18 @@ def launched_demo(extra_gateway_args: list[str]) -> Iterator[tuple[str, str]]:
     from specprefill.demo_models import ensure_demo_models
 
     root = ensure_demo_models()
-    engine_port, gateway_port = _free_port(), _free_port()
+    engine_port, gateway_port = free_port(), free_port()
     engine_url, gateway_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{gateway_port}"
     cli = [sys.executable, "-m", "specprefill"]
     processes = [subprocess.Popen(cli + ["engine", "--model", str(root / "target"), "--port", str(engine_port),
                                          "--log-level", "warning"])]
     try:
-        _wait_healthy(engine_url, processes[0])
+        wait_healthy(engine_url, processes[0])
         processes.append(subprocess.Popen(cli + [
             "serve", "--port", str(gateway_port), "--backend-url", engine_url,
             "--target-model", str(root / "target"), "--draft-model", str(root / "draft"),
             "--served-model-name", "specprefill-demo", "--log-level", "warning", *extra_gateway_args]))
-        _wait_healthy(gateway_url, processes[1])
+        wait_healthy(gateway_url, processes[1])
         yield gateway_url, engine_url
     finally:
         for process in processes:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -32,3 +33,10 @@ def serve(app, *, timeout: float = 60.0, port: int = 0, max_body_bytes: int = 16
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+def free_port() -> int:
+    """A port nothing listens on right now (for servers started as separate processes)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

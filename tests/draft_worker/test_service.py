@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import subprocess
 import sys
 import time
@@ -18,17 +17,11 @@ from gateway.app import create_app
 from gateway.draft import decode_wire_scores
 from tests.helpers import gateway_settings
 from tests.helpers import chat_messages as _messages
-from tests.servers import serve
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.servers import free_port, serve
 
 
 def _start_worker(model_dir) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
+    port = free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "specprefill", "draft-worker", "--model", str(model_dir), "--port", str(port),
          "--device", "cpu", "--log-level", "warning"],

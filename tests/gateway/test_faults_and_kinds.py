@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 
 import httpx
 import openai
@@ -18,7 +17,7 @@ from tests.helpers import gateway_settings
 from tests.gateway.test_gateway import _client
 from tests.helpers import LONG_DOC
 from tests.helpers import chat_messages as _messages
-from tests.servers import serve
+from tests.servers import free_port, serve
 
 
 def _body(**extra) -> dict:
@@ -92,14 +91,8 @@ def test_a_failing_draft_forwards_the_full_prompt(model_pair, engine_backend):
         assert httpx.get(f"{gw}/health").json()["status"] == "degraded"
 
 
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_an_unreachable_backend_is_a_502(model_pair):
-    settings = gateway_settings(model_pair, backend_url=f"http://127.0.0.1:{_closed_port()}", backend_model="m")
+    settings = gateway_settings(model_pair, backend_url=f"http://127.0.0.1:{free_port()}", backend_model="m")
     with serve(create_app(settings)) as gw:
         with pytest.raises(openai.APIStatusError) as excinfo:
             _client(gw).chat.completions.create(**_body())

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-import socket
 import subprocess
 import time
 
@@ -20,7 +19,7 @@ from gateway.cache import MemoryScoreCache, decode_scores, encode_scores
 from gateway.draft import LocalDraft
 from tests.helpers import gateway_settings
 from tests.helpers import chat_messages as _messages
-from tests.servers import serve
+from tests.servers import free_port, serve
 
 
 class CountingDraft(LocalDraft):
@@ -40,9 +39,7 @@ class RedisProcess:
         binary = shutil.which("redis-server")
         assert binary, "redis-server is needed (make test installs it)"
         self.binary = binary
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.process: subprocess.Popen | None = None
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,7 +20,7 @@ from engine.server import create_app as create_engine_app
 from gateway.app import create_app
 from gateway.draft import LocalDraft
 from tests.helpers import RecordingApp, chat_messages, gateway_settings
-from tests.servers import serve
+from tests.servers import free_port, serve
 
 
 def _active(engine_url: str) -> float:
@@ -97,12 +96,6 @@ async def test_disconnect_during_prefill_stops_the_engine_within_a_second(model_
         assert await _wait(lambda: _active(engine_url) == 0, within=1.0)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start(args: list[str], url: str) -> subprocess.Popen:
     process = subprocess.Popen([sys.executable, "-m", "specprefill", *args, "--log-level", "warning"],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -123,7 +116,7 @@ def _engine_process(model_pair, port: int) -> subprocess.Popen:
 
 
 def test_backend_killed_mid_stream_then_restarted(model_pair):
-    port = _free_port()
+    port = free_port()
     engine = _engine_process(model_pair, port)
     settings = gateway_settings(model_pair, backend_url=f"http://127.0.0.1:{port}", backend_model="target")
     try:
@@ -151,7 +144,7 @@ def test_backend_killed_mid_stream_then_restarted(model_pair):
 
 
 def test_sigterm_drains_in_flight_streams_and_refuses_new_requests(model_pair):
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     gateway = _start(["serve", "--port", str(port), "--target-model", str(model_pair / "target"),
                       "--draft-model", str(model_pair / "draft"), "--device", "cpu", "--served-model-name", "tiny",

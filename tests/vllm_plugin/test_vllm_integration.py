@@ -7,7 +7,6 @@ Both vLLM servers start side by side (about 1-2 minutes on 2 cores, torch.compil
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -19,16 +18,10 @@ import torch
 
 from gateway.app import create_app
 from tests.helpers import chat_messages, gateway_settings
-from tests.servers import serve
+from tests.servers import free_port, serve
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.vllm
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _vllm_python() -> str:
@@ -40,7 +33,7 @@ def _vllm_python() -> str:
 
 class VLLMServer:
     def __init__(self, python: str, model: Path, log: Path, *, plugin: bool) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
         env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1",
