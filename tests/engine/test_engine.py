@@ -134,11 +134,11 @@ def test_seeded_sampling_is_reproducible_and_stop_strings_cut(engine_url):
     first, second = _complete(engine_url, **body), _complete(engine_url, **body)
     assert first["choices"][0]["text"] == second["choices"][0]["text"]
     text = first["choices"][0]["text"]
-    if len(text) > 4:
-        stop = text[2:4]
-        cut = _complete(engine_url, **body, stop=[stop])
-        assert cut["choices"][0]["text"] == text[: text.find(stop)]
-        assert cut["choices"][0]["finish_reason"] == "stop"
+    assert len(text) > 4, "pick another seed: the sample is too short to cut"
+    stop = text[2:4]
+    cut = _complete(engine_url, **body, stop=[stop])
+    assert cut["choices"][0]["text"] == text[: text.find(stop)]
+    assert cut["choices"][0]["finish_reason"] == "stop"
 
 
 BAD_REQUESTS = [
