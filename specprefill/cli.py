@@ -142,8 +142,9 @@ class Eval(BaseSettings):
     out: str = Field("eval_results", description="folder for eval.json (and eval.png)")
     samples: int = Field(100, description="retrieval: samples")
     words: int = Field(1500, description="retrieval: words of context per sample (about 1.1 tokens each)")
-    pair: str | None = Field(None, description="retrieval: a trained pair's folder (DIR/draft, DIR/target)")
-    train: bool = Field(False, description="retrieval: train a pair first (experimental recipe, 20-40 min)")
+    pair: str | None = Field(None, description="retrieval: a pair's folder (DIR/draft, DIR/target); "
+                                                "default: the one shipped in the package")
+    train: bool = Field(False, description="retrieval: retrain the pair into the cache first (about 30 min)")
     dataset: str | None = Field(None, description="JSONL rows: messages or prompt, answers, metric")
     base_url: str | None = Field(None, description="dataset: the gateway's base URL (without /v1)")
     model: str | None = Field(None, description="dataset: the model name at the gateway (default: its first)")

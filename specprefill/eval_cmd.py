@@ -40,14 +40,15 @@ def run_eval(options: Eval) -> int:
         return 0
 
     from specprefill.eval import evaluate_retrieval, format_retrieval, plot_retrieval
-    from specprefill.retrieval import ensure_retrieval_pair
+    from specprefill.retrieval import SHIPPED_PAIR, ensure_retrieval_pair
 
-    if not options.pair and not options.train:
-        print("specprefill eval: give --pair DIR (a trained draft/target pair: DIR/draft, DIR/target), or --train "
-              "to train one with the experimental recipe (20-40 min), or --dataset FILE --base-url URL",
-              file=sys.stderr)
+    if options.pair and options.train:
+        print("specprefill eval: give --pair DIR or --train, not both", file=sys.stderr)
         return 2
-    pair = Path(options.pair) if options.pair else ensure_retrieval_pair()
+    pair = Path(options.pair) if options.pair else ensure_retrieval_pair() if options.train else SHIPPED_PAIR
+    if not (pair / "draft").is_dir() or not (pair / "target").is_dir():
+        print(f"specprefill eval: {pair} needs draft/ and target/ model folders", file=sys.stderr)
+        return 2
     result = evaluate_retrieval(pair, samples=options.samples, words=options.words, keep_rates=options.keep_rates)
     print(format_retrieval(result))
     payload = asdict(result) | {"pair": str(pair), "words": options.words}

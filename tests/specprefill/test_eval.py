@@ -20,7 +20,17 @@ from specprefill.eval import (
     rouge_l,
     substring,
 )
-from specprefill.retrieval import N_VALUES, PairShape, _training_batch, make_sample, make_tokenizer, save, train
+from specprefill.retrieval import (
+    N_VALUES,
+    SHIPPED_PAIR,
+    PairShape,
+    _training_batch,
+    circuit_losses,
+    make_sample,
+    make_tokenizer,
+    save,
+    train,
+)
 from tests.helpers import LONG_DOC
 
 
@@ -72,7 +82,7 @@ def test_training_batches_point_at_the_answers():
 def tiny_retrieval_pair(tmp_path_factory):
     tokenizer = make_tokenizer()
     root = tmp_path_factory.mktemp("retrieval")
-    for name, shape in (("draft", PairShape(32, 1, 2, 1)), ("target", PairShape(32, 1, 2, 1))):
+    for name, shape in (("draft", PairShape(32, 2, 2, 1)), ("target", PairShape(32, 2, 2, 1))):
         model = train(shape, tokenizer, steps=3, seed=1, log_every=0, schedule=((1.0, 64),), tokens_per_batch=256)
         save(model, tokenizer, root / name)
     return root
@@ -103,12 +113,40 @@ def test_dataset_mode_against_a_live_gateway(gateway_url, tmp_path):
         load_dataset(bad)
 
 
-def test_builtin_eval_needs_a_pair_or_an_explicit_train(tmp_path):
+@pytest.mark.parametrize("args", [["--pair", "{tmp}"], ["--pair", "{tmp}", "--train"]])
+def test_builtin_eval_rejects_a_folder_without_a_pair_and_pair_with_train(args, tmp_path):
     from specprefill.cli import main
 
     with pytest.raises(SystemExit) as excinfo:
-        main(["eval", "--out", str(tmp_path)])
+        main(["eval", *[a.format(tmp=tmp_path) for a in args], "--out", str(tmp_path)])
     assert excinfo.value.code == 2
+
+
+def test_circuit_losses_reward_exactly_the_previous_token_and_induction_patterns():
+    ids = torch.tensor([[1, 7, 8, 9, 7, 8]])  # the second 7 should attend to the first 8 (position 2)
+    length = ids.shape[1]
+    previous_pattern = torch.zeros(1, length, length)
+    previous_pattern[0, 0, 0] = 1
+    previous_pattern[0, torch.arange(1, length), torch.arange(length - 1)] = 1
+    induction_pattern = torch.full((1, length, length), 1e-12)
+    induction_pattern[0, 4, 2] = 1  # 7 at 4 -> the token after the 7 at 1
+    induction_pattern[0, 5, 3] = 1  # 8 at 5 -> the token after the 8 at 2
+    previous, induction = circuit_losses(previous_pattern, induction_pattern, ids)
+    assert previous.item() < 1e-6 and induction.item() < 1e-6
+    shifted, wrong = circuit_losses(induction_pattern, previous_pattern, ids)
+    assert shifted.item() > 10 and wrong.item() > 10
+
+
+@pytest.mark.slow
+def test_the_shipped_pair_meets_the_quality_bar():
+    """The shipped checkpoints: at keep 0.1 SpecPrefill keeps >= 90% of full-prompt accuracy and beats the
+    baselines widely; at keep 1 every method is the full prompt. A smaller run than the README's."""
+    result = evaluate_retrieval(SHIPPED_PAIR, samples=40, words=1500, keep_rates=(0.1, 1.0), seed=7)
+    assert result.full_accuracy >= 0.8
+    spec = result.accuracy["specprefill"]
+    assert spec[0.1] >= 0.9 * result.full_accuracy
+    assert all(spec[0.1] >= result.accuracy[m][0.1] + 0.4 for m in ("random", "head", "tail"))
+    assert all(by_keep[1.0] == result.full_accuracy for by_keep in result.accuracy.values())
 
 
 def test_builtin_eval_command_on_a_given_pair(tiny_retrieval_pair, tmp_path):
