@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/train_retrieval_pair.py [OUT_DIR]
 
-About 30 minutes on 2 CPU cores. Without OUT_DIR it overwrites the shipped pair. See
+About 20 minutes on 2 CPU cores. Without OUT_DIR it overwrites the shipped pair. See
 specprefill.retrieval.train for the recipe, and `specprefill eval --pair OUT_DIR` to evaluate the result.
 """
 

@@ -144,7 +144,7 @@ class Eval(BaseSettings):
     words: int = Field(1500, description="retrieval: words of context per sample (about 1.1 tokens each)")
     pair: str | None = Field(None, description="retrieval: a pair's folder (DIR/draft, DIR/target); "
                                                 "default: the one shipped in the package")
-    train: bool = Field(False, description="retrieval: retrain the pair into the cache first (about 30 min)")
+    train: bool = Field(False, description="retrieval: retrain the pair into the cache first (about 20 min)")
     dataset: str | None = Field(None, description="JSONL rows: messages or prompt, answers, metric")
     base_url: str | None = Field(None, description="dataset: the gateway's base URL (without /v1)")
     model: str | None = Field(None, description="dataset: the model name at the gateway (default: its first)")

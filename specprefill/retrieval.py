@@ -271,6 +271,6 @@ def ensure_retrieval_pair(cache_dir: Path | None = None) -> Path:
     """Trains a pair once into the cache with this recipe (instead of the shipped one) and returns its folder."""
     out = (cache_dir or default_cache_dir()) / f"retrieval-pair-{TASK_VERSION}"
     if not (out / "retrieval.json").exists():
-        print(f"training the retrieval pair into {out} (once; about 30 minutes on 2 CPU cores)", flush=True)
+        print(f"training the retrieval pair into {out} (once; about 20 minutes on 2 CPU cores)", flush=True)
         train_pair(out)
     return out
