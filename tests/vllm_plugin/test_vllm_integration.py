@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import time
 from pathlib import Path
 
 import httpx
@@ -17,6 +16,7 @@ import pytest
 import torch
 
 from gateway.app import create_app
+from specprefill.bench_cmd import wait_healthy
 from tests.helpers import chat_messages, gateway_settings
 from tests.servers import free_port, serve
 
@@ -48,17 +48,10 @@ class VLLMServer:
             env=env, stdout=self._log_file, stderr=subprocess.STDOUT)
 
     def wait(self, timeout: float = 900) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"vLLM exited:\n{self.log.read_text()[-4000:]}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        raise RuntimeError(f"vLLM did not start:\n{self.log.read_text()[-4000:]}")
+        try:
+            wait_healthy(self.url, self.process, timeout)
+        except RuntimeError as error:
+            raise RuntimeError(f"{error}; vLLM's log ends:\n{self.log.read_text()[-4000:]}") from None
 
     def stop(self) -> None:
         self.process.terminate()
