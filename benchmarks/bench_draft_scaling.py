@@ -20,7 +20,7 @@ import torch
 
 from draft_worker import DraftWorker, ScoringConfig
 from draft_worker.batching import ScoreBatcher
-from specprefill.demo_models import ensure_demo_models
+from specprefill.lab.demo_models import ensure_demo_models
 
 
 def _ids(n: int, seed: int, vocab: int) -> list[int]:

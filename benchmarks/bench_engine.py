@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from draft_worker.loader import load_causal_lm
+from common.models import load_causal_lm
 from engine.runner import prefill
-from specprefill.demo_models import ensure_demo_models
+from specprefill.lab.demo_models import ensure_demo_models
 
 
 def median_time(fn, repeats: int) -> float:

@@ -22,7 +22,7 @@ import torch
 from tqdm import tqdm
 
 from draft_worker import DraftWorker, ScoringConfig
-from specprefill.demo_models import ensure_demo_models
+from specprefill.lab.demo_models import ensure_demo_models
 
 
 def _prompt(length: int, vocab: int) -> list[int]:

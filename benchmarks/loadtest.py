@@ -22,7 +22,8 @@ from pathlib import Path
 
 import httpx
 
-from specprefill.bench_cmd import free_port, wait_healthy
+from common.process import free_port, wait_healthy
+from specprefill.lab.load import percentile
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,11 +33,6 @@ def _rss_mib(pid: int) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return float("nan")
-
-
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
 async def load(url: str, model: str, concurrency: int, duration: float) -> dict:
@@ -78,7 +74,7 @@ async def load(url: str, model: str, concurrency: int, duration: float) -> dict:
         await asyncio.gather(*(user() for _ in range(concurrency)))
         elapsed = time.perf_counter() - started
     return {"requests": len(ttfts), "errors": errors, "rps": len(ttfts) / elapsed,
-            "p50_ms": _percentile(ttfts, 0.5) * 1e3, "p99_ms": _percentile(ttfts, 0.99) * 1e3,
+            "p50_ms": percentile(ttfts, 0.5) * 1e3, "p99_ms": percentile(ttfts, 0.99) * 1e3,
             "mean_ms": statistics.fmean(ttfts) * 1e3 if ttfts else float("nan"), "error_reasons": dict(reasons)}
 
 
@@ -87,7 +83,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=200)
     parser.add_argument("--duration", type=float, default=20.0)
     args = parser.parse_args()
-    from specprefill.demo_models import ensure_demo_models
+    from specprefill.lab.demo_models import ensure_demo_models
 
     root = ensure_demo_models()
     backend_port, gateway_port = free_port(), free_port()

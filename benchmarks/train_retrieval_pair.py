@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/train_retrieval_pair.py [OUT_DIR]
 
 About 20 minutes on 2 CPU cores. Without OUT_DIR it overwrites the shipped pair. See
-specprefill.retrieval.train for the recipe, and `specprefill eval --pair OUT_DIR` to evaluate the result.
+specprefill.lab.training.train for the recipe, and `specprefill eval --pair OUT_DIR` to evaluate the result.
 """
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from specprefill.retrieval import SHIPPED_PAIR, train_pair
+from specprefill.lab.retrieval import SHIPPED_PAIR
+from specprefill.lab.training import train_pair
 
 if __name__ == "__main__":
     if len(sys.argv) > 2:

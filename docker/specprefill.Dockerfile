@@ -9,6 +9,7 @@ ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 HF_HOME=/models/hf
 RUN pip install --index-url "${TORCH_INDEX}" "torch==${TORCH_VERSION}"
 WORKDIR /app
 COPY pyproject.toml README.md ./
+COPY common ./common
 COPY gateway ./gateway
 COPY draft_worker ./draft_worker
 COPY engine ./engine

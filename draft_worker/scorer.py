@@ -5,95 +5,23 @@ last prompt token and of the look-ahead tokens attend to the *prompt keys only*:
 softmax(q·kᵀ·scale) in float32, average-pooled along the sequence, max over layers × heads, mean over
 the queries. One score per prompt token.
 
-Memory stays O(S). Fused attention kernels do not return attention weights, and asking transformers for
-them (``output_attentions=True``) would build an S×S matrix per layer. Instead the prefill runs with the
-model's own kernel (SDPA, flash attention), a thin wrapper records the few queries scored, and the keys
-are read back from the KV cache (they are stored after RoPE). Scoring then costs one plain prefill plus
-``look_ahead - 1`` single-token decode steps plus a [queries × S] product per layer.
+Memory stays O(S) (see ``capture``): scoring costs one plain prefill plus ``look_ahead - 1`` single-token
+decode steps plus a [queries × S] product per layer. ``score_prompts`` reads as its three phases:
+``prefill``, ``look_ahead``, ``reduce_scores``.
 """
 
 from __future__ import annotations
 
-import hashlib
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface, DynamicCache, PreTrainedModel
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers import DynamicCache, PreTrainedModel
 
+from common.models import eos_token_ids
+from draft_worker.capture import QueryRecorder, captures_queries
 from draft_worker.config import ScoringConfig
-from draft_worker.loader import eos_token_ids
-
-CAPTURE_PREFIX = "specprefill_capture_"
-
-
-@dataclass
-class QueryRecorder:
-    """Collects, per layer, the query of the last position of every forward it is passed to."""
-
-    queries: dict[int, list[torch.Tensor]] = field(default_factory=dict)
-    scaling: dict[int, float] = field(default_factory=dict)
-
-    def record(self, layer_idx: int, query: torch.Tensor, scaling: float) -> None:
-        # query: [B, H, 1, D]
-        self.queries.setdefault(layer_idx, []).append(query)
-        self.scaling[layer_idx] = scaling
-
-    def layer_queries(self, layer_idx: int) -> torch.Tensor:
-        return torch.cat(self.queries[layer_idx], dim=2)  # [B, H, Q, D]
-
-
-def _capturing_attention(inner: Callable) -> Callable:
-    def attention(module, query, key, value, attention_mask, specprefill_recorder=None, **kwargs):
-        if specprefill_recorder is not None:
-            scaling = kwargs.get("scaling") or module.head_dim**-0.5
-            specprefill_recorder.record(module.layer_idx, query[:, :, -1:, :], scaling)
-        return inner(module, query, key, value, attention_mask, **kwargs)
-
-    return attention
-
-
-def enable_query_capture(model: PreTrainedModel) -> None:
-    """Wraps the model's attention kernel so that scoring forwards can record queries.
-
-    Idempotent. Plain forwards (no recorder passed) run the original kernel unchanged.
-    """
-    current = model.config._attn_implementation
-    if current.startswith(CAPTURE_PREFIX):
-        return
-    name = CAPTURE_PREFIX + current
-    AttentionInterface.register(name, _capturing_attention(ALL_ATTENTION_FUNCTIONS[current]))
-    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[current])
-    model.set_attn_implementation(name)
-
-
-def model_identity(model: PreTrainedModel, name: str) -> str:
-    """A short hash naming these exact weights: the name, the config, every tensor's name, shape and dtype,
-    and a sample of its values (so two random inits of one config differ). Part of every score-cache key."""
-    digest = hashlib.sha256(name.encode())
-    digest.update(model.config.to_json_string(use_diff=False).encode())
-    with torch.no_grad():
-        for param_name, tensor in model.state_dict().items():
-            sample = tensor.flatten()[:64].float().cpu().numpy().tobytes()
-            digest.update(f"{param_name}:{tuple(tensor.shape)}:{tensor.dtype}".encode() + sample)
-    return digest.hexdigest()[:16]
-
-
-def _left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device):
-    lengths = [len(p) for p in prompts]
-    width = max(lengths)
-    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    for row, prompt in enumerate(prompts):
-        input_ids[row, width - len(prompt) :] = torch.as_tensor(prompt, dtype=torch.long)
-    input_ids = input_ids.to(device)
-    if min(lengths) == width:
-        return input_ids, None, None
-    mask = (torch.arange(width) >= torch.tensor([width - n for n in lengths])[:, None]).long().to(device)
-    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
-    return input_ids, mask, position_ids
 
 
 @dataclass
@@ -108,6 +36,18 @@ class PromptKV:
         return sum(k.nbytes + v.nbytes for k, v in self.layers) + self.token_ids.nbytes
 
 
+@dataclass
+class ScoringBatch:
+    """One scoring run's inputs and state. Rows are left-padded, so every prompt's last token is at index -1."""
+
+    lengths: list[int]  # each prompt's length
+    width: int  # S: the longest prompt; the scored keys are cache entries [0, S)
+    input_ids: torch.Tensor  # [B, T]: the tokens to prefill (T = S, or the suffix after a reused prefix)
+    position_ids: torch.Tensor | None  # [B, T]
+    attention_mask: torch.Tensor | None  # [B, S + steps so far]: 0 on padding; None without padding
+    cache: DynamicCache
+
+
 @torch.inference_mode()
 def score_prompts(
     model: PreTrainedModel,
@@ -120,92 +60,102 @@ def score_prompts(
 ) -> tuple[list[torch.Tensor], list[PromptKV] | None]:
     """Scores every token of each prompt in one batched draft run: float32 CPU tensors, one per prompt.
 
-    Batched prompts are left-padded so that every row's last prompt token sits at index -1; padded keys get
-    zero probability, which matches zero padding in the pooling exactly, so a batch scores like single runs.
-    With ``prefix`` (one prompt only), its first ``prefix_len`` KV entries stand in for the prompt's first
-    ``prefix_len`` tokens, which must be the same tokens: only the rest is prefilled.
+    Padded keys get zero probability, which matches zero padding in the pooling exactly, so a batch scores
+    like single runs. With ``prefix`` (one prompt only), its first ``prefix_len`` KV entries stand in for the
+    prompt's first ``prefix_len`` tokens, which must be the same tokens: only the rest is prefilled.
     With ``return_kv``, each prompt's KV cache (prompt entries only) comes back for reuse.
     The model must have had ``enable_query_capture`` applied.
     """
-    assert model.config._attn_implementation.startswith(CAPTURE_PREFIX), "call enable_query_capture first"
+    assert captures_queries(model), "call enable_query_capture first"
     assert all(len(p) > 0 for p in prompts), "empty prompt"
-    device = model.device
-    if prefix is not None:
-        assert len(prompts) == 1 and 0 < prefix_len < len(prompts[0])
-        width = len(prompts[0])
-        cache = DynamicCache(
-            ddp_cache_data=[(k[:, :, :prefix_len], v[:, :, :prefix_len]) for k, v in prefix.layers],
-            config=model.config,
-        )
-        input_ids = torch.tensor([prompts[0][prefix_len:]], device=device)
-        position_ids = torch.arange(prefix_len, width, device=device)[None]
-        attention_mask = None
-    else:
-        pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
-        input_ids, attention_mask, position_ids = _left_pad(prompts, pad_id, device)
-        width = input_ids.shape[1]
-        cache = DynamicCache(config=model.config)
-    batch = len(prompts)
-
+    batch = _prepare(model, prompts, prefix, prefix_len)
     recorder = QueryRecorder()
-    out = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        past_key_values=cache,
-        use_cache=True,
-        logits_to_keep=1,
-        specprefill_recorder=recorder,
-    )
-
-    eos = torch.tensor(eos_token_ids(model), dtype=torch.long, device=device)
-    valid = torch.ones(batch, config.look_ahead, dtype=torch.bool, device=device)  # [B, Q]
-    next_pos = torch.tensor([len(p) for p in prompts], device=device)[:, None]  # [B, 1]
-    for step in range(1, config.look_ahead):
-        token = out.logits[:, -1].argmax(-1, keepdim=True)  # [B, 1]
-        # a query is dropped once its row has generated EOS (the EOS token's own query included)
-        valid[:, step] = valid[:, step - 1] & ~torch.isin(token[:, 0], eos)
-        if attention_mask is not None:
-            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(batch, 1)], dim=-1)
-        out = model(
-            input_ids=token,
-            attention_mask=attention_mask,
-            position_ids=next_pos,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-            specprefill_recorder=recorder,
-        )
-        next_pos = next_pos + 1
-
-    key_pad = None
-    if attention_mask is not None:
-        key_pad = attention_mask[:, None, None, :width] == 0  # [B, 1, 1, S]
-    scores = None
-    for layer_idx, layer_cache in enumerate(cache.layers):
-        keys = layer_cache.keys[:, :, :width, :].float()  # [B, Hkv, S, D]
-        queries = recorder.layer_queries(layer_idx).float()  # [B, H, Q, D]
-        pooled = _layer_attention(queries, keys, recorder.scaling[layer_idx], key_pad, config.pool_kernel)
-        layer_max = pooled.amax(dim=1)  # [B, Q, S]
-        scores = layer_max if scores is None else torch.maximum(scores, layer_max)
-
-    weights = valid.float()  # [B, Q]
-    token_scores = (scores * weights[:, :, None]).sum(1) / weights.sum(1, keepdim=True)  # [B, S]
-    token_scores = token_scores.cpu()
-    results = [token_scores[row, width - len(p) :] for row, p in enumerate(prompts)]
-    kvs = _prompt_kvs(cache, prompts, width) if return_kv else None
+    logits = prefill(model, batch, recorder)
+    valid = look_ahead(model, batch, logits, recorder, config.look_ahead)
+    scores = reduce_scores(batch, recorder, valid, config.pool_kernel).cpu()  # [B, S]
+    results = [scores[row, batch.width - n :] for row, n in enumerate(batch.lengths)]
+    kvs = _prompt_kvs(batch, prompts) if return_kv else None
     return results, kvs
 
 
-def _prompt_kvs(cache: DynamicCache, prompts: Sequence[Sequence[int]], width: int) -> list[PromptKV]:
+def prefill(model: PreTrainedModel, batch: ScoringBatch, recorder: QueryRecorder) -> torch.Tensor:
+    """The prompt into the KV cache, recording the last prompt token's queries; its logits [B, V]."""
+    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
+                past_key_values=batch.cache, use_cache=True, logits_to_keep=1, specprefill_recorder=recorder)
+    return out.logits[:, -1]
+
+
+def look_ahead(model: PreTrainedModel, batch: ScoringBatch, logits: torch.Tensor, recorder: QueryRecorder,
+               steps: int) -> torch.Tensor:
+    """``steps - 1`` greedy draft tokens, recording each one's queries. Returns which queries count [B, Q]:
+    a row's queries stop once it generated EOS (the EOS token's own query included)."""
+    device = batch.input_ids.device
+    n_rows = len(batch.lengths)
+    eos = torch.tensor(eos_token_ids(model), dtype=torch.long, device=device)
+    valid = torch.ones(n_rows, steps, dtype=torch.bool, device=device)  # [B, Q]
+    position = torch.tensor(batch.lengths, device=device)[:, None]  # [B, 1]: right after each prompt
+    for step in range(1, steps):
+        token = logits.argmax(-1, keepdim=True)  # [B, 1]
+        valid[:, step] = valid[:, step - 1] & ~torch.isin(token[:, 0], eos)
+        if batch.attention_mask is not None:
+            batch.attention_mask = torch.cat([batch.attention_mask, batch.attention_mask.new_ones(n_rows, 1)], -1)
+        out = model(input_ids=token, attention_mask=batch.attention_mask, position_ids=position,
+                    past_key_values=batch.cache, use_cache=True, logits_to_keep=1, specprefill_recorder=recorder)
+        logits = out.logits[:, -1]
+        position = position + 1
+    return valid
+
+
+def reduce_scores(batch: ScoringBatch, recorder: QueryRecorder, valid: torch.Tensor,
+                  pool_kernel: int) -> torch.Tensor:
+    """Attention of the recorded queries over the prompt keys, pooled, max over layers × heads, mean over the
+    valid queries: [B, S]."""
+    key_pad = None
+    if batch.attention_mask is not None:
+        key_pad = batch.attention_mask[:, None, None, : batch.width] == 0  # [B, 1, 1, S]
+    scores = None
+    for layer_idx, layer_cache in enumerate(batch.cache.layers):
+        keys = layer_cache.keys[:, :, : batch.width, :].float()  # [B, Hkv, S, D]
+        queries = recorder.layer_queries(layer_idx).float()  # [B, H, Q, D]
+        pooled = _layer_attention(queries, keys, recorder.scaling[layer_idx], key_pad, pool_kernel)
+        layer_max = pooled.amax(dim=1)  # [B, Q, S]
+        scores = layer_max if scores is None else torch.maximum(scores, layer_max)
+    weights = valid.float()  # [B, Q]
+    return (scores * weights[:, :, None]).sum(1) / weights.sum(1, keepdim=True)
+
+
+def _prepare(model: PreTrainedModel, prompts: Sequence[Sequence[int]], prefix: PromptKV | None,
+             prefix_len: int) -> ScoringBatch:
+    device = model.device
+    lengths = [len(p) for p in prompts]
+    if prefix is not None:
+        assert len(prompts) == 1 and 0 < prefix_len < lengths[0]
+        cache = DynamicCache(ddp_cache_data=[(k[:, :, :prefix_len], v[:, :, :prefix_len]) for k, v in prefix.layers],
+                             config=model.config)
+        return ScoringBatch(lengths, lengths[0], torch.tensor([prompts[0][prefix_len:]], device=device),
+                            torch.arange(prefix_len, lengths[0], device=device)[None], None, cache)
+    width = max(lengths)
+    pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        input_ids[row, width - len(prompt) :] = torch.as_tensor(prompt, dtype=torch.long)
+    cache = DynamicCache(config=model.config)
+    if min(lengths) == width:
+        return ScoringBatch(lengths, width, input_ids.to(device), None, None, cache)
+    mask = (torch.arange(width) >= torch.tensor([width - n for n in lengths])[:, None]).long()
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    return ScoringBatch(lengths, width, input_ids.to(device), position_ids.to(device), mask.to(device), cache)
+
+
+def _prompt_kvs(batch: ScoringBatch, prompts: Sequence[Sequence[int]]) -> list[PromptKV]:
     """Each row's prompt entries, without padding or look-ahead; rows of a batch are copied out of it."""
     kvs = []
     for row, prompt in enumerate(prompts):
-        start = width - len(prompt)
+        start = batch.width - len(prompt)
         layers = []
-        for layer in cache.layers:
-            k = layer.keys[row : row + 1, :, start:width]
-            v = layer.values[row : row + 1, :, start:width]
+        for layer in batch.cache.layers:
+            k = layer.keys[row : row + 1, :, start : batch.width]
+            v = layer.values[row : row + 1, :, start : batch.width]
             if len(prompts) > 1:
                 k, v = k.clone(), v.clone()
             layers.append((k, v))

@@ -1,24 +1,55 @@
-"""Selection: token scores in, kept indices out. Pure tensor code, no model."""
+"""Selection: token scores in, kept indices out. Pure tensor code, no model.
+
+``select_tokens`` is the one rule for what the target reads. The gateway, ``specprefill score``, the
+eval's baselines and the inspector all call it, so they all show the same tokens.
+"""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Collection, Sequence
 
 import torch
 
+from draft_worker.config import ScoringConfig, validate_keep_rate
 
-def protected_mask(
-    length: int, protect_first: int, protect_last: int, extra: torch.Tensor | None = None
-) -> torch.Tensor | None:
-    """Boolean [S] mask of tokens that must be kept, or None when nothing is protected."""
-    if not (protect_first or protect_last or (extra is not None and extra.numel())):
+
+def select_tokens(token_ids: Sequence[int], scores: torch.Tensor, keep_rate: float, config: ScoringConfig,
+                  special_ids: Collection[int] = ()) -> list[int]:
+    """The indices of the prompt tokens the target reads, sorted; they are also the kept tokens' positions.
+
+    token_ids: the prompt [S]; scores: one per token [S]. The top ceil(n_chunks × keep_rate) chunks of
+    ``config.chunk_size`` by mean score, plus the chunks holding tokens that are always kept: the first
+    ``protect_first``, the last ``max(protect_last, 1)`` (the last prompt token always goes, so the first
+    generated token stands right after the prompt), and every token in ``special_ids`` (the chat
+    template's markup: BOS, role headers). Keep rate 1 keeps everything.
+    """
+    keep_rate = validate_keep_rate(keep_rate)
+    assert scores.dim() == 1 and scores.numel() == len(token_ids), "one score per token"
+    length = len(token_ids)
+    if keep_rate >= 1.0:
+        return list(range(length))
+    special = None
+    if special_ids:
+        special = torch.isin(torch.as_tensor(list(token_ids)), torch.as_tensor(sorted(special_ids)))
+    protected = protected_mask(length, config.protect_first, max(config.protect_last, 1), special)
+    return select_chunks(scores, keep_rate, config.chunk_size, protected).tolist()
+
+
+def protected_mask(length: int, protect_first: int, protect_last: int,
+                   extra: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Boolean [S] mask of tokens that must be kept, or None when nothing is protected.
+
+    extra: a boolean [S] mask of further tokens to keep.
+    """
+    if not (protect_first or protect_last or (extra is not None and bool(extra.any()))):
         return None
     mask = torch.zeros(length, dtype=torch.bool)
     mask[: min(protect_first, length)] = True
     if protect_last:
         mask[max(length - protect_last, 0) :] = True
-    if extra is not None and extra.numel():
-        mask[extra] = True
+    if extra is not None:
+        mask |= extra
     return mask
 
 

@@ -7,9 +7,6 @@
 
 from __future__ import annotations
 
-import base64
-import hashlib
-import json
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -17,31 +14,32 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from common.errors import InvalidRequestError, install_error_handlers
+from common.models import tokenizer_fingerprint
+from common.protocol import WireModel
 from draft_worker.batching import ScoreBatcher
+from draft_worker.codec import scores_to_text
+from draft_worker.settings import DraftWorkerSettings
 from draft_worker.worker import DraftWorker
-from specprefill.openai_api import InvalidRequestError, WireModel, install_error_handlers
 
 
 class ScoreRequest(WireModel):
     token_ids: list[int]
 
 
-def tokenizer_fingerprint(tokenizer) -> str:
-    vocab = json.dumps(sorted(tokenizer.get_vocab().items()), separators=(",", ":"))
-    return hashlib.sha256(vocab.encode()).hexdigest()[:16]
-
-
-def create_app(worker_factory, *, max_batch_size: int = 8, max_batch_tokens: int = 65536,
-               max_wait_ms: float = 5.0) -> FastAPI:
-    """``worker_factory`` builds the ``DraftWorker`` in the lifespan (models load at start-up, not import)."""
+def create_app(settings: DraftWorkerSettings, *, worker: DraftWorker | None = None) -> FastAPI:
+    """The service; the model loads in the lifespan (at start-up, not import). ``worker`` replaces it (tests)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        worker: DraftWorker = worker_factory()
-        app.state.worker = worker
-        app.state.batcher = ScoreBatcher(worker, max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens,
-                                         max_wait_s=max_wait_ms / 1e3)
-        app.state.fingerprint = tokenizer_fingerprint(worker.tokenizer) if worker.tokenizer is not None else None
+        app.state.worker = worker or DraftWorker.from_pretrained(
+            settings.model, settings.scoring_config(), device=settings.device, dtype=settings.dtype,
+            prefix_cache_bytes=settings.prefix_cache_mb << 20)
+        app.state.batcher = ScoreBatcher(app.state.worker, max_batch_size=settings.max_batch_size,
+                                         max_batch_tokens=settings.max_batch_tokens,
+                                         max_wait_s=settings.max_wait_ms / 1e3)
+        tokenizer = app.state.worker.tokenizer
+        app.state.fingerprint = tokenizer_fingerprint(tokenizer) if tokenizer is not None else None
         try:
             yield
         finally:
@@ -57,9 +55,8 @@ def create_app(worker_factory, *, max_batch_size: int = 8, max_batch_tokens: int
             scores = await raw_request.app.state.batcher.score(request.token_ids)
         except ValueError as exc:
             raise InvalidRequestError(str(exc), param="token_ids") from None
-        data = scores.numpy().astype("<f4", copy=False).tobytes()
         return JSONResponse({
-            "scores": base64.b64encode(data).decode(),
+            "scores": scores_to_text(scores),
             "dtype": "float32",
             "length": scores.numel(),
             "identity": raw_request.app.state.worker.identity,
@@ -68,13 +65,13 @@ def create_app(worker_factory, *, max_batch_size: int = 8, max_batch_tokens: int
 
     @app.get("/v1/info")
     async def info(raw_request: Request) -> JSONResponse:
-        worker: DraftWorker = raw_request.app.state.worker
+        worker_: DraftWorker = raw_request.app.state.worker
         return JSONResponse({
-            "model": worker.name,
-            "identity": worker.identity,
-            "score_params": list(worker.config.score_params),
-            "scoring": worker.config.to_dict(),
-            "max_prompt_tokens": worker.max_prompt_tokens,
+            "model": worker_.name,
+            "identity": worker_.identity,
+            "score_params": list(worker_.config.score_params),
+            "scoring": worker_.config.to_dict(),
+            "max_prompt_tokens": worker_.max_prompt_tokens,
             "tokenizer_fingerprint": raw_request.app.state.fingerprint,
         })
 

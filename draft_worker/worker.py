@@ -1,42 +1,28 @@
-"""The draft worker: the public object that scores prompts and selects the tokens to keep."""
+"""The draft worker: the public object that scores prompts (``draft_worker.selector`` decides what is kept)."""
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from draft_worker.config import ScoringConfig, validate_keep_rate
-from draft_worker.loader import load_causal_lm, load_tokenizer
+from common.models import load_causal_lm, load_tokenizer
+from draft_worker.capture import enable_query_capture
+from draft_worker.config import ScoringConfig
 from draft_worker.prefix_cache import PrefixKVCache
-from draft_worker.scorer import enable_query_capture, model_identity, score_prompts
-from draft_worker.selector import protected_mask, select_chunks
+from draft_worker.scorer import score_prompts
 
 
 class PromptTooLongError(ValueError):
     """The prompt is longer than the draft model's position range."""
 
 
-@dataclass(slots=True)
-class Selection:
-    scores: torch.Tensor  # [S] float32
-    kept_indices: list[int]  # sorted; also the kept tokens' position IDs
-
-    @property
-    def original_tokens(self) -> int:
-        return self.scores.numel()
-
-    @property
-    def kept_tokens(self) -> int:
-        return len(self.kept_indices)
-
-
 class DraftWorker:
-    """Scores prompts with a draft model and selects kept tokens.
+    """Scores prompts with a draft model.
 
     Forwards are serialised by a lock: callers may use it from several threads.
     """
@@ -126,15 +112,14 @@ class DraftWorker:
     def score(self, token_ids: Sequence[int]) -> torch.Tensor:
         return self.score_many([token_ids])[0]
 
-    def select(
-        self, scores: torch.Tensor, keep_rate: float, extra_protected: Sequence[int] | None = None
-    ) -> Selection:
-        """Kept indices for ``keep_rate``, honouring the configured protected ends and ``extra_protected``."""
-        keep_rate = validate_keep_rate(keep_rate)
-        extra = torch.as_tensor(list(extra_protected), dtype=torch.long) if extra_protected else None
-        protected = protected_mask(scores.numel(), self.config.protect_first, self.config.protect_last, extra)
-        kept = select_chunks(scores, keep_rate, self.config.chunk_size, protected)
-        return Selection(scores=scores, kept_indices=kept.tolist())
 
-    def score_and_select(self, token_ids: Sequence[int], keep_rate: float) -> Selection:
-        return self.select(self.score(token_ids), keep_rate)
+def model_identity(model: PreTrainedModel, name: str) -> str:
+    """A short hash naming these exact weights: the name, the config, every tensor's name, shape and dtype,
+    and a sample of its values (so two random inits of one config differ). Part of every score-cache key."""
+    digest = hashlib.sha256(name.encode())
+    digest.update(model.config.to_json_string(use_diff=False).encode())
+    with torch.no_grad():
+        for param_name, tensor in model.state_dict().items():
+            sample = tensor.flatten()[:64].float().cpu().numpy().tobytes()
+            digest.update(f"{param_name}:{tuple(tensor.shape)}:{tensor.dtype}".encode() + sample)
+    return digest.hexdigest()[:16]

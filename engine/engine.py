@@ -1,60 +1,25 @@
 """The reference engine: runs a target model on prompt tokens at explicit positions.
 
-One scheduler thread owns the model. Admitted sequences are prefilled as they arrive, in chunks of
-``prefill_chunk`` tokens, and their steps are interleaved round-robin, so a new request waits for at most
-one step (a decode step or a prefill chunk) of each running one (no batching: each sequence has its own
-KV cache, which keeps positions per sequence trivially right).
-Waiting requests sit in a bounded queue; past it, ``submit`` raises ``OverloadedError`` (503).
-A consumer that stops listening (client disconnect) marks its sequence cancelled, and the scheduler
-drops it before its next step.
+One thread owns the model. Each round it takes the running sequences from the ``Scheduler`` and steps each
+once: a prefill chunk of ``prefill_chunk`` tokens, or one decode step, then sampling. No batching: each
+sequence has its own KV cache, which keeps positions per sequence trivially right.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import itertools
 import threading
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable
 
 import torch
-from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from draft_worker.loader import eos_token_ids
+from common.models import eos_token_ids
 from engine.runner import decode_one, prefill
 from engine.sampling import SamplingParams, TextStream, make_generator, sample_next
-from specprefill.openai_api import OverloadedError
-
-
-@dataclass(slots=True)
-class StepOutput:
-    """One generated token (or the final flush), as the serving layer needs it."""
-
-    token_id: int | None
-    text: str
-    logprob: float | None = None
-    top_logprobs: dict[int, float] | None = None
-    finish_reason: str | None = None
-
-
-@dataclass(eq=False)
-class Sequence:
-    request_id: int
-    token_ids: list[int]
-    position_ids: list[int]
-    params: SamplingParams
-    stream: TextStream
-    loop: asyncio.AbstractEventLoop
-    outputs: asyncio.Queue = field(default_factory=asyncio.Queue)
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    cache: DynamicCache | None = None
-    prefilled: int = 0
-    next_logits: torch.Tensor | None = None
-    generator: torch.Generator | None = None
-
-    def emit(self, item: StepOutput | BaseException) -> None:
-        self.loop.call_soon_threadsafe(self.outputs.put_nowait, item)
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence, StepOutput
 
 
 class ReferenceEngine:
@@ -66,22 +31,15 @@ class ReferenceEngine:
         max_running: int = 8,
         max_waiting: int = 64,
         prefill_chunk: int = 2048,
-        name: str = "target",
-        on_active_change=None,
+        on_active_change: Callable[[int], None] | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
-        self.name = name
-        self.max_running = max_running
-        self.max_waiting = max_waiting
         self.prefill_chunk = prefill_chunk
         self.eos_ids = set(eos_token_ids(model))
-        self._waiting: collections.deque[Sequence] = collections.deque()
-        self._running: list[Sequence] = []
-        self._cond = threading.Condition()
+        self.scheduler = Scheduler(max_running=max_running, max_waiting=max_waiting,
+                                   on_active_change=on_active_change)
         self._ids = itertools.count()
-        self._closed = False
-        self._on_active_change = on_active_change
         self._thread = threading.Thread(target=self._loop, name="reference-engine", daemon=True)
         self._thread.start()
 
@@ -95,35 +53,19 @@ class ReferenceEngine:
 
     @property
     def active(self) -> int:
-        with self._cond:
-            return len(self._waiting) + len(self._running)
+        return self.scheduler.active
 
     def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
+        self.scheduler.close()
         self._thread.join(timeout=5)
 
     async def generate(
         self, token_ids: list[int], position_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[StepOutput]:
         """Streams the generated tokens; the last output carries ``finish_reason``. Inputs are validated."""
-        seq = Sequence(
-            request_id=next(self._ids),
-            token_ids=token_ids,
-            position_ids=position_ids,
-            params=params,
-            stream=TextStream(self.tokenizer, params.stop),
-            loop=asyncio.get_running_loop(),
-        )
-        with self._cond:
-            if len(self._waiting) >= self.max_waiting:
-                raise OverloadedError(
-                    "the engine's queue is full; retry shortly", headers={"Retry-After": "1"}, code="queue_full"
-                )
-            self._waiting.append(seq)
-            self._cond.notify_all()
-        self._active_changed()
+        seq = Sequence(request_id=next(self._ids), token_ids=token_ids, position_ids=position_ids, params=params,
+                       stream=TextStream(self.tokenizer, params.stop), loop=asyncio.get_running_loop())
+        self.scheduler.add(seq)
         try:
             while True:
                 item = await seq.outputs.get()
@@ -134,82 +76,72 @@ class ReferenceEngine:
                     return
         finally:
             seq.cancelled.set()
-            with self._cond:
-                self._cond.notify_all()
+            self.scheduler.wake()
 
-    # --- scheduler thread ---
-
-    def _active_changed(self) -> None:
-        if self._on_active_change is not None:
-            self._on_active_change(self.active)
+    # --- the engine thread ---
 
     def _loop(self) -> None:
-        while True:
-            with self._cond:
-                while not self._closed and not self._waiting and not self._running:
-                    self._cond.wait()
-                if self._closed:
-                    return
-                while self._waiting and len(self._running) < self.max_running:
-                    self._running.append(self._waiting.popleft())
-                running = list(self._running)
+        while (running := self.scheduler.schedule()) is not None:
             for seq in running:
-                finished = True
-                if not seq.cancelled.is_set():
-                    try:
-                        finished = self._step(seq)
-                    except Exception as exc:  # a failing sequence never stops the others
-                        seq.emit(exc)
-                if finished:
-                    with self._cond:
-                        self._running.remove(seq)
-                    seq.cache = None
-                    self._active_changed()
-            with self._cond:  # drop waiting sequences whose consumer went away
-                dropped = [s for s in self._waiting if s.cancelled.is_set()]
-                for seq in dropped:
-                    self._waiting.remove(seq)
-            if dropped:
-                self._active_changed()
+                if seq.cancelled.is_set() or self._step_safely(seq):
+                    self.scheduler.finish(seq)
+            self.scheduler.drop_cancelled()
 
-    def _step(self, seq: Sequence) -> bool:
-        """Prefill or one decode step; returns True when the sequence is finished."""
+    def _step_safely(self, seq: Sequence) -> bool:
+        try:
+            return self.step(seq)
+        except Exception as exc:  # a failing sequence never stops the others
+            seq.emit(exc)
+            return True
+
+    def step(self, seq: Sequence) -> bool:
+        """One prefill chunk, or one token; True when the sequence is finished."""
+        logits = self._run(seq)
+        if logits is None:  # more of the prompt to prefill
+            return False
+        return self._postprocess(seq, logits)
+
+    def _run(self, seq: Sequence) -> torch.Tensor | None:
+        """The next forward: a prefill chunk (between chunks others step, a cancelled sequence is dropped), or
+        the last generated token at its position. Next-token logits [V], or None mid-prefill."""
         device = self.model.device
-        if seq.prefilled < len(seq.token_ids):
-            # prefill in chunks: between them, other sequences step and a cancelled one is dropped
+        if not seq.prefill_done:
             end = min(len(seq.token_ids), seq.prefilled + self.prefill_chunk)
             ids = torch.tensor([seq.token_ids[seq.prefilled:end]], device=device)
             positions = torch.tensor([seq.position_ids[seq.prefilled:end]], device=device)
-            seq.next_logits, seq.cache = prefill(self.model, ids, positions, seq.cache)
+            logits, seq.cache = prefill(self.model, ids, positions, seq.cache)
             seq.prefilled = end
-            if end < len(seq.token_ids):
-                return False
-            seq.generator = make_generator(seq.params.seed, device)
-        logits = seq.next_logits
-        token = sample_next(logits, seq.params, seq.generator)
-        token_id = int(token)
-        logprob, top = None, None
-        if seq.params.logprobs is not None:
-            logprobs = torch.log_softmax(logits, dim=-1)
-            logprob = float(logprobs[token_id])
-            if seq.params.logprobs > 0:
-                values, indices = logprobs.topk(seq.params.logprobs)
-                top = dict(zip(indices.tolist(), values.tolist()))
-        n_generated = len(seq.stream.token_ids) + 1
+            return logits if seq.prefill_done else None
+        last = torch.tensor(seq.stream.token_ids[-1], device=device)
+        return decode_one(self.model, last, seq.next_position() - 1, seq.cache)
+
+    def _postprocess(self, seq: Sequence, logits: torch.Tensor) -> bool:
+        """Samples the next token, emits it, and says whether the sequence is finished."""
+        params = seq.params
+        if seq.generator is None:
+            seq.generator = make_generator(params.seed, self.model.device)
+        token_id = int(sample_next(logits, params, seq.generator))
+        logprob, top = _logprobs(logits, token_id, params.logprobs)
         finish = None
-        if token_id in self.eos_ids and not seq.params.ignore_eos:
+        if token_id in self.eos_ids and not params.ignore_eos:
             finish = "stop"
         else:
             seq.stream.push(token_id)
             if seq.stream.stopped:
                 finish = "stop"
-            elif n_generated >= seq.params.max_tokens:
+            elif seq.n_generated >= params.max_tokens:
                 finish = "length"
-        text = seq.stream.delta(final=finish is not None)
-        seq.emit(StepOutput(token_id, text, logprob, top, finish))
-        if finish is not None:
-            return True
-        position = seq.position_ids[-1] + n_generated
-        seq.next_logits = decode_one(self.model, token, position, seq.cache)
-        return False
+        seq.emit(StepOutput(token_id, seq.stream.delta(final=finish is not None), logprob, top, finish))
+        return finish is not None
 
+
+def _logprobs(logits: torch.Tensor, token_id: int, top_n: int | None) -> tuple[float | None, dict[int, float] | None]:
+    """The chosen token's log-probability and the ``top_n`` most likely tokens' (None when not asked for)."""
+    if top_n is None:
+        return None, None
+    logprobs = torch.log_softmax(logits, dim=-1)
+    top = None
+    if top_n > 0:
+        values, indices = logprobs.topk(top_n)
+        top = dict(zip(indices.tolist(), values.tolist()))
+    return float(logprobs[token_id]), top

@@ -11,12 +11,16 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from engine.engine import ReferenceEngine, StepOutput
-from engine.protocol import CompletionRequest
+from common.chat import ChatChunkConverter, as_chat_chunks, completion_to_chat, render_chat
+from common.errors import InvalidRequestError, NotFoundError
+from common.models import load_causal_lm, load_tokenizer
+from common.protocol import ChatCompletionRequest, SamplingFields
+from common.streams import prepend
+from engine.engine import ReferenceEngine
+from engine.protocol import EngineCompletionRequest
 from engine.sampling import SamplingParams
-from specprefill.chat_format import ChatChunkConverter, ChatCompletionRequest, completion_to_chat, render_chat
-from specprefill.openai_api import InvalidRequestError, NotFoundError
-from specprefill.streams import as_chat_chunks, prepend
+from engine.sequence import StepOutput
+from engine.settings import EngineSettings
 
 
 @dataclass(slots=True)
@@ -30,6 +34,15 @@ class EngineServing:
     def __init__(self, engine: ReferenceEngine, served_names: list[str]) -> None:
         self.engine = engine
         self.served_names = served_names
+
+    @classmethod
+    def from_settings(cls, settings: EngineSettings, on_active_change=None) -> EngineServing:
+        """Loads the target model and starts its engine."""
+        model = load_causal_lm(settings.model, device=settings.device, dtype=settings.dtype)
+        engine = ReferenceEngine(model, load_tokenizer(settings.model), max_running=settings.max_running,
+                                 max_waiting=settings.max_waiting, prefill_chunk=settings.prefill_chunk,
+                                 on_active_change=on_active_change)
+        return cls(engine, [n for n in (settings.served_model_name, settings.model) if n])
 
     @property
     def model_name(self) -> str:
@@ -50,19 +63,13 @@ class EngineServing:
             ],
         }
 
-    def prepare(self, request: CompletionRequest) -> PreparedRequest:
+    def prepare(self, request: EngineCompletionRequest) -> PreparedRequest:
         """Typed 4xx errors for everything a client can get wrong."""
         if request.model is not None and request.model not in self.served_names:
             raise NotFoundError(f"model {request.model!r} does not exist; this server serves {self.model_name!r}",
                                 param="model", code="model_not_found")
-        if request.n != 1:
-            raise InvalidRequestError("only n=1 is supported", param="n")
-        if request.echo:
-            raise InvalidRequestError("echo is not supported", param="echo")
-        token_ids = self._prompt_ids(request.prompt)
-        vocab = self.engine.vocab_size
-        if any(not 0 <= t < vocab for t in token_ids):
-            raise InvalidRequestError(f"prompt token IDs must be in [0, {vocab})", param="prompt")
+        _check_supported(request)
+        token_ids = request.prompt_token_ids(self.engine.tokenizer, self.engine.vocab_size)
         positions = request.positions()
         if positions is None:
             positions = list(range(len(token_ids)))
@@ -90,20 +97,7 @@ class EngineServing:
         )
         return PreparedRequest(token_ids, positions, params)
 
-    def _prompt_ids(self, prompt) -> list[int]:
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
-            if len(prompt) != 1:
-                raise InvalidRequestError("send one prompt per request", param="prompt")
-            prompt = prompt[0]
-        if not prompt:
-            raise InvalidRequestError("the prompt is empty", param="prompt")
-        if isinstance(prompt, str):
-            prompt = self.engine.tokenizer(prompt).input_ids
-        if not prompt:
-            raise InvalidRequestError("the prompt is empty", param="prompt")
-        return list(prompt)
-
-    async def completion_stream(self, request: CompletionRequest) -> AsyncIterator[dict]:
+    async def completion_stream(self, request: EngineCompletionRequest) -> AsyncIterator[dict]:
         """OpenAI ``text_completion`` chunks; the usage chunk last when asked for."""
         prepared = self.prepare(request)
         chunks = self._stream(request, prepared)
@@ -111,7 +105,7 @@ class EngineServing:
         first = await anext(chunks)
         return prepend(first, chunks)
 
-    async def _stream(self, request: CompletionRequest, prepared: PreparedRequest) -> AsyncIterator[dict]:
+    async def _stream(self, request: EngineCompletionRequest, prepared: PreparedRequest) -> AsyncIterator[dict]:
         completion_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
         n_generated, offset = 0, 0
@@ -130,7 +124,7 @@ class EngineServing:
         if include_usage:
             yield _envelope(completion_id, created, self.model_name, [], _usage(len(prepared.token_ids), n_generated))
 
-    async def completion(self, request: CompletionRequest) -> dict:
+    async def completion(self, request: EngineCompletionRequest) -> dict:
         prepared = self.prepare(request)
         steps: list[StepOutput] = [s async for s in self.engine.generate(prepared.token_ids, prepared.position_ids,
                                                                           prepared.params)]
@@ -145,12 +139,10 @@ class EngineServing:
         return _envelope(f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.model_name, [choice],
                          _usage(len(prepared.token_ids), len(steps)))
 
-    def _chat_as_completion(self, request: ChatCompletionRequest) -> CompletionRequest:
-        if unsupported := request.unsupported_features():
-            raise InvalidRequestError(f"the reference engine does not support {', '.join(unsupported)}",
-                                      param=unsupported[0])
+    def _chat_as_completion(self, request: ChatCompletionRequest) -> EngineCompletionRequest:
+        _check_supported(request)
         _, ids = render_chat(self.engine.tokenizer, request.messages)
-        return CompletionRequest(model=request.model, prompt=ids, **request.completion_params())
+        return EngineCompletionRequest(model=request.model, prompt=ids, **request.completion_params())
 
     async def chat_completion(self, request: ChatCompletionRequest) -> dict:
         """Chat through the model's chat template, so the engine stands in for any OpenAI-compatible server."""
@@ -176,6 +168,12 @@ class EngineServing:
             ],
             "text_offset": offsets,
         }
+
+
+def _check_supported(request: SamplingFields) -> None:
+    if unsupported := request.unsupported_features():
+        raise InvalidRequestError(f"the reference engine does not support {', '.join(unsupported)}",
+                                  param=unsupported[0])
 
 
 def _check_positions(positions: list[int], n_tokens: int, max_positions: int) -> None:

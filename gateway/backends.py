@@ -14,11 +14,11 @@ from typing import Any, Protocol
 
 import httpx
 
-from engine.protocol import CompletionRequest as EngineCompletionRequest
+from common.errors import APIError, UpstreamError, parse_body
+from common.protocol import ChatCompletionRequest
+from common.streams import prepend
+from engine.protocol import EngineCompletionRequest
 from engine.serving import EngineServing
-from specprefill.chat_format import ChatCompletionRequest
-from specprefill.openai_api import APIError, UpstreamError, parse_body
-from specprefill.streams import prepend
 
 
 class Backend(Protocol):

@@ -15,15 +15,9 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from draft_worker.codec import decode_scores, encode_scores
+
 logger = logging.getLogger("specprefill.cache")
-
-
-def encode_scores(scores: torch.Tensor) -> bytes:
-    return scores.detach().cpu().numpy().astype("<f4", copy=False).tobytes()
-
-
-def decode_scores(data: bytes) -> torch.Tensor:
-    return torch.from_numpy(np.frombuffer(data, dtype="<f4").copy())
 
 
 def score_key(prefix: str, draft_identity: str, score_params: tuple[int, ...], token_ids: list[int]) -> str:

@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-import base64
 import itertools
 import logging
 import time
 from typing import Protocol
 
 import httpx
-import numpy as np
 import torch
 
-from draft_worker import DraftWorker, ScoringConfig
+from draft_worker.codec import scores_from_text
+from draft_worker.config import ScoringConfig
+from draft_worker.worker import DraftWorker
 
 logger = logging.getLogger("specprefill.gateway")
 
@@ -56,11 +56,6 @@ class LocalDraft:
 
     async def close(self) -> None:
         return None
-
-
-def decode_wire_scores(payload: dict) -> torch.Tensor:
-    data = base64.b64decode(payload["scores"])
-    return torch.from_numpy(np.frombuffer(data, dtype="<f4").copy())
 
 
 class RemoteDraft:
@@ -112,7 +107,7 @@ class RemoteDraft:
                 continue
             if response.status_code != 200:  # the prompt itself is the problem: no other worker will differ
                 raise DraftUnavailableError(f"draft worker rejected the prompt: {response.text[:200]}")
-            return decode_wire_scores(response.json())
+            return scores_from_text(response.json()["scores"])
         raise DraftUnavailableError(f"no draft worker answered: {last_error!r}")
 
     def _candidates(self) -> list[str]:

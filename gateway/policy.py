@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-from specprefill.chat_format import SpecPrefillOptions
-from specprefill.openai_api import InvalidRequestError
+from common.errors import InvalidRequestError
+from common.protocol import SpecPrefillOptions
+from draft_worker.config import validate_keep_rate
 
 KEEP_RATE_HEADER = "x-keep-rate"
 MODE_HEADER = "x-specprefill"
@@ -32,18 +32,15 @@ class RequestOptions:
     enabled: bool
 
 
-def parse_keep_rate(raw: str, param: str) -> float:
+def parse_keep_rate(raw: str | float, param: str) -> float:
     """A decimal in (0, 1]; anything else is a 400 naming ``param``."""
     try:
-        value = float(raw.strip())
+        return validate_keep_rate(float(raw.strip() if isinstance(raw, str) else raw))
     except ValueError:
-        value = math.nan
-    if not raw.strip() or not math.isfinite(value) or not 0.0 < value <= 1.0:
         raise InvalidRequestError(
             f"{param} must be a decimal in (0, 1], for example 0.3 (1 forwards the whole prompt); got {raw!r}",
             param=param,
-        )
-    return value
+        ) from None
 
 
 def request_options(headers, body_options: SpecPrefillOptions | None, default_keep_rate: float) -> RequestOptions:
@@ -56,7 +53,7 @@ def request_options(headers, body_options: SpecPrefillOptions | None, default_ke
     if raw is not None:
         keep_rate = parse_keep_rate(raw, KEEP_RATE_HEADER)
     elif body_options is not None and body_options.keep_rate is not None:
-        keep_rate = parse_keep_rate(repr(body_options.keep_rate), "specprefill.keep_rate")
+        keep_rate = parse_keep_rate(body_options.keep_rate, "specprefill.keep_rate")
     else:
         keep_rate = default_keep_rate
     return RequestOptions(keep_rate=keep_rate, enabled=enabled)

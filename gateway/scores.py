@@ -51,3 +51,7 @@ class ScoreProvider:
         if self.cache is not None:
             await self.cache.put(key, scores)
         return scores
+
+    async def close(self) -> None:
+        if self.cache is not None:
+            await self.cache.close()

@@ -6,16 +6,16 @@ from typing import Literal
 
 from pydantic import Field, SecretStr, field_validator
 
-from specprefill.cli_options import ScoringOptions, SETTINGS_CONFIG
+from common.options import DeviceOptions, ServerOptions
+from draft_worker.config import validate_keep_rate
+from draft_worker.settings import ScoringOptions
 
 BackendKind = Literal["reference", "vllm", "tokens", "text"]
 
 
-class GatewaySettings(ScoringOptions):
-    model_config = SETTINGS_CONFIG
+class GatewaySettings(ServerOptions, DeviceOptions, ScoringOptions):
+    """The gateway: OpenAI-compatible, compresses long prompts with SpecPrefill."""
 
-    host: str = "127.0.0.1"
-    port: int = 8000
     backend_url: str | None = Field(
         None, description="the backend engine's base URL (default: the reference engine in-process)"
     )
@@ -26,7 +26,8 @@ class GatewaySettings(ScoringOptions):
     )
     backend_model: str | None = Field(None, description="the model name the backend serves (default: asked from it)")
     backend_api_key: SecretStr | None = Field(None, description="Bearer token the gateway sends to the backend")
-    target_model: str | None = Field(None, description="the target model (its tokenizer and chat template)")
+    target_model: str | None = Field(None, description="the target model (its tokenizer and chat template); "
+                                     "without it and --draft-model, `specprefill serve` runs the demo pair")
     draft_model: str | None = Field(None, description="the draft model (same tokenizer as the target)")
     draft_worker_url: list[str] = Field(default_factory=list, description="remote draft workers (repeatable)")
     served_model_name: str | None = Field(None, description="the model name clients use (default: the target's)")
@@ -39,8 +40,6 @@ class GatewaySettings(ScoringOptions):
     keep_rate: float = Field(0.3, description="default fraction of chunks kept, in (0, 1]")
     min_prompt_tokens: int = Field(1024, ge=1, description="shorter prompts bypass compression")
     api_key: SecretStr | None = Field(None, description="clients must send this as a Bearer token")
-    device: str | None = Field(None, description="torch device for in-process models (default: cuda if available)")
-    dtype: str = Field("auto", description="auto, float32, bfloat16 or float16")
     draft_timeout: float = Field(30.0, gt=0, description="seconds before a draft falls back to the full prompt")
     backend_connect_timeout: float = Field(5.0, gt=0, description="seconds to connect to the backend")
     backend_read_timeout: float = Field(600.0, gt=0, description="seconds to wait for each backend read")
@@ -49,15 +48,11 @@ class GatewaySettings(ScoringOptions):
     max_tokens_limit: int = Field(32768, gt=0, description="max_tokens above this gets 400")
     max_messages: int = Field(4096, gt=0, description="chats with more messages get 400")
     metrics_public: bool = Field(False, description="serve /metrics without the API key")
-    drain_timeout: float = Field(30.0, ge=0, description="on SIGTERM, seconds in-flight requests may take to finish")
-    log_level: str = "info"
 
     @field_validator("keep_rate")
     @classmethod
     def _keep_rate(cls, value: float) -> float:
-        if not 0.0 < value <= 1.0:
-            raise ValueError("keep_rate must be in (0, 1]")
-        return value
+        return validate_keep_rate(value)
 
     @field_validator("backend_url")
     @classmethod

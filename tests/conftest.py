@@ -6,34 +6,10 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-from engine.server import create_app as create_engine_app
-from specprefill.demo_models import ModelShape, train_tokenizer, write_model
 from gateway.app import create_app
-from tests.helpers import RecordingApp, gateway_settings
-from tests.servers import serve
-
-
-def tiny_llama(
-    *, layers: int = 2, heads: int = 4, kv_heads: int = 2, hidden: int = 64, vocab: int = 256, seed: int = 0,
-    max_positions: int = 2048, eos: list[int] | None = None,
-) -> LlamaForCausalLM:
-    config = LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_positions,
-        pad_token_id=0, eos_token_id=eos if eos is not None else [1],
-    )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
-    # larger weights than the default init, so attention is far from uniform and greedy tokens vary
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() == 2:
-                param.normal_(0, 0.2)
-    model.generation_config = GenerationConfig(eos_token_id=config.eos_token_id, pad_token_id=0)
-    return model.eval()
+from specprefill.lab.demo_models import ModelShape, train_tokenizer, write_model
+from tests.helpers import RecordingApp, engine_app, gateway_settings, serve
 
 
 @pytest.fixture(scope="session")
@@ -60,7 +36,7 @@ def redis_url() -> str:
 
 @pytest.fixture(scope="session")
 def engine_backend(model_pair):
-    recorder = RecordingApp(create_engine_app(str(model_pair / "target"), device="cpu", served_name="target"))
+    recorder = RecordingApp(engine_app(model_pair))
     with serve(recorder) as url:
         yield url, recorder
 

@@ -1,11 +1,28 @@
-"""Helpers shared by test packages: a recording ASGI wrapper, gateway settings for the tiny model pair."""
+"""Helpers shared by the test packages: real servers on free ports, a recording wrapper, tiny models, clients."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
 
+import httpx
+import openai
+import torch
+import uvicorn
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+from common.process import wait_healthy
+from common.server import GuardMiddleware
+from engine.server import create_app as create_engine_app
+from engine.settings import EngineSettings
 from gateway.settings import GatewaySettings
-from specprefill.demo_models import synthetic_corpus
+from specprefill.lab.demo_models import synthetic_corpus
 
 LONG_DOC = " ".join(synthetic_corpus(seed=3, n_sentences=60))
 
@@ -13,6 +30,81 @@ LONG_DOC = " ".join(synthetic_corpus(seed=3, n_sentences=60))
 def chat_messages(question: str = "What is the third number?") -> list[dict]:
     return [{"role": "system", "content": "Answer briefly."},
             {"role": "user", "content": LONG_DOC + "\n\n" + question}]
+
+
+def gateway_settings(model_pair, **overrides) -> GatewaySettings:
+    values = dict(target_model=str(model_pair / "target"), draft_model=str(model_pair / "draft"),
+                  min_prompt_tokens=64, device="cpu", served_model_name="tiny")
+    values.update(overrides)
+    return GatewaySettings(**values)
+
+
+def engine_app(model_pair, **overrides):
+    """A reference engine app serving the pair's target as "target" (the model loads when it starts)."""
+    values = dict(model=str(model_pair / "target"), device="cpu", served_model_name="target")
+    values.update(overrides)
+    return create_engine_app(EngineSettings(**values))
+
+
+def openai_client(url: str, api_key: str = "unused") -> openai.OpenAI:
+    """The real OpenAI SDK pointed at one of our servers (no retries: a test sees every failure)."""
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=api_key, max_retries=0)
+
+
+def tiny_llama(*, layers: int = 2, heads: int = 4, kv_heads: int = 2, hidden: int = 64, vocab: int = 256,
+               seed: int = 0, max_positions: int = 2048, eos: list[int] | None = None) -> LlamaForCausalLM:
+    """A tiny random Llama, with larger weights than the default init so attention is far from uniform and
+    greedy tokens vary."""
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_positions,
+        pad_token_id=0, eos_token_id=eos if eos is not None else [1],
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 2:
+                param.normal_(0, 0.2)
+    model.generation_config = GenerationConfig(eos_token_id=config.eos_token_id, pad_token_id=0)
+    return model.eval()
+
+
+# --- servers ---
+
+@contextlib.contextmanager
+def serve(app, *, timeout: float = 60.0, port: int = 0, max_body_bytes: int = 16 << 20) -> Iterator[str]:
+    """Runs ``app`` on 127.0.0.1 at a free port (or ``port``) behind the production guard middleware and header
+    limit, in a background thread; yields its base URL; stops it on exit."""
+    config = uvicorn.Config(GuardMiddleware(app, max_body_bytes=max_body_bytes), host="127.0.0.1", port=port,
+                            log_level="warning", lifespan="on")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("server did not start")
+        time.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+def start_command(args: list[str], url: str, timeout: float = 120) -> subprocess.Popen:
+    """``specprefill ARGS`` as a separate process, once ``url/health`` answers."""
+    process = subprocess.Popen([sys.executable, "-m", "specprefill", *args, "--log-level", "warning"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_healthy(url, process, timeout)
+    except RuntimeError:
+        process.kill()
+        process.wait()
+        raise
+    return process
 
 
 class RecordingApp:
@@ -45,8 +137,44 @@ class RecordingApp:
         return next(r for r in reversed(self.requests) if r["path"] == path)
 
 
-def gateway_settings(model_pair, **overrides) -> GatewaySettings:
-    values = dict(target_model=str(model_pair / "target"), draft_model=str(model_pair / "draft"),
-                  min_prompt_tokens=64, device="cpu", served_model_name="tiny")
-    values.update(overrides)
-    return GatewaySettings(**values)
+# --- the engine's activity ---
+
+def engine_active(engine_url: str) -> float:
+    """Requests waiting or running in a reference engine, from its /metrics."""
+    text = httpx.get(f"{engine_url}/metrics").text
+    return float(next(line.split()[-1] for line in text.splitlines()
+                      if line.startswith("specprefill_engine_active_requests ")))
+
+
+async def eventually(predicate: Callable[[], bool], within: float) -> bool:
+    """Polls ``predicate`` for up to ``within`` seconds without blocking the test's event loop; its last answer."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        await asyncio.sleep(0.02)
+    return predicate()
+
+
+async def disconnects_release_the_engine(url: str, body: dict, engine_url: str, headers: dict | None = None) -> None:
+    """A client that goes away mid-stream, then one that abandons a non-streamed request while the engine
+    generates: each time the engine at ``engine_url`` must drop the work within a second."""
+    async with httpx.AsyncClient(timeout=60) as client:
+        async with client.stream("POST", url, json={**body, "stream": True}, headers=headers) as response:
+            assert response.status_code == 200
+            assert engine_active(engine_url) == 1
+            async for line in response.aiter_lines():
+                if line.startswith("data: "):
+                    break
+    assert await eventually(lambda: engine_active(engine_url) == 0, within=1.0)
+    async with httpx.AsyncClient(timeout=60) as client:
+        task = asyncio.create_task(client.post(url, json=body, headers=headers))
+        assert await eventually(lambda: engine_active(engine_url) == 1, within=2.0)
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+        else:
+            raise AssertionError("the request finished before it was abandoned")
+    assert await eventually(lambda: engine_active(engine_url) == 0, within=1.0)

@@ -6,10 +6,11 @@ import re
 from pathlib import Path
 
 import pytest
+import tomllib
 import yaml
-from specprefill_vllm import SUPPORTED_VLLM
 
 from gateway.settings import GatewaySettings
+from specprefill_vllm import SUPPORTED_VLLM
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -76,3 +77,12 @@ def test_the_vllm_image_matches_the_plugin(compose):
     tag = re.search(r"FROM vllm/vllm-openai:v(\S+)", dockerfile).group(1)
     assert tag.startswith(SUPPORTED_VLLM) and "pip install --no-cache-dir /opt/specprefill-vllm" in dockerfile
     assert tag in compose["services"]["vllm"]["image"]
+
+
+def test_the_image_copies_every_package_it_installs():
+    """``pip install .`` in the image sees only what the Dockerfile copies; a package left out breaks the image."""
+    includes = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    packages = {p.rstrip("*") for p in includes}
+    assert packages == {p.name for p in ROOT.iterdir() if (p / "__init__.py").exists() and p.name != "tests"}
+    copied = set(re.findall(r"^COPY (\w+) \./\1$", (ROOT / "docker" / "specprefill.Dockerfile").read_text(), re.M))
+    assert packages <= copied, packages - copied

@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 
 from draft_worker import DraftWorker, ScoringConfig
+from draft_worker.capture import enable_query_capture
 from draft_worker.prefix_cache import PrefixKVCache
-from draft_worker.scorer import PromptKV, enable_query_capture, score_prompts
-from tests.conftest import tiny_llama
+from draft_worker.scorer import PromptKV, score_prompts
+from tests.helpers import tiny_llama
 
 
 def _ids(n: int, seed: int) -> list[int]:

@@ -8,10 +8,11 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv
 
+from draft_worker.capture import enable_query_capture
 from draft_worker.config import ScoringConfig
-from draft_worker.scorer import enable_query_capture, score_prompts
+from draft_worker.scorer import score_prompts
 from draft_worker.selector import select_chunks
-from tests.conftest import tiny_llama
+from tests.helpers import tiny_llama
 
 
 @torch.no_grad()

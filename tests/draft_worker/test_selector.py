@@ -35,10 +35,13 @@ def test_protection_wins_over_a_small_budget():
     assert kept == list(range(10)) + list(range(90, 100))
 
 
-def test_extra_protected_indices():
-    mask = protected_mask(10, 0, 0, torch.tensor([3, 7]))
+def test_extra_protected_tokens():
+    extra = torch.zeros(10, dtype=torch.bool)
+    extra[[3, 7]] = True
+    mask = protected_mask(10, 0, 0, extra)
     assert mask.nonzero().squeeze(1).tolist() == [3, 7]
     assert protected_mask(10, 0, 0) is None
+    assert protected_mask(10, 0, 0, torch.zeros(10, dtype=torch.bool)) is None
 
 
 @pytest.mark.parametrize("rate", [0.0, -0.1, 1.01, float("nan"), float("inf")])

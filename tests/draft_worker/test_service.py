@@ -4,38 +4,24 @@ from __future__ import annotations
 
 import asyncio
 import subprocess
-import sys
-import time
 
 import httpx
 import pytest
 import torch
 
+from common.process import free_port
 from draft_worker import DraftWorker
 from draft_worker.batching import ScoreBatcher
+from draft_worker.codec import scores_from_text
 from gateway.app import create_app
-from gateway.draft import decode_wire_scores
-from tests.helpers import gateway_settings
 from tests.helpers import chat_messages as _messages
-from tests.servers import free_port, serve
+from tests.helpers import gateway_settings, serve, start_command
 
 
 def _start_worker(model_dir) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "specprefill", "draft-worker", "--model", str(model_dir), "--port", str(port),
-         "--device", "cpu", "--log-level", "warning"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return process, url
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    process.kill()
-    raise RuntimeError("draft worker did not start")
+    return start_command(["draft-worker", "--model", str(model_dir), "--port", str(port), "--device", "cpu"], url), url
 
 
 @pytest.fixture
@@ -52,7 +38,7 @@ def test_a_worker_scores_like_the_local_draft(model_pair, two_workers):
     ids = list(range(5, 400))
     payload = httpx.post(f"{url}/v1/score", json={"token_ids": ids}, timeout=60).json()
     local = DraftWorker.from_pretrained(model_pair / "draft", device="cpu", prefix_cache_bytes=0).score(ids)
-    torch.testing.assert_close(decode_wire_scores(payload), local, rtol=1e-5, atol=1e-8)
+    torch.testing.assert_close(scores_from_text(payload["scores"]), local, rtol=1e-5, atol=1e-8)
     info = httpx.get(f"{url}/v1/info").json()
     assert info["identity"] == payload["identity"] and info["score_params"] == [8, 13]
     bad = httpx.post(f"{url}/v1/score", json={"token_ids": [10**7]}, timeout=60)

@@ -3,19 +3,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-from draft_worker import DraftWorker, ScoringConfig
-from draft_worker.loader import TokenizerMismatchError, check_same_tokenizer, load_tokenizer
+from common.models import TokenizerMismatchError, check_same_tokenizer, load_tokenizer
+from draft_worker import DraftWorker, ScoringConfig, select_tokens
 from draft_worker.worker import PromptTooLongError
-from specprefill.demo_models import train_tokenizer
+from specprefill.lab.demo_models import train_tokenizer
 
 
 def test_from_pretrained_loads_a_local_folder(model_pair):
     worker = DraftWorker.from_pretrained(model_pair / "draft", device="cpu")
     ids = worker.tokenizer("Bafu anbe zadubu ancuci focahe. " * 40).input_ids
-    selection = worker.score_and_select(ids, 0.3)
-    assert selection.original_tokens == len(ids)
-    assert selection.kept_indices == sorted(selection.kept_indices)
-    assert selection.kept_indices[0] == 0 and selection.kept_indices[-1] == len(ids) - 1  # protected ends
+    scores = worker.score(ids)
+    assert scores.shape == (len(ids),) and scores.dtype == torch.float32
+    kept = select_tokens(ids, scores, 0.3, worker.config)
+    assert kept == sorted(kept) and len(kept) < 0.5 * len(ids)
+    assert kept[0] == 0 and kept[-1] == len(ids) - 1  # protected ends
 
 
 def test_same_tokenizer_passes_and_a_different_one_fails(model_pair, tokenizer):
@@ -34,10 +35,13 @@ def test_bad_prompts_raise_typed_errors(model_pair):
         worker.score([5] * (worker.model.config.max_position_embeddings))
 
 
-def test_extra_protected_tokens_are_kept(model_pair):
-    worker = DraftWorker.from_pretrained(
-        model_pair / "draft", ScoringConfig(chunk_size=1, protect_first=0, protect_last=0), device="cpu"
-    )
+def test_special_tokens_and_the_last_token_are_always_kept():
+    config = ScoringConfig(chunk_size=1, protect_first=0, protect_last=0)
+    ids = [7] * 100
+    ids[3] = 2  # a special token
     scores = torch.zeros(100)
-    scores[50:] = 1.0
-    assert worker.select(scores, 0.1, extra_protected=[3]).kept_indices == [3] + list(range(50, 59))
+    scores[50:60] = 1.0
+    # budget 10: the special token and the last one (always sent) take two of them, the best scores the rest
+    assert select_tokens(ids, scores, 0.1, config, special_ids={2}) == [3] + list(range(50, 58)) + [99]
+    assert select_tokens(ids, scores, 0.1, config) == list(range(50, 59)) + [99]
+    assert select_tokens(ids, scores, 1.0, config) == list(range(100))

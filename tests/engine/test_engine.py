@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import httpx
 import pytest
 import torch
 
-from draft_worker.loader import load_causal_lm
-from engine.server import create_app
-from tests.servers import serve
+from common.models import load_causal_lm, load_tokenizer
+from engine.engine import ReferenceEngine
+from engine.sampling import SamplingParams
+from tests.helpers import disconnects_release_the_engine, engine_app, serve
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +22,7 @@ def target(model_pair):
 
 @pytest.fixture(scope="module")
 def engine_url(model_pair):
-    with serve(create_app(str(model_pair / "target"), device="cpu", served_name="target")) as url:
+    with serve(engine_app(model_pair)) as url:
         yield url
 
 
@@ -196,42 +196,13 @@ def test_models_and_health(engine_url):
     assert httpx.get(f"{engine_url}/health").json()["status"] == "ok"
 
 
-def _active(url: str) -> float:
-    text = httpx.get(f"{url}/metrics").text
-    return float(next(l.split()[-1] for l in text.splitlines() if l.startswith("specprefill_engine_active_requests ")))
-
-
-def _wait_idle(url: str, within: float = 1.0) -> float:
-    deadline = time.monotonic() + within
-    while _active(url) > 0 and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return _active(url)
-
-
 async def test_disconnects_stop_generation(engine_url):
     body = {"prompt": _prompt(64), "max_tokens": 3000, "temperature": 0.8, "ignore_eos": True}
-    # mid-stream
-    async with httpx.AsyncClient(timeout=60) as client:
-        async with client.stream("POST", f"{engine_url}/v1/completions", json={**body, "stream": True}) as response:
-            assert response.status_code == 200
-            assert _active(engine_url) == 1
-            async for line in response.aiter_lines():
-                if line.startswith("data: "):
-                    break
-    assert await asyncio.to_thread(_wait_idle, engine_url) == 0
-    # a non-streamed request abandoned by its client
-    async with httpx.AsyncClient(timeout=60) as client:
-        task = asyncio.create_task(client.post(f"{engine_url}/v1/completions", json=body))
-        await asyncio.sleep(0.3)
-        assert _active(engine_url) == 1
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-    assert await asyncio.to_thread(_wait_idle, engine_url) == 0
+    await disconnects_release_the_engine(f"{engine_url}/v1/completions", body, engine_url)
 
 
 async def test_a_full_queue_answers_503_with_retry_after(model_pair):
-    app = create_app(str(model_pair / "target"), device="cpu", max_running=1, max_waiting=1)
+    app = engine_app(model_pair, max_running=1, max_waiting=1)
     with serve(app) as url:
         async with httpx.AsyncClient(timeout=120) as client:
             body = {"prompt": _prompt(64), "max_tokens": 300, "temperature": 0.8, "ignore_eos": True}
@@ -250,10 +221,6 @@ def test_ignore_eos_generates_exactly_max_tokens(engine_url):
 
 
 async def test_chunked_prefill_equals_one_prefill(model_pair, target):
-    from engine.engine import ReferenceEngine
-    from engine.sampling import SamplingParams
-    from draft_worker.loader import load_tokenizer
-
     ids, positions = _gapped(seed=11)
     results = []
     for chunk in (7, 4096):

@@ -11,13 +11,12 @@ import pytest
 from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 
+from common.process import free_port
 from draft_worker import ScoringConfig
 from gateway.app import create_app
-from tests.helpers import gateway_settings
-from tests.gateway.test_gateway import _client
-from tests.helpers import LONG_DOC
+from tests.helpers import LONG_DOC, disconnects_release_the_engine, gateway_settings, serve
 from tests.helpers import chat_messages as _messages
-from tests.servers import free_port, serve
+from tests.helpers import openai_client as _client
 
 
 def _body(**extra) -> dict:
@@ -164,38 +163,7 @@ def test_api_key_is_required_and_not_forwarded(model_pair, engine_backend):
         assert "client-secret" not in json.dumps(recorder.requests[-1])
 
 
-def _engine_active(engine_url: str) -> float:
-    text = httpx.get(f"{engine_url}/metrics").text
-    return float(next(l.split()[-1] for l in text.splitlines() if l.startswith("specprefill_engine_active_requests ")))
-
-
-async def _wait_engine_idle(engine_url: str, within: float = 1.0) -> float:
-    deadline = asyncio.get_running_loop().time() + within
-    while _engine_active(engine_url) > 0 and asyncio.get_running_loop().time() < deadline:
-        await asyncio.sleep(0.02)
-    return _engine_active(engine_url)
-
-
 async def test_client_disconnects_cancel_the_backend_request(gateway_url, engine_backend):
-    engine_url, _ = engine_backend
     body = {"model": "tiny", "messages": _messages(), "max_tokens": 2000, "temperature": 0.8, "ignore_eos": True}
-    async with httpx.AsyncClient(timeout=60) as client:  # mid-stream
-        async with client.stream("POST", f"{gateway_url}/v1/chat/completions", json={**body, "stream": True},
-                                 headers={"x-keep-rate": "0.3"}) as response:
-            assert response.status_code == 200
-            assert _engine_active(engine_url) == 1
-            async for line in response.aiter_lines():
-                if line.startswith("data: "):
-                    break
-    assert await _wait_engine_idle(engine_url) == 0
-    async with httpx.AsyncClient(timeout=60) as client:  # not streamed, abandoned while the engine generates
-        task = asyncio.create_task(client.post(f"{gateway_url}/v1/chat/completions", json=body))
-        for _ in range(100):
-            await asyncio.sleep(0.02)
-            if _engine_active(engine_url) == 1:
-                break
-        assert _engine_active(engine_url) == 1
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-    assert await _wait_engine_idle(engine_url) == 0
+    await disconnects_release_the_engine(f"{gateway_url}/v1/chat/completions", body, engine_backend[0],
+                                         headers={"x-keep-rate": "0.3"})

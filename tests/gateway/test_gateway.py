@@ -10,10 +10,7 @@ import pytest
 
 from tests.helpers import LONG_DOC
 from tests.helpers import chat_messages as _messages
-
-
-def _client(url: str, **kwargs) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{url}/v1", api_key=kwargs.pop("api_key", "unused"), max_retries=0, **kwargs)
+from tests.helpers import openai_client as _client
 
 
 def test_models_list(gateway_url):
@@ -21,15 +18,20 @@ def test_models_list(gateway_url):
 
 
 def test_chat_compressed_with_headers(gateway_url):
-    raw = _client(gateway_url).chat.completions.with_raw_response.create(
-        model="tiny", messages=_messages(), max_tokens=8, temperature=0, extra_headers={"x-keep-rate": "0.3"})
+    def ask():
+        return _client(gateway_url).chat.completions.with_raw_response.create(
+            model="tiny", messages=_messages("Which header?"), max_tokens=8, temperature=0,
+            extra_headers={"x-keep-rate": "0.3"})
+
+    raw = ask()
     completion = raw.parse()
     assert raw.headers["x-specprefill-status"] == "compressed"
     original, kept = int(raw.headers["x-specprefill-original-tokens"]), int(raw.headers["x-specprefill-kept-tokens"])
     assert kept < 0.5 * original
     assert raw.headers["x-specprefill-keep-rate"] == "0.3"
-    assert raw.headers["x-specprefill-cache"] in ("hit", "miss", "off")
+    assert raw.headers["x-specprefill-cache"] == "miss"  # a prompt no other test sends
     assert float(raw.headers["x-specprefill-draft-ms"]) > 0
+    assert ask().headers["x-specprefill-cache"] == "hit"
     assert completion.object == "chat.completion" and completion.choices[0].message.role == "assistant"
     assert completion.usage.prompt_tokens == original
     assert completion.usage.model_extra["specprefill"] == {"original_prompt_tokens": original,
@@ -180,11 +182,16 @@ def test_bad_mode_header(gateway_url):
 def test_health_and_metrics(gateway_url):
     assert httpx.get(f"{gateway_url}/health").json() == {
         "status": "ok", "draft": {"ready": True}, "backend": {"ready": True, "kind": "reference"}}
+    client = _client(gateway_url)
+    client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=1)
+    client.chat.completions.create(model="tiny", messages=_messages("metrics?"), max_tokens=1,
+                                   extra_headers={"x-keep-rate": "0.3"})
     text = httpx.get(f"{gateway_url}/metrics").text
     for name in ("specprefill_requests_total", "specprefill_ttft_seconds_bucket", "specprefill_draft_seconds",
                  "specprefill_original_prompt_tokens", "specprefill_kept_prompt_tokens", "specprefill_keep_rate"):
         assert name in text, name
-    assert 'reason="short_prompt"' in text or 'status="compressed"' in text
+    assert 'specprefill_requests_total{endpoint="chat",reason="short_prompt",status="bypassed"}' in text
+    assert 'specprefill_requests_total{endpoint="chat",reason="",status="compressed"}' in text
 
 
 def test_server_timing_breaks_the_request_down(gateway_url):

@@ -13,13 +13,14 @@ import pytest
 import redis
 import torch
 
+from common.process import free_port
 from draft_worker import DraftWorker
+from draft_worker.codec import decode_scores, encode_scores
 from gateway.app import create_app
-from gateway.cache import MemoryScoreCache, decode_scores, encode_scores
+from gateway.cache import MemoryScoreCache
 from gateway.draft import LocalDraft
-from tests.helpers import gateway_settings
 from tests.helpers import chat_messages as _messages
-from tests.servers import free_port, serve
+from tests.helpers import gateway_settings, serve
 
 
 class CountingDraft(LocalDraft):

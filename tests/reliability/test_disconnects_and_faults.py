@@ -6,35 +6,20 @@ import asyncio
 import json
 import signal
 import subprocess
-import sys
 import time
 
 import httpx
 import pytest
 
+from common.models import load_causal_lm, load_tokenizer
+from common.process import free_port
 from draft_worker import DraftWorker
-from draft_worker.loader import load_causal_lm, load_tokenizer
 from engine.engine import ReferenceEngine
-from engine.serving import EngineServing
 from engine.server import create_app as create_engine_app
+from engine.serving import EngineServing
 from gateway.app import create_app
 from gateway.draft import LocalDraft
-from tests.helpers import RecordingApp, chat_messages, gateway_settings
-from tests.servers import free_port, serve
-
-
-def _active(engine_url: str) -> float:
-    text = httpx.get(f"{engine_url}/metrics").text
-    return float(next(l.split()[-1] for l in text.splitlines() if l.startswith("specprefill_engine_active_requests ")))
-
-
-async def _wait(predicate, within: float) -> bool:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        await asyncio.sleep(0.02)
-    return predicate()
+from tests.helpers import RecordingApp, chat_messages, engine_active, eventually, gateway_settings, serve, start_command
 
 
 class SlowDraft(LocalDraft):
@@ -76,7 +61,7 @@ async def test_disconnect_during_the_draft_never_reaches_the_backend(model_pair,
             with pytest.raises(asyncio.CancelledError):
                 await task
         await asyncio.sleep(2.5)  # past the draft's end: nothing may be sent on
-        assert len(recorder.requests) == before and _active(engine_url) == 0
+        assert len(recorder.requests) == before and engine_active(engine_url) == 0
 
 
 @pytest.mark.parametrize("stream", [True, False])
@@ -88,30 +73,16 @@ async def test_disconnect_during_prefill_stops_the_engine_within_a_second(model_
         async with httpx.AsyncClient(timeout=60) as client:
             task = asyncio.create_task(client.post(f"{gw}/v1/chat/completions", json=body,
                                                    headers={"x-specprefill": "off"}))  # the whole prompt: slow
-            assert await _wait(lambda: _active(engine_url) == 1, within=5)
+            assert await eventually(lambda: engine_active(engine_url) == 1, within=5)
             await asyncio.sleep(0.3)  # inside the prefill (about 20 chunks of 0.25 s)
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
-        assert await _wait(lambda: _active(engine_url) == 0, within=1.0)
-
-
-def _start(args: list[str], url: str) -> subprocess.Popen:
-    process = subprocess.Popen([sys.executable, "-m", "specprefill", *args, "--log-level", "warning"],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return process
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    process.kill()
-    raise RuntimeError(f"{args[0]} did not start")
+        assert await eventually(lambda: engine_active(engine_url) == 0, within=1.0)
 
 
 def _engine_process(model_pair, port: int) -> subprocess.Popen:
-    return _start(["engine", "--model", str(model_pair / "target"), "--port", str(port), "--device", "cpu",
+    return start_command(["engine", "--model", str(model_pair / "target"), "--port", str(port), "--device", "cpu",
                    "--served-model-name", "target"], f"http://127.0.0.1:{port}")
 
 
@@ -146,7 +117,7 @@ def test_backend_killed_mid_stream_then_restarted(model_pair):
 def test_sigterm_drains_in_flight_streams_and_refuses_new_requests(model_pair):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    gateway = _start(["serve", "--port", str(port), "--target-model", str(model_pair / "target"),
+    gateway = start_command(["serve", "--port", str(port), "--target-model", str(model_pair / "target"),
                       "--draft-model", str(model_pair / "draft"), "--device", "cpu", "--served-model-name", "tiny",
                       "--drain-timeout", "20"], url)
     try:

@@ -9,10 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 
-from engine.server import create_app as create_engine_app
 from gateway.app import create_app
-from tests.helpers import gateway_settings
-from tests.servers import serve
+from tests.helpers import engine_app, gateway_settings, serve
 
 EXAMPLES = 25
 
@@ -54,7 +52,7 @@ def test_gateway_survives_fuzzing(model_pair, engine_backend):
 
 
 def test_engine_survives_fuzzing(model_pair):
-    app = create_engine_app(str(model_pair / "target"), device="cpu", served_name="target")
+    app = engine_app(model_pair)
     with serve(app) as url:
         assert _fuzz(app, url) > 50
         assert httpx.post(f"{url}/v1/completions", json={"prompt": [5, 6], "max_tokens": 1}).status_code == 200

@@ -9,8 +9,7 @@ import httpx
 import pytest
 
 from gateway.app import create_app
-from tests.helpers import chat_messages, gateway_settings
-from tests.servers import serve
+from tests.helpers import chat_messages, gateway_settings, serve
 
 
 @pytest.fixture(scope="module")

@@ -1,14 +1,18 @@
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
 
+import httpx
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from gateway.app import create_app
 from specprefill.cli import main
-from specprefill.demo_models import flops_per_token, write_demo_models
+from specprefill.lab.demo_models import flops_per_token, write_demo_models
+from tests.helpers import LONG_DOC, gateway_settings, serve
 
 
 def _run(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
@@ -65,6 +69,61 @@ def test_demo_models_are_deterministic(tmp_path):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
 
 
-def test_unknown_subcommand_fails_cleanly():
-    with pytest.raises(SystemExit):
+def test_unknown_subcommand_fails_cleanly(capsys):
+    with pytest.raises(SystemExit) as excinfo:
         main(["no-such-command"])
+    assert excinfo.value.code == 2 and "invalid choice: 'no-such-command'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args,message", [
+    (["score", "--model", "m", "--keep-rate", "2", "-"], "--keep-rate: keep rate must be a number in (0, 1]"),
+    (["serve", "--look-ahead", "0"], "look_ahead must be >= 1"),
+    (["engine"], "--model: Field required"),
+])
+def test_bad_options_are_one_clear_line(args, message, capsys):
+    with pytest.raises(SystemExit) as excinfo:
+        main(args)
+    err = capsys.readouterr().err
+    assert excinfo.value.code == 2 and err.startswith("specprefill: error: ") and message in err
+    assert "Traceback" not in err
+
+
+PROMPT_WITH_MARKUP = ("<|start_header_id|>system<|end_header_id|>\n\nAnswer briefly.<|eot_id|>"
+                      "<|start_header_id|>user<|end_header_id|>\n\n" + LONG_DOC + "<|eot_id|>"
+                      "<|start_header_id|>assistant<|end_header_id|>\n\n")
+SCORING_OPTIONS = [
+    {},
+    {"protect_last": 0},
+    {"protect_first": 0, "protect_last": 0, "chunk_size": 1},
+    {"look_ahead": 1, "pool_kernel": 1, "chunk_size": 8, "protect_first": 16},
+]
+
+
+@pytest.mark.parametrize("options", SCORING_OPTIONS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "defaults")
+def test_score_reports_exactly_what_the_gateway_sends(model_pair, engine_backend, tmp_path, capsys, monkeypatch,
+                                                     options):
+    """One selection rule: the last token always goes and the template's special tokens are kept, in both."""
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in options.items()]
+    settings = gateway_settings(model_pair, backend_url=engine_backend[0], memory_cache_mb=0, **options)
+    prompt_file = tmp_path / "prompt.txt"
+    prompt_file.write_text(PROMPT_WITH_MARKUP)
+    tokenizer = AutoTokenizer.from_pretrained(model_pair / "target")
+    special = set(tokenizer.all_special_ids)
+    with serve(create_app(settings)) as gateway:
+        for keep in ("0.2", "0.5"):
+            for body, source in (({"prompt": PROMPT_WITH_MARKUP}, [str(prompt_file)]),
+                                 ({"prompt": tokenizer(PROMPT_WITH_MARKUP).input_ids}, ["--token-ids", "-"])):
+                response = httpx.post(f"{gateway}/v1/specprefill/compress", json={"model": "tiny", **body},
+                                      headers={"x-keep-rate": keep}, timeout=60).json()
+                assert response["status"] == "compressed"
+                monkeypatch.setattr("sys.stdin", io.StringIO(json.dumps(body["prompt"])))
+                with pytest.raises(SystemExit) as excinfo:
+                    main(["score", "--model", str(model_pair / "draft"), "--device", "cpu", "--keep-rate", keep,
+                          "--json", *flags, *source])
+                assert excinfo.value.code == 0
+                scored = json.loads(capsys.readouterr().out)
+                assert scored["original_tokens"] == response["original_tokens"]
+                assert scored["kept_indices"] == response["position_ids"]
+                ids = tokenizer(PROMPT_WITH_MARKUP).input_ids
+                assert {i for i, t in enumerate(ids) if t in special} <= set(scored["kept_indices"])
+                assert scored["kept_indices"][-1] == len(ids) - 1  # the last token, even with --protect-last 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from specprefill_vllm.positions import PositionError, block_key, check_positions, expand, requested_positions
 
 

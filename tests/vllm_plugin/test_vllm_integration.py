@@ -15,10 +15,9 @@ import openai
 import pytest
 import torch
 
+from common.process import free_port, wait_healthy
 from gateway.app import create_app
-from specprefill.bench_cmd import wait_healthy
-from tests.helpers import chat_messages, gateway_settings
-from tests.servers import free_port, serve
+from tests.helpers import chat_messages, gateway_settings, serve
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.vllm

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import os
 
-SUPPORTED_VLLM = ("0.32.",)
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+from specprefill_vllm.supported import SUPPORTED_ARCHITECTURES, SUPPORTED_VLLM
+
+__all__ = ["SUPPORTED_ARCHITECTURES", "SUPPORTED_VLLM", "UnsupportedVLLMError", "register"]
 
 
 class UnsupportedVLLMError(RuntimeError):

@@ -7,8 +7,8 @@ import functools
 import torch
 from vllm.logger import init_logger
 
-from specprefill_vllm import SUPPORTED_ARCHITECTURES
 from specprefill_vllm.positions import PositionError, block_key, check_positions, expand, requested_positions
+from specprefill_vllm.supported import SUPPORTED_ARCHITECTURES
 
 logger = init_logger("vllm.specprefill")
 _MARK = "_specprefill_patched"

@@ -1,7 +1,10 @@
-"""Loading draft (and target) models through the ordinary transformers path: a local folder or a hub id."""
+"""Loading models and tokenizers through the ordinary transformers path (a local folder or a hub id), and
+telling whether two tokenizers are one."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 
 import torch
@@ -76,3 +79,9 @@ def eos_token_ids(model: PreTrainedModel) -> list[int]:
     if eos is None:
         return []
     return [eos] if isinstance(eos, int) else list(eos)
+
+
+def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
+    """A short hash of the vocabulary: equal for tokenizers that map every token to the same ID."""
+    vocab = json.dumps(sorted(tokenizer.get_vocab().items()), separators=(",", ":"))
+    return hashlib.sha256(vocab.encode()).hexdigest()[:16]

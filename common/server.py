@@ -13,7 +13,8 @@ import logging
 
 import uvicorn
 
-from specprefill.openai_api import error_body
+from common.errors import error_body
+from common.options import ServerOptions
 
 logger = logging.getLogger("specprefill")
 
@@ -106,13 +107,14 @@ class DrainingServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def run_server(app, *, host: str, port: int, log_level: str = "info", drain_timeout: float = 30.0,
-               max_body_bytes: int = 16 << 20, max_header_bytes: int = 64 << 10) -> None:
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def run_server(app, options: ServerOptions, *, max_body_bytes: int = 16 << 20,
+               max_header_bytes: int = 64 << 10) -> None:
+    """Serves ``app`` behind the guard, with logging configured the same way for every service."""
+    logging.basicConfig(level=options.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     guard = GuardMiddleware(app, max_body_bytes=max_body_bytes, max_header_bytes=max_header_bytes)
-    config = uvicorn.Config(guard, host=host, port=port, log_level=log_level,
+    config = uvicorn.Config(guard, host=options.host, port=options.port, log_level=options.log_level,
                             h11_max_incomplete_event_size=max_header_bytes, timeout_graceful_shutdown=5,
                             # idle keep-alive longer than a typical load balancer's (60 s), so a client never
                             # sends on a connection the server is closing at that instant
                             timeout_keep_alive=75)
-    DrainingServer(config, guard, drain_timeout).run()
+    DrainingServer(config, guard, options.drain_timeout).run()

@@ -1,13 +1,6 @@
-"""A synthetic long-context retrieval task, and a draft/target pair trained on it here, on the CPU, in minutes.
+"""Training a draft/target pair on the retrieval task, on the CPU, reproducibly (fixed seeds).
 
-Each sample is filler text with key-value records scattered through it ("the code for KEY VALUE ."),
-then a question that ends with one key ("question : the code for KEY"); the answer is the next token.
-Only the record holding that key answers it; every other record is a distractor. A model has to find one
-6-token record in thousands of tokens: exactly what SpecPrefill's draft must point the target at. With a
-word-level tokenizer, accuracy is exact (one answer token).
-
-The trained pair ships in the package (``SHIPPED_PAIR``, float32 safetensors, 5.7 MB);
-``benchmarks/train_retrieval_pair.py`` retrains it from scratch.
+``train_pair`` writes ``DIR/draft`` and ``DIR/target``; ``benchmarks/train_retrieval_pair.py`` runs it.
 """
 
 from __future__ import annotations
@@ -21,64 +14,14 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from tokenizers import Tokenizer, models, pre_tokenizers, processors
-from transformers import AttentionInterface, GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import AttentionInterface, GenerationConfig, LlamaConfig, LlamaForCausalLM
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from specprefill.demo_models import default_cache_dir
+from specprefill.lab.demo_models import default_cache_dir
+from specprefill.lab.retrieval import QUESTION_LEN, TASK_VERSION, make_sample, make_tokenizer
 
-TASK_VERSION = "v2"
-SHIPPED_PAIR = Path(__file__).parent / "data" / "retrieval-pair"
 TRAIN_ATTENTION = "specprefill_train_sdpa"
-N_FILLER, N_KEYS, N_VALUES = 256, 256, 128
-TEMPLATE_WORDS = ["the", "code", "for", ".", "question", ":"]
-RECORD_LEN, QUESTION_LEN = 6, 6
-SPECIALS = ["<pad>", "<bos>", "<eos>"]
-
-
-def vocabulary() -> list[str]:
-    filler = [f"w{i}" for i in range(N_FILLER)]
-    keys = [f"k{i}" for i in range(N_KEYS)]
-    values = [f"v{i}" for i in range(N_VALUES)]
-    return SPECIALS + TEMPLATE_WORDS + filler + keys + values
-
-
-def make_tokenizer() -> PreTrainedTokenizerFast:
-    vocab = {word: index for index, word in enumerate(vocabulary())}
-    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<bos>", eos_token="<eos>",
-                                   pad_token="<pad>", model_max_length=8192)
-
-
-@dataclass(frozen=True, slots=True)
-class Sample:
-    text: str  # the prompt, ending with "answer :"
-    answer: str  # one value word
-    needle_word: int  # index (in words) where the answering record starts
-
-
-def make_sample(rng: random.Random, n_words: int, n_records: int) -> Sample:
-    """About ``n_words`` words of filler with ``n_records`` records; the question asks for one of them."""
-    keys = rng.sample(range(N_KEYS), n_records)
-    records = [["the", "code", "for", f"k{k}", f"v{rng.randrange(N_VALUES)}", "."] for k in keys]
-    slots = sorted(rng.sample(range(max(n_records, n_words // 8)), n_records))
-    asked = rng.randrange(n_records)
-    words: list[str] = []
-    needle = 0
-    slot_iter = iter(zip(slots, records))
-    next_slot = next(slot_iter, None)
-    for sentence in range(max(n_records, n_words // 8)):
-        while next_slot is not None and next_slot[0] == sentence:
-            if next_slot[1] is records[asked]:
-                needle = len(words)
-            words += next_slot[1]
-            next_slot = next(slot_iter, None)
-        words += [f"w{rng.randrange(N_FILLER)}" for _ in range(rng.randint(4, 11))] + ["."]
-    question = ["question", ":", "the", "code", "for", records[asked][3]]
-    return Sample(" ".join(words + question), records[asked][4], needle)
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,8 +94,11 @@ def _head_zero_attention(inner):
     return attention
 
 
-AttentionInterface.register(TRAIN_ATTENTION, _head_zero_attention(ALL_ATTENTION_FUNCTIONS["sdpa"]))
-AttentionMaskInterface.register(TRAIN_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+def _prepare_for_training(config: LlamaConfig) -> None:
+    """SDPA, plus head 0's probabilities for the circuit losses: registered here, when a model is prepared."""
+    AttentionInterface.register(TRAIN_ATTENTION, _head_zero_attention(ALL_ATTENTION_FUNCTIONS["sdpa"]))
+    AttentionMaskInterface.register(TRAIN_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    config._attn_implementation = TRAIN_ATTENTION
 
 
 def circuit_losses(previous_attn: torch.Tensor, induction_attn: torch.Tensor,
@@ -195,7 +141,7 @@ def train(shape: PairShape, tokenizer, *, steps: int, seed: int, log_every: int 
     torch.manual_seed(seed)
     rng = random.Random(seed)
     config = _config(shape, tokenizer)
-    config._attn_implementation = TRAIN_ATTENTION  # SDPA, plus head 0's probabilities for the circuit losses
+    _prepare_for_training(config)
     model = LlamaForCausalLM(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
     warmup, decay = max(1, steps // 20), int(steps * 0.75)  # constant through the curriculum, then cosine to 0.1

@@ -1,29 +1,23 @@
-"""``specprefill bench``: time to first token through the gateway vs directly at the same backend.
+"""The TTFT sweep: time to first token through the gateway vs directly at the same backend.
 
 For each prompt length S and keep rate, in one run:
   measured speedup = TTFT_direct(S) / TTFT_gateway(S, keep)
   ideal speedup    = TTFT_direct(S) / (t_draft(S) + TTFT_direct(K))   with K the tokens actually kept
   efficiency       = measured / ideal
 Every measurement uses a fresh prompt (another document), so no cache or prefix reuse flatters it.
-The load mode sends Poisson arrivals at fixed rates and reports TTFT p50/p99 and the highest rate whose
-p99 meets the objective, gateway vs direct.
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
-import math
 import random
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field
 
 import httpx
 from tqdm import tqdm
 
-from specprefill.demo_models import synthetic_corpus
+from specprefill.lab.demo_models import synthetic_corpus
 
 
 @dataclass
@@ -211,107 +205,3 @@ def format_table(rows: list[Row]) -> str:
             f"{b['tokenize']:.0f}/{b['draft']:.0f}/{b['select']:.0f}/{b['backend']:.0f}/{b['gateway_overhead']:.0f}"
         )
     return "\n".join(lines)
-
-
-# --- load mode ---
-
-def poisson_arrivals(rate: float, duration: float, rng: random.Random) -> list[float]:
-    times, t = [], 0.0
-    while True:
-        t += rng.expovariate(rate)
-        if t >= duration:
-            return times
-        times.append(t)
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    if not ordered:
-        return math.nan
-    index = min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))
-    return ordered[index]
-
-
-def max_rate_meeting(results: list[dict], slo_s: float) -> float | None:
-    """The highest offered rate whose p99 TTFT met the objective with no errors."""
-    passing = [r["rate"] for r in results if r["p99_s"] <= slo_s and r["errors"] == 0]
-    return max(passing) if passing else None
-
-
-async def run_load(url: str, bodies: list[dict], headers: dict, rates: list[float], duration: float,
-                   seed: int = 0) -> list[dict]:
-    """Poisson arrivals at each rate for ``duration`` seconds; request i sends ``bodies[i % len(bodies)]``."""
-    results = []
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=httpx.Limits(max_connections=1000)) as client:
-        for rate in tqdm(rates, desc=f"load {url}", unit="rate"):
-            arrivals = poisson_arrivals(rate, duration, random.Random(seed))
-            start = time.perf_counter()
-
-            async def one(index: int, at: float) -> float | None:
-                await asyncio.sleep(max(0.0, at - (time.perf_counter() - start)))
-                try:
-                    return (await stream_ttft(client, url, bodies[index % len(bodies)], headers))[0]
-                except Exception:
-                    return None
-
-            ttfts = await asyncio.gather(*(one(i, at) for i, at in enumerate(arrivals)))
-            ok = [t for t in ttfts if t is not None]
-            results.append({"rate": rate, "requests": len(ttfts), "errors": len(ttfts) - len(ok),
-                            "p50_s": percentile(ok, 0.5), "p99_s": percentile(ok, 0.99)})
-    return results
-
-
-# --- output ---
-
-def write_outputs(out_dir: Path, rows: list[Row], samples: list[Sample], load: dict | None, meta: dict) -> list[Path]:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    payload = {"meta": meta, "rows": [asdict(r) for r in rows], "samples": [asdict(s) for s in samples]}
-    if load:
-        payload["load"] = load
-    written = [out_dir / "bench.json"]
-    written[0].write_text(json.dumps(payload, indent=2))
-    written += plot(out_dir, rows, load)
-    return written
-
-
-def plot(out_dir: Path, rows: list[Row], load: dict | None) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    written = []
-    if rows:
-        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-        lengths = sorted({r.tokens for r in rows})
-        direct = [next(r.direct_s for r in rows if r.tokens == n) for n in lengths]
-        ax1.plot(lengths, direct, "k-o", label="direct (full prompt)")
-        for keep in sorted({r.keep_rate for r in rows}):
-            sel = [r for r in rows if r.keep_rate == keep]
-            ax1.plot([r.tokens for r in sel], [r.gateway_s for r in sel], "-o", label=f"gateway, keep {keep:g}")
-            if keep < 1.0:
-                ax2.plot([r.tokens for r in sel], [r.speedup for r in sel], "-o", label=f"measured, keep {keep:g}")
-                ax2.plot([r.tokens for r in sel], [r.ideal for r in sel], "--", color=ax2.lines[-1].get_color(),
-                         label=f"ideal, keep {keep:g}")
-        ax1.set(xlabel="prompt tokens", ylabel="TTFT (s)", title="Time to first token", xscale="log", yscale="log")
-        ax2.set(xlabel="prompt tokens", ylabel="speedup over direct", title="TTFT speedup: measured vs ideal",
-                xscale="log")
-        ax1.legend(fontsize=8)
-        ax2.legend(fontsize=7)
-        fig.tight_layout()
-        written.append(out_dir / "ttft.png")
-        fig.savefig(written[-1], dpi=110)
-        plt.close(fig)
-    if load:
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for name, results in load["results"].items():
-            ax.plot([r["rate"] for r in results], [r["p50_s"] for r in results], "-o", label=f"{name} p50")
-            ax.plot([r["rate"] for r in results], [r["p99_s"] for r in results], "--o", label=f"{name} p99")
-        ax.axhline(load["slo_s"], color="grey", lw=0.8, label=f"objective {load['slo_s']:g} s")
-        ax.set(xlabel="offered load (requests/s)", ylabel="TTFT (s)", title="TTFT under Poisson load")
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        written.append(out_dir / "load.png")
-        fig.savefig(written[-1], dpi=110)
-        plt.close(fig)
-    return written

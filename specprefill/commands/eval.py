@@ -6,17 +6,41 @@ import json
 import sys
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from specprefill.cli import Eval
+from pydantic import Field
+from pydantic_settings import BaseSettings
+
+from common.options import SETTINGS_CONFIG
+
+
+class Eval(BaseSettings):
+    """Answer quality vs keep rate: the built-in retrieval task, or --dataset FILE.jsonl against --base-url."""
+
+    model_config = SETTINGS_CONFIG
+    keep_rates: list[float] = Field([0.1, 0.3, 0.5, 1.0], description="keep rates (comma-separated)")
+    out: str = Field("eval_results", description="folder for eval.json (and eval.png)")
+    samples: int = Field(100, description="retrieval: samples")
+    words: int = Field(1500, description="retrieval: words of context per sample (about 1.1 tokens each)")
+    pair: str | None = Field(None, description="retrieval: a pair's folder (DIR/draft, DIR/target); "
+                                                "default: the one shipped in the package")
+    train: bool = Field(False, description="retrieval: retrain the pair into the cache first (about 20 min)")
+    dataset: str | None = Field(None, description="JSONL rows: messages or prompt, answers, metric")
+    base_url: str | None = Field(None, description="dataset: the gateway's base URL (without /v1)")
+    model: str | None = Field(None, description="dataset: the model name at the gateway (default: its first)")
+    direct_url: str | None = Field(None, description="dataset: the backend direct (default: x-specprefill: off)")
+    direct_model: str | None = Field(None, description="dataset: the model name at --direct-url")
+    max_tokens: int = Field(64, description="dataset: tokens generated per answer")
+    api_key: str | None = Field(None, description="dataset: Bearer token for the gateway")
+
+    def cli_cmd(self) -> None:
+        raise SystemExit(run_eval(self))
 
 
 def run_eval(options: Eval) -> int:
     out = Path(options.out)
     out.mkdir(parents=True, exist_ok=True)
     if options.dataset:
-        from specprefill.eval import evaluate_dataset, load_dataset
+        from specprefill.lab.dataset_eval import evaluate_dataset, load_dataset
 
         if not options.base_url:
             print("specprefill eval: --dataset needs --base-url (the gateway)", file=sys.stderr)
@@ -39,8 +63,9 @@ def run_eval(options: Eval) -> int:
         print(f"wrote {out / 'eval.json'}")
         return 0
 
-    from specprefill.eval import evaluate_retrieval, format_retrieval, plot_retrieval
-    from specprefill.retrieval import SHIPPED_PAIR, ensure_retrieval_pair
+    from specprefill.lab.eval import evaluate_retrieval, format_retrieval, plot_retrieval
+    from specprefill.lab.retrieval import SHIPPED_PAIR
+    from specprefill.lab.training import ensure_retrieval_pair
 
     if options.pair and options.train:
         print("specprefill eval: give --pair DIR or --train, not both", file=sys.stderr)

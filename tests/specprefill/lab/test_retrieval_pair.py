@@ -10,8 +10,8 @@ import pytest
 
 from gateway.app import create_app
 from gateway.settings import GatewaySettings
-from specprefill.retrieval import SHIPPED_PAIR, make_sample
-from tests.servers import serve
+from specprefill.lab.retrieval import SHIPPED_PAIR, make_sample
+from tests.helpers import serve
 
 pytestmark = pytest.mark.slow
 

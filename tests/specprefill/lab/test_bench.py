@@ -9,20 +9,17 @@ import random
 import httpx
 import pytest
 
-from specprefill.bench import (
+from specprefill.lab.bench import (
     BenchConfig,
     PromptMaker,
     Sample,
     ideal_speedup,
-    max_rate_meeting,
     parse_server_timing,
-    percentile,
-    poisson_arrivals,
-    run_load,
     run_sweep,
     summarize,
-    write_outputs,
 )
+from specprefill.lab.load import max_rate_meeting, percentile, poisson_arrivals, run_load
+from specprefill.lab.report import write_outputs
 
 
 def test_ideal_and_efficiency_from_samples():

@@ -4,46 +4,49 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import httpx
+from pydantic import Field
+from pydantic_settings import BaseSettings
 
-from specprefill.bench import BenchConfig, PromptMaker, format_table, max_rate_meeting, run_load, run_sweep, write_outputs
-
-if TYPE_CHECKING:
-    from specprefill.cli import Bench
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from common.options import SETTINGS_CONFIG
+from common.process import free_port, wait_healthy
 
 
-def wait_healthy(url: str, process: subprocess.Popen | None = None, timeout: float = 600) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process is not None and process.poll() is not None:
-            raise RuntimeError(f"the server for {url} exited with {process.returncode}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"{url} did not become healthy")
+class Bench(BaseSettings):
+    """TTFT through the gateway vs directly at the same backend; launches the demo when no URL is given."""
+
+    model_config = SETTINGS_CONFIG
+    base_url: str | None = Field(None, description="the gateway (default: launch the demo gateway and engine)")
+    backend_url: str | None = Field(None, description="the same backend, measured directly")
+    model: str | None = Field(None, description="model name at the gateway (default: its first)")
+    backend_model: str | None = Field(None, description="model name at the backend (default: its first)")
+    lengths: list[int] = Field([1024, 4096, 8192, 16384], description="prompt lengths in tokens")
+    keep_rates: list[float] = Field([0.1, 0.3, 0.5, 1.0], description="keep rates through the gateway")
+    repeats: int = Field(3, description="measured requests per point (after the warm-up)")
+    warmup: int = Field(1, description="unmeasured requests per length first")
+    max_tokens: int = Field(1, description="tokens generated per request")
+    out: str = Field("bench_results", description="folder for bench.json and the plots")
+    load: bool = Field(False, description="also run the Poisson load mode")
+    load_only: bool = Field(False, description="only the load mode")
+    rates: list[float] = Field([0.1, 0.2, 0.4, 0.8], description="load mode: offered requests per second")
+    duration: float = Field(30.0, description="load mode: seconds per rate")
+    ttft_slo: float = Field(2.0, description="load mode: the p99 TTFT objective in seconds")
+    load_tokens: int = Field(4096, description="load mode: prompt length")
+    load_keep_rate: float = Field(0.1, description="load mode: keep rate through the gateway")
+
+    def cli_cmd(self) -> None:
+        raise SystemExit(run_bench(self))
 
 
 @contextlib.contextmanager
 def launched_demo(extra_gateway_args: list[str]) -> Iterator[tuple[str, str]]:
     """The demo target on the reference engine, and a gateway in front of it, as local processes."""
-    from specprefill.demo_models import ensure_demo_models
+    from specprefill.lab.demo_models import ensure_demo_models
 
     root = ensure_demo_models()
     engine_port, gateway_port = free_port(), free_port()
@@ -67,6 +70,10 @@ def launched_demo(extra_gateway_args: list[str]) -> Iterator[tuple[str, str]]:
 
 
 def run_bench(options: Bench) -> int:
+    from specprefill.lab.bench import BenchConfig, PromptMaker, format_table, run_sweep
+    from specprefill.lab.load import max_rate_meeting, run_load
+    from specprefill.lab.report import write_outputs
+
     launch = options.base_url is None
     if launch and options.backend_url is not None:
         print("specprefill bench: give --base-url with --backend-url (or neither, to launch the demo)", file=sys.stderr)

@@ -20,6 +20,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 DEMO_VERSION = "v1"
+DEMO_NAME = "specprefill-demo"  # the model name clients send to a gateway serving the demo pair
 BOS, EOS, EOT, PAD = "<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>", "<|pad|>"
 HEADER_START, HEADER_END = "<|start_header_id|>", "<|end_header_id|>"
 SPECIAL_TOKENS = [BOS, EOS, EOT, PAD, HEADER_START, HEADER_END]

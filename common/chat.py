@@ -1,0 +1,129 @@
+"""Chat on top of completions: rendering with the model's chat template, and completion answers as chat answers.
+
+Shared by the gateway (which sends chat prompts to completion backends as token IDs) and the reference
+engine's own ``/v1/chat/completions``.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import jinja2
+
+from common.errors import InvalidRequestError
+from common.protocol import ChatMessage
+
+
+def render_chat(tokenizer, messages: list[ChatMessage]) -> tuple[str, list[int]]:
+    """The prompt text and token IDs the target model reads, with the generation prompt appended."""
+    plain = [{"role": m.role, "content": m.text()} for m in messages]
+    try:
+        text = tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=True)
+    except jinja2.TemplateError as exc:
+        raise InvalidRequestError(f"the model's chat template rejected the messages: {exc}", param="messages") from None
+    except ValueError as exc:  # no chat template
+        raise InvalidRequestError(str(exc), param="messages") from None
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    return text, ids
+
+
+def completion_to_chat(body: dict, model: str) -> dict:
+    """A ``text_completion`` answer as a ``chat.completion``."""
+    choices = []
+    for choice in body.get("choices", []):
+        chat_choice = {
+            "index": choice.get("index", 0),
+            "message": {"role": "assistant", "content": choice.get("text", "")},
+            "logprobs": _chat_logprobs(choice.get("logprobs")),
+            "finish_reason": choice.get("finish_reason"),
+        }
+        choices.append(chat_choice)
+    out = {
+        "id": _chat_id(body),
+        "object": "chat.completion",
+        "created": body.get("created", int(time.time())),
+        "model": model,
+        "choices": choices,
+    }
+    if body.get("usage") is not None:
+        out["usage"] = body["usage"]
+    return out
+
+
+class ChatChunkConverter:
+    """Turns a stream of ``text_completion`` chunks into ``chat.completion.chunk`` objects.
+
+    The first chunk carries the assistant role; each later one a content delta; finish_reason and the
+    usage chunk (``stream_options.include_usage``) pass through.
+    """
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.chat_id: str | None = None
+        self.sent_role = False
+
+    def convert(self, chunk: dict) -> list[dict]:
+        if self.chat_id is None:
+            self.chat_id = _chat_id(chunk)
+        out = []
+        for choice in chunk.get("choices", []):
+            delta: dict[str, Any] = {"content": choice.get("text", "")}
+            if not self.sent_role:
+                delta = {"role": "assistant", **delta}
+                self.sent_role = True
+            out.append(self._chunk([{
+                "index": choice.get("index", 0),
+                "delta": delta,
+                "logprobs": _chat_logprobs(choice.get("logprobs")),
+                "finish_reason": choice.get("finish_reason"),
+            }], chunk))
+        if not chunk.get("choices") and chunk.get("usage") is not None:
+            out.append(self._chunk([], chunk))
+        return out
+
+    def _chunk(self, choices: list, source: dict) -> dict:
+        chunk = {
+            "id": self.chat_id,
+            "object": "chat.completion.chunk",
+            "created": source.get("created", int(time.time())),
+            "model": self.model,
+            "choices": choices,
+        }
+        if "usage" in source:
+            chunk["usage"] = source["usage"]
+        return chunk
+
+
+def _chat_id(body: dict) -> str:
+    source = body.get("id") or uuid.uuid4().hex
+    return "chatcmpl-" + source.removeprefix("cmpl-")
+
+
+def _token_entry(token: str, logprob: float) -> dict:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+
+def _chat_logprobs(logprobs: dict | None) -> dict | None:
+    """Completion logprobs ({tokens, token_logprobs, top_logprobs}) in the chat shape ({content: [...]})."""
+    if not logprobs:
+        return None
+    content = []
+    tops = logprobs.get("top_logprobs") or [None] * len(logprobs.get("tokens", []))
+    for token, logprob, top in zip(logprobs.get("tokens", []), logprobs.get("token_logprobs", []), tops):
+        entry = _token_entry(token, logprob)
+        entry["top_logprobs"] = [_token_entry(t, lp) for t, lp in (top or {}).items()]
+        content.append(entry)
+    return {"content": content}
+
+
+async def as_chat_chunks(chunks: AsyncIterator[dict], converter: ChatChunkConverter) -> AsyncIterator[dict]:
+    """``text_completion`` chunks as ``chat.completion.chunk`` objects; closing this closes ``chunks``."""
+    try:
+        async for chunk in chunks:
+            for chat_chunk in converter.convert(chunk):
+                yield chat_chunk
+    finally:
+        await chunks.aclose()

@@ -1,0 +1,183 @@
+"""OpenAI's chat and completion requests, as the gateway and the reference engine both read them."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from common.errors import InvalidRequestError
+
+logger = logging.getLogger("specprefill")
+
+
+class WireModel(BaseModel):
+    """Base of the request models: unknown fields are tolerated (and logged), as OpenAI clients send many."""
+
+    model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="after")
+    def _log_unknown_fields(self):
+        if self.model_extra:
+            logger.debug("ignoring unknown fields in %s: %s", type(self).__name__, sorted(self.model_extra))
+        return self
+
+
+class StreamOptions(WireModel):
+    include_usage: bool = False
+
+
+class SpecPrefillOptions(WireModel):
+    keep_rate: float | None = None
+
+
+class SamplingFields(WireModel):
+    """The sampling fields that chat and completion requests share."""
+
+    model: str = Field(description="the served model's name")
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = None
+    stop: str | list[str] | None = Field(None, validate_default=True)
+    """Read back as a list (empty when unset)."""
+    n: int = Field(1, ge=1, le=128)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    # --- extensions ---
+    ignore_eos: bool = False
+    """vLLM's extension: keep generating past EOS (the reference engine and vLLM know it)."""
+    specprefill: SpecPrefillOptions | None = None
+    """Per-request options (``extra_body={"specprefill": {"keep_rate": 0.2}}`` in the OpenAI SDK)."""
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, value: str | list[str] | None) -> list[str]:
+        stops = [value] if isinstance(value, str) else (value or [])
+        if len(stops) > 4 or any(not s for s in stops):
+            raise ValueError("stop takes at most 4 non-empty strings")
+        return stops
+
+    def unsupported_features(self) -> list[str]:
+        """Fields whose effect the token-ID completion path cannot reproduce."""
+        found = []
+        if self.n != 1:
+            found.append("n")
+        if self.presence_penalty or self.frequency_penalty:
+            found.append("penalties")
+        if self.logit_bias:
+            found.append("logit_bias")
+        return found
+
+    def _sampling_params(self) -> dict[str, Any]:
+        params: dict[str, Any] = {"temperature": self.temperature, "top_p": self.top_p, "stream": self.stream}
+        if self.seed is not None:
+            params["seed"] = self.seed
+        if self.ignore_eos:
+            params["ignore_eos"] = True
+        if self.stop:
+            params["stop"] = self.stop
+        if self.stream and self.stream_options is not None:
+            params["stream_options"] = {"include_usage": self.stream_options.include_usage}
+        return params
+
+
+class ChatMessage(WireModel):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise InvalidRequestError(
+                    f"only text content parts are supported, got {part.get('type')!r}", param="messages"
+                )
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    functions: list[dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def unsupported_features(self) -> list[str]:
+        found = super().unsupported_features()
+        if self.tools or self.functions:
+            found.append("tools")
+        if self.response_format and self.response_format.get("type") not in (None, "text"):
+            found.append("response_format")
+        return found
+
+    def completion_params(self) -> dict[str, Any]:
+        """The fields of an equivalent ``/v1/completions`` body."""
+        params = self._sampling_params()
+        params["max_tokens"] = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        if self.logprobs:
+            params["logprobs"] = self.top_logprobs or 0
+        return params
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def unsupported_features(self) -> list[str]:
+        found = super().unsupported_features()
+        if self.echo:
+            found.append("echo")
+        if self.suffix:
+            found.append("suffix")
+        if self.best_of not in (None, 1):
+            found.append("best_of")
+        return found
+
+    def completion_params(self) -> dict[str, Any]:
+        params = self._sampling_params()
+        params["max_tokens"] = self.max_tokens if self.max_tokens is not None else 16
+        if self.logprobs is not None:
+            params["logprobs"] = self.logprobs
+        return params
+
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt of this request (a batch of one is unwrapped); empty or batched prompts are a 400."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise InvalidRequestError("send one prompt per request", param="prompt")
+            prompt = prompt[0]
+        if not prompt:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        return prompt
+
+    def prompt_token_ids(self, tokenizer, vocab_size: int | None = None) -> list[int]:
+        """The prompt's token IDs as an engine makes them: text through the tokenizer (special tokens added, as
+        vLLM does), token IDs checked against the tokenizer's vocabulary (and the model's, if smaller)."""
+        prompt = self.single_prompt()
+        if isinstance(prompt, str):
+            prompt = tokenizer(prompt).input_ids
+            if not prompt:
+                raise InvalidRequestError("the prompt is empty", param="prompt")
+            return prompt
+        vocab = min(len(tokenizer), vocab_size or len(tokenizer))
+        if any(not 0 <= t < vocab for t in prompt):
+            raise InvalidRequestError(f"prompt token IDs must be in [0, {vocab})", param="prompt")
+        return list(prompt)

@@ -1,0 +1,61 @@
+"""Query capture: how the scorer sees attention without an S×S matrix.
+
+Fused attention kernels (SDPA, flash attention) do not return attention weights, and asking transformers
+for them (``output_attentions=True``) builds an S×S matrix per layer. Instead the model's own kernel is
+wrapped: a forward given a ``QueryRecorder`` records the query of its last position in every layer, and
+the scorer reads the keys back from the KV cache (stored after RoPE). Plain forwards run the original
+kernel unchanged. The wrapped kernel is registered when a model is prepared, never at import.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+CAPTURE_PREFIX = "specprefill_capture_"
+
+
+@dataclass
+class QueryRecorder:
+    """Collects, per layer, the query of the last position of every forward it is passed to."""
+
+    queries: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    scaling: dict[int, float] = field(default_factory=dict)
+
+    def record(self, layer_idx: int, query: torch.Tensor, scaling: float) -> None:
+        # query: [B, H, 1, D]
+        self.queries.setdefault(layer_idx, []).append(query)
+        self.scaling[layer_idx] = scaling
+
+    def layer_queries(self, layer_idx: int) -> torch.Tensor:
+        return torch.cat(self.queries[layer_idx], dim=2)  # [B, H, Q, D]
+
+
+def _capturing_attention(inner: Callable) -> Callable:
+    def attention(module, query, key, value, attention_mask, specprefill_recorder=None, **kwargs):
+        if specprefill_recorder is not None:
+            scaling = kwargs.get("scaling") or module.head_dim**-0.5
+            specprefill_recorder.record(module.layer_idx, query[:, :, -1:, :], scaling)
+        return inner(module, query, key, value, attention_mask, **kwargs)
+
+    return attention
+
+
+def enable_query_capture(model: PreTrainedModel) -> None:
+    """Wraps the model's attention kernel so that scoring forwards can record queries. Idempotent."""
+    current = model.config._attn_implementation
+    if current.startswith(CAPTURE_PREFIX):
+        return
+    name = CAPTURE_PREFIX + current
+    AttentionInterface.register(name, _capturing_attention(ALL_ATTENTION_FUNCTIONS[current]))
+    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[current])
+    model.set_attn_implementation(name)
+
+
+def captures_queries(model: PreTrainedModel) -> bool:
+    return model.config._attn_implementation.startswith(CAPTURE_PREFIX)

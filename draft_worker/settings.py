@@ -1,0 +1,49 @@
+"""The draft worker's options as flags and ``SPECPREFILL_<NAME>`` variables.
+
+``ScoringOptions`` is shared by ``serve``, ``score`` and ``draft-worker``; its defaults and its checks are
+``ScoringConfig``'s own, so the paper's defaults live in one place.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings
+
+from common.options import SETTINGS_CONFIG, DeviceOptions, ServerOptions
+from draft_worker.config import ScoringConfig
+
+_DEFAULTS = ScoringConfig()
+
+
+class ScoringOptions(BaseSettings):
+    """How the draft scores and selects (the paper's defaults)."""
+
+    model_config = SETTINGS_CONFIG
+
+    look_ahead: int = Field(_DEFAULTS.look_ahead,
+                            description="draft steps whose queries are scored, the last prompt token's included")
+    pool_kernel: int = Field(_DEFAULTS.pool_kernel, description="average-pooling kernel along the sequence (1: off)")
+    chunk_size: int = Field(_DEFAULTS.chunk_size,
+                            description="tokens are kept in contiguous chunks of this size (1: single tokens)")
+    protect_first: int = Field(_DEFAULTS.protect_first, description="the first N tokens are always kept (0: off)")
+    protect_last: int = Field(_DEFAULTS.protect_last, description="the last N tokens are always kept (0: off)")
+
+    @model_validator(mode="after")
+    def _valid(self):
+        self.scoring_config()  # ConfigError is a ValueError: a clear message naming the option
+        return self
+
+    def scoring_config(self) -> ScoringConfig:
+        return ScoringConfig(look_ahead=self.look_ahead, pool_kernel=self.pool_kernel, chunk_size=self.chunk_size,
+                             protect_first=self.protect_first, protect_last=self.protect_last)
+
+
+class DraftWorkerSettings(ServerOptions, DeviceOptions, ScoringOptions):
+    """A standalone draft worker service, for gateways started with --draft-worker-url."""
+
+    model: str = Field(description="draft model: a local folder or a hub id")
+    port: int = Field(8002, description="port to listen on")
+    max_batch_size: int = Field(8, gt=0, description="prompts scored in one draft forward")
+    max_batch_tokens: int = Field(65536, gt=0, description="padded tokens (rows x longest prompt) in one forward")
+    max_wait_ms: float = Field(5.0, ge=0, description="how long a request waits for others to batch with")
+    prefix_cache_mb: int = Field(1024, ge=0, description="draft KV kept for prefix reuse (0: off)")

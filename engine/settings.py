@@ -1,0 +1,18 @@
+"""The reference engine's options as flags and ``SPECPREFILL_<NAME>`` variables."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from common.options import DeviceOptions, ServerOptions
+
+
+class EngineSettings(ServerOptions, DeviceOptions):
+    """The reference backend engine: honours prompt token IDs at explicit positions (OpenAI completions)."""
+
+    model: str = Field(description="target model: a local folder or a hub id")
+    port: int = Field(8001, description="port to listen on")
+    served_model_name: str | None = Field(None, description="the model name clients send (default: --model)")
+    max_running: int = Field(8, gt=0, description="sequences decoded concurrently (interleaved)")
+    max_waiting: int = Field(64, ge=0, description="queued requests beyond which the engine answers 503")
+    prefill_chunk: int = Field(2048, gt=0, description="prompt tokens per prefill step (cancellation and fairness)")

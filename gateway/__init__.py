@@ -1,0 +1,1 @@
+"""The gateway: an OpenAI-compatible proxy that compresses long prompts with SpecPrefill."""

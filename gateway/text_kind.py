@@ -1,0 +1,53 @@
+"""Backends without positions that take text (``--backend-kind text``): kept tokens decoded back into text.
+
+Positions are lost, and re-tokenisation may split words differently; each dropped span becomes one mark,
+so the model reads that text was left out.
+"""
+
+from __future__ import annotations
+
+from common.protocol import ChatMessage
+
+DROPPED_MARK = " … "
+
+
+def kept_text(tokenizer, token_ids: list[int], kept: list[int]) -> str:
+    """Kept tokens as text, each dropped span replaced by ``DROPPED_MARK``."""
+    runs, run, last = [], [], None
+    for index in kept:
+        if last is not None and index != last + 1:
+            runs.append(run)
+            run = []
+        run.append(token_ids[index])
+        last = index
+    runs.append(run)
+    text = DROPPED_MARK.join(tokenizer.decode(r, skip_special_tokens=True) for r in runs if r)
+    if kept and kept[0] > 0:
+        text = DROPPED_MARK.lstrip() + text
+    return text
+
+
+def kept_messages(tokenizer, messages: list[ChatMessage], rendered: str, token_ids: list[int],
+                  kept: list[int]) -> list[dict]:
+    """Each message's content cut to its kept tokens (the roles and the message list stay).
+
+    rendered: the chat template's text of ``messages``; token_ids: its tokens; kept: the kept indices.
+    """
+    offsets = tokenizer(rendered, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    kept_set = set(kept)
+    out_messages, cursor = [], 0
+    for message in messages:
+        content = message.text()
+        start = rendered.find(content, cursor) if content else -1
+        out = message.model_dump(exclude_none=True)
+        if start == -1:  # the template changed the content beyond recognition: keep it whole
+            out_messages.append(out)
+            continue
+        end = start + len(content)
+        cursor = end
+        inside = [i for i, (a, _) in enumerate(offsets) if start <= a < end]
+        kept_inside = [i for i in inside if i in kept_set]
+        if kept_inside != inside:
+            out["content"] = kept_text(tokenizer, token_ids, kept_inside) if kept_inside else ""
+        out_messages.append(out)
+    return out_messages

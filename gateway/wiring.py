@@ -1,0 +1,78 @@
+"""Building the gateway's parts from its settings: tokenizer, draft, backend, score cache, planner."""
+
+from __future__ import annotations
+
+from common.models import TokenizerMismatchError, check_same_tokenizer, load_tokenizer, tokenizer_fingerprint
+from draft_worker.worker import DraftWorker
+from gateway.backends import Backend, HTTPBackend, InProcessBackend
+from gateway.cache import MemoryScoreCache, RedisScoreCache, ScoreCache
+from gateway.draft import DraftClient, LocalDraft, RemoteDraft
+from gateway.metrics import GatewayMetrics
+from gateway.plan import Planner
+from gateway.scores import ScoreProvider
+from gateway.serving import GatewayServing
+from gateway.settings import GatewaySettings
+
+
+class MissingModelError(ValueError):
+    """The gateway was started without the models it needs."""
+
+
+async def build_serving(settings: GatewaySettings, metrics: GatewayMetrics, draft: DraftClient | None = None,
+                        backend: Backend | None = None) -> GatewayServing:
+    """``draft`` and ``backend`` replace the configured ones (embedding, tests)."""
+    if settings.target_model is None or (settings.draft_model is None and not settings.draft_worker_url
+                                         and draft is None):
+        raise MissingModelError("set --target-model and --draft-model (or --draft-worker-url); "
+                                "`specprefill serve` without either serves the demo pair")
+    tokenizer = load_tokenizer(settings.target_model)
+    draft = draft or await _draft(settings, tokenizer)
+    served = settings.served_model_name or settings.target_model
+    backend = backend or _backend(settings, served)
+    names = list(dict.fromkeys(n for n in (served, settings.target_model, settings.backend_model) if n))
+    scores = ScoreProvider(draft, score_cache(settings), metrics, settings.redis_key_prefix)
+    planner = Planner(settings, draft, scores, metrics, tokenizer.all_special_ids)
+    return GatewayServing(settings, tokenizer, draft, backend, metrics, names, planner)
+
+
+async def _draft(settings: GatewaySettings, tokenizer) -> DraftClient:
+    if settings.draft_worker_url:
+        draft = RemoteDraft(settings.draft_worker_url, settings.scoring_config(), timeout=settings.draft_timeout)
+        await _check_remote_tokenizer(draft, tokenizer)
+        return draft
+    worker = DraftWorker.from_pretrained(settings.draft_model, settings.scoring_config(), device=settings.device,
+                                         dtype=settings.dtype, prefix_cache_bytes=settings.draft_prefix_cache_mb << 20)
+    check_same_tokenizer(worker.tokenizer, tokenizer)
+    return LocalDraft(worker)
+
+
+def _backend(settings: GatewaySettings, served_name: str) -> Backend:
+    if settings.embedded:
+        from engine.serving import EngineServing
+        from engine.settings import EngineSettings
+
+        engine = EngineSettings(model=settings.target_model, device=settings.device, dtype=settings.dtype,
+                                served_model_name=served_name)
+        return InProcessBackend(EngineServing.from_settings(engine))
+    api_key = settings.backend_api_key.get_secret_value() if settings.backend_api_key else None
+    return HTTPBackend(settings.backend_url, settings.backend_kind, model=settings.backend_model, api_key=api_key,
+                       connect_timeout=settings.backend_connect_timeout, read_timeout=settings.backend_read_timeout)
+
+
+def score_cache(settings: GatewaySettings) -> ScoreCache | None:
+    max_entry = settings.score_cache_max_entry_kb << 10
+    if settings.redis_url:
+        return RedisScoreCache(settings.redis_url, settings.score_cache_ttl, max_entry)
+    if settings.memory_cache_mb > 0:
+        return MemoryScoreCache(settings.memory_cache_mb << 20, settings.score_cache_ttl, max_entry)
+    return None
+
+
+async def _check_remote_tokenizer(draft: RemoteDraft, tokenizer) -> None:
+    """Refuses to start when a draft worker that answers has another tokenizer than the target."""
+    expected = tokenizer_fingerprint(tokenizer)
+    for url, info in (await draft.infos()).items():
+        if info.get("tokenizer_fingerprint") not in (None, expected):
+            raise TokenizerMismatchError(
+                f"the draft worker at {url} uses another tokenizer than the target: SpecPrefill needs a draft "
+                "from the target's model family (same tokenizer)")

@@ -1,0 +1,102 @@
+"""``specprefill score``: what the draft keeps of one prompt, by the same rule the gateway applies."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from pydantic import AliasChoices, Field, field_validator
+from pydantic_settings import CliPositionalArg
+
+from common.options import DeviceOptions
+from draft_worker.config import validate_keep_rate
+from draft_worker.settings import ScoringOptions
+
+DIM_STRIKE, RESET = "\x1b[2;9m", "\x1b[0m"
+
+
+class Score(DeviceOptions, ScoringOptions):
+    """Score one prompt with a draft model and show what the target would read."""
+
+    file: CliPositionalArg[str] = Field(description="a text file, or - for standard input")
+    model: str = Field(description="draft model: a local folder or a hub id")
+    keep_rate: float = Field(0.3, description="fraction of chunks kept, in (0, 1]")
+    token_ids: bool = Field(False, description="read a JSON list of token IDs instead of text")
+    json_output: bool = Field(
+        False, validation_alias=AliasChoices("json", "json_output"), description="print the numbers as JSON"
+    )
+
+    @field_validator("keep_rate")
+    @classmethod
+    def _keep_rate(cls, value: float) -> float:
+        return validate_keep_rate(value)
+
+    def cli_cmd(self) -> None:
+        raise SystemExit(run_score(self))
+
+
+def run_score(options: Score) -> int:
+    from draft_worker import DraftWorker, select_tokens
+
+    try:
+        raw = _read_input(options.file)
+        token_ids = parse_token_ids(raw) if options.token_ids else None
+        config = options.scoring_config()
+        worker = DraftWorker.from_pretrained(options.model, config, device=options.device, dtype=options.dtype)
+        if token_ids is None:
+            token_ids = worker.tokenizer(raw).input_ids  # as the gateway tokenizes a completion prompt
+        scores = worker.score(token_ids)
+    except (ValueError, OSError) as exc:
+        print(f"specprefill score: error: {exc}", file=sys.stderr)
+        return 2
+    kept = select_tokens(token_ids, scores, options.keep_rate, config, worker.tokenizer.all_special_ids)
+    if options.json_output:
+        print(json.dumps({"original_tokens": len(token_ids), "kept_tokens": len(kept), "kept_indices": kept,
+                          "scores": [round(s, 8) for s in scores.tolist()]}))
+        return 0
+    print(render_kept(worker.tokenizer, token_ids, kept, color=sys.stdout.isatty()))
+    print(f"\nkept {len(kept)} of {len(token_ids)} tokens ({len(kept) / len(token_ids):.1%}; "
+          f"keep rate {options.keep_rate}, chunks of {config.chunk_size})", file=sys.stderr)
+    return 0
+
+
+def _read_input(path: str) -> str:
+    if path == "-":
+        return sys.stdin.read()
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
+def parse_token_ids(text: str) -> list[int]:
+    try:
+        ids = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--token-ids expects a JSON list of integers: {exc}") from None
+    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ValueError("--token-ids expects a non-empty JSON list of integers")
+    return ids
+
+
+def render_kept(tokenizer, token_ids: list[int], kept: list[int], color: bool) -> str:
+    """The prompt with every dropped span marked, so a user can read what the target will see."""
+    kept_set = set(kept)
+    pieces, span, span_kept = [], [], None
+    for index, token in enumerate(token_ids):
+        is_kept = index in kept_set
+        if span and is_kept != span_kept:
+            pieces.append((span_kept, span))
+            span = []
+        span_kept = is_kept
+        span.append(token)
+    if span:
+        pieces.append((span_kept, span))
+    out = []
+    for is_kept, ids in pieces:
+        text = tokenizer.decode(ids)
+        if is_kept:
+            out.append(text)
+        elif color:
+            out.append(f"{DIM_STRIKE}{text}{RESET}")
+        else:
+            out.append(f"[[-{len(ids)} dropped: {text}-]]")
+    return "".join(out)

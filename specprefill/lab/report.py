@@ -1,0 +1,63 @@
+"""The bench's outputs: ``bench.json`` and the plots."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+from specprefill.lab.bench import Row, Sample
+
+
+def write_outputs(out_dir: Path, rows: list[Row], samples: list[Sample], load: dict | None, meta: dict) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    payload = {"meta": meta, "rows": [asdict(r) for r in rows], "samples": [asdict(s) for s in samples]}
+    if load:
+        payload["load"] = load
+    written = [out_dir / "bench.json"]
+    written[0].write_text(json.dumps(payload, indent=2))
+    written += plot(out_dir, rows, load)
+    return written
+
+
+def plot(out_dir: Path, rows: list[Row], load: dict | None) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    if rows:
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+        lengths = sorted({r.tokens for r in rows})
+        direct = [next(r.direct_s for r in rows if r.tokens == n) for n in lengths]
+        ax1.plot(lengths, direct, "k-o", label="direct (full prompt)")
+        for keep in sorted({r.keep_rate for r in rows}):
+            sel = [r for r in rows if r.keep_rate == keep]
+            ax1.plot([r.tokens for r in sel], [r.gateway_s for r in sel], "-o", label=f"gateway, keep {keep:g}")
+            if keep < 1.0:
+                ax2.plot([r.tokens for r in sel], [r.speedup for r in sel], "-o", label=f"measured, keep {keep:g}")
+                ax2.plot([r.tokens for r in sel], [r.ideal for r in sel], "--", color=ax2.lines[-1].get_color(),
+                         label=f"ideal, keep {keep:g}")
+        ax1.set(xlabel="prompt tokens", ylabel="TTFT (s)", title="Time to first token", xscale="log", yscale="log")
+        ax2.set(xlabel="prompt tokens", ylabel="speedup over direct", title="TTFT speedup: measured vs ideal",
+                xscale="log")
+        ax1.legend(fontsize=8)
+        ax2.legend(fontsize=7)
+        fig.tight_layout()
+        written.append(out_dir / "ttft.png")
+        fig.savefig(written[-1], dpi=110)
+        plt.close(fig)
+    if load:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for name, results in load["results"].items():
+            ax.plot([r["rate"] for r in results], [r["p50_s"] for r in results], "-o", label=f"{name} p50")
+            ax.plot([r["rate"] for r in results], [r["p99_s"] for r in results], "--o", label=f"{name} p99")
+        ax.axhline(load["slo_s"], color="grey", lw=0.8, label=f"objective {load['slo_s']:g} s")
+        ax.set(xlabel="offered load (requests/s)", ylabel="TTFT (s)", title="TTFT under Poisson load")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        written.append(out_dir / "load.png")
+        fig.savefig(written[-1], dpi=110)
+        plt.close(fig)
+    return written

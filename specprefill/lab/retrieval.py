@@ -1,0 +1,71 @@
+"""A synthetic long-context retrieval task (``training`` trains a draft/target pair on it here, on the CPU).
+
+Each sample is filler text with key-value records scattered through it ("the code for KEY VALUE ."),
+then a question that ends with one key ("question : the code for KEY"); the answer is the next token.
+Only the record holding that key answers it; every other record is a distractor. A model has to find one
+6-token record in thousands of tokens: exactly what SpecPrefill's draft must point the target at. With a
+word-level tokenizer, accuracy is exact (one answer token).
+
+The trained pair ships in the package (``SHIPPED_PAIR``, float32 safetensors, 5.7 MB);
+``benchmarks/train_retrieval_pair.py`` retrains it from scratch.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokenizers import Tokenizer, models, pre_tokenizers, processors
+from transformers import PreTrainedTokenizerFast
+
+TASK_VERSION = "v2"
+SHIPPED_PAIR = Path(__file__).parents[1] / "data" / "retrieval-pair"
+N_FILLER, N_KEYS, N_VALUES = 256, 256, 128
+TEMPLATE_WORDS = ["the", "code", "for", ".", "question", ":"]
+RECORD_LEN, QUESTION_LEN = 6, 6
+SPECIALS = ["<pad>", "<bos>", "<eos>"]
+
+
+def vocabulary() -> list[str]:
+    filler = [f"w{i}" for i in range(N_FILLER)]
+    keys = [f"k{i}" for i in range(N_KEYS)]
+    values = [f"v{i}" for i in range(N_VALUES)]
+    return SPECIALS + TEMPLATE_WORDS + filler + keys + values
+
+
+def make_tokenizer() -> PreTrainedTokenizerFast:
+    vocab = {word: index for index, word in enumerate(vocabulary())}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<bos>", eos_token="<eos>",
+                                   pad_token="<pad>", model_max_length=8192)
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    text: str  # the prompt, ending with "answer :"
+    answer: str  # one value word
+    needle_word: int  # index (in words) where the answering record starts
+
+
+def make_sample(rng: random.Random, n_words: int, n_records: int) -> Sample:
+    """About ``n_words`` words of filler with ``n_records`` records; the question asks for one of them."""
+    keys = rng.sample(range(N_KEYS), n_records)
+    records = [["the", "code", "for", f"k{k}", f"v{rng.randrange(N_VALUES)}", "."] for k in keys]
+    slots = sorted(rng.sample(range(max(n_records, n_words // 8)), n_records))
+    asked = rng.randrange(n_records)
+    words: list[str] = []
+    needle = 0
+    slot_iter = iter(zip(slots, records))
+    next_slot = next(slot_iter, None)
+    for sentence in range(max(n_records, n_words // 8)):
+        while next_slot is not None and next_slot[0] == sentence:
+            if next_slot[1] is records[asked]:
+                needle = len(words)
+            words += next_slot[1]
+            next_slot = next(slot_iter, None)
+        words += [f"w{rng.randrange(N_FILLER)}" for _ in range(rng.randint(4, 11))] + ["."]
+    question = ["question", ":", "the", "code", "for", records[asked][3]]
+    return Sample(" ".join(words + question), records[asked][4], needle)
