@@ -2,7 +2,9 @@
 
 One thread owns the model. Each round it takes the running sequences from the ``Scheduler`` and steps each
 once: a prefill chunk of ``prefill_chunk`` tokens, or one decode step, then sampling. No batching: each
-sequence has its own KV cache, which keeps positions per sequence trivially right.
+sequence has its own KV cache, which keeps positions per sequence trivially right. With a ``PrefixCache``
+a sequence starts from the longest cached run of its leading blocks (tokens and positions) and leaves its
+own blocks behind when it ends.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from common.models import eos_token_ids
+from engine.prefix_cache import PrefixCache
 from engine.runner import decode_one, prefill
 from engine.sampling import SamplingParams, TextStream, make_generator, sample_next
 from engine.scheduler import Scheduler
@@ -31,11 +34,13 @@ class ReferenceEngine:
         max_running: int = 8,
         max_waiting: int = 64,
         prefill_chunk: int = 2048,
+        prefix_cache: PrefixCache | None = None,
         on_active_change: Callable[[int], None] | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.prefill_chunk = prefill_chunk
+        self.prefix_cache = prefix_cache
         self.eos_ids = set(eos_token_ids(model))
         self.scheduler = Scheduler(max_running=max_running, max_waiting=max_waiting,
                                    on_active_change=on_active_change)
@@ -55,16 +60,23 @@ class ReferenceEngine:
     def active(self) -> int:
         return self.scheduler.active
 
+    def cache_shape(self) -> tuple[int, int]:
+        """The prefix cache's block size and capacity in tokens (capacity 0: no cache)."""
+        if self.prefix_cache is None:
+            return 16, 0
+        return self.prefix_cache.block_size, self.prefix_cache.max_blocks * self.prefix_cache.block_size
+
     def close(self) -> None:
         self.scheduler.close()
         self._thread.join(timeout=5)
 
     async def generate(
-        self, token_ids: list[int], position_ids: list[int], params: SamplingParams
+        self, token_ids: list[int], position_ids: list[int], params: SamplingParams, priority: int = 0
     ) -> AsyncIterator[StepOutput]:
         """Streams the generated tokens; the last output carries ``finish_reason``. Inputs are validated."""
         seq = Sequence(request_id=next(self._ids), token_ids=token_ids, position_ids=position_ids, params=params,
-                       stream=TextStream(self.tokenizer, params.stop), loop=asyncio.get_running_loop())
+                       stream=TextStream(self.tokenizer, params.stop), loop=asyncio.get_running_loop(),
+                       priority=priority)
         self.scheduler.add(seq)
         try:
             while True:
@@ -84,6 +96,8 @@ class ReferenceEngine:
         while (running := self.scheduler.schedule()) is not None:
             for seq in running:
                 if seq.cancelled.is_set() or self._step_safely(seq):
+                    if self.prefix_cache is not None and seq.cache is not None:
+                        self.prefix_cache.store(*seq.computed(), seq.cache)
                     self.scheduler.finish(seq)
             self.scheduler.drop_cancelled()
 
@@ -105,6 +119,9 @@ class ReferenceEngine:
         """The next forward: a prefill chunk (between chunks others step, a cancelled sequence is dropped), or
         the last generated token at its position. Next-token logits [V], or None mid-prefill."""
         device = self.model.device
+        if seq.cache is None and self.prefix_cache is not None:
+            seq.cache, seq.cached_tokens = self.prefix_cache.lookup(seq.token_ids, seq.position_ids, self.model.config)
+            seq.prefilled = seq.cached_tokens
         if not seq.prefill_done:
             end = min(len(seq.token_ids), seq.prefilled + self.prefill_chunk)
             ids = torch.tensor([seq.token_ids[seq.prefilled:end]], device=device)
@@ -131,7 +148,8 @@ class ReferenceEngine:
                 finish = "stop"
             elif seq.n_generated >= params.max_tokens:
                 finish = "length"
-        seq.emit(StepOutput(token_id, seq.stream.delta(final=finish is not None), logprob, top, finish))
+        seq.emit(StepOutput(token_id, seq.stream.delta(final=finish is not None), logprob, top, finish,
+                            seq.cached_tokens))
         return finish is not None
 
 

@@ -12,3 +12,5 @@ class EngineMetrics:
                             registry=self.registry)
         self.requests = Counter("specprefill_engine_requests", "Completion requests by outcome", ["status"],
                                 registry=self.registry)
+        self.cache_info = Gauge("specprefill_engine_cache_info", "The prefix cache (1; its shape in the labels, "
+                                "as vllm:cache_config_info)", ["block_size", "capacity_tokens"], registry=self.registry)

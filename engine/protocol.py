@@ -18,6 +18,8 @@ class EngineCompletionRequest(CompletionRequest):
     """vLLM's per-request extension; ``position_ids`` is read from here too, so one body serves both."""
     return_token_ids: bool = False
     """Also return the generated token IDs in each choice (vLLM's name for it)."""
+    priority: int = 0
+    """vLLM's extension: lower runs first; a running sequence waits while one of a lower value runs."""
 
     def positions(self) -> list[int] | None:
         if self.position_ids is not None:

@@ -1,6 +1,8 @@
 """Admission and order: a bounded waiting queue, and up to ``max_running`` sequences stepped round-robin.
 
-A request waits for at most one step (a decode step or a prefill chunk) of each running sequence.
+A request waits for at most one step (a decode step or a prefill chunk) of each running sequence. Among
+running sequences only those of the lowest ``priority`` value step (vLLM's convention); the others keep
+their KV cache and resume when those finish.
 Past ``max_waiting`` queued requests, ``add`` raises ``OverloadedError`` (503). A sequence whose consumer
 went away is dropped before its next step.
 """
@@ -54,7 +56,8 @@ class Scheduler:
                 return None
             while self._waiting and len(self._running) < self.max_running:
                 self._running.append(self._waiting.popleft())
-            return list(self._running)
+            first = min(s.priority for s in self._running)
+            return [s for s in self._running if s.priority == first]
 
     def finish(self, seq: Sequence) -> None:
         with self._cond:

@@ -21,6 +21,7 @@ class StepOutput:
     logprob: float | None = None
     top_logprobs: dict[int, float] | None = None
     finish_reason: str | None = None
+    cached_tokens: int = 0  # prompt tokens the prefix cache served
 
 
 @dataclass(eq=False)
@@ -32,9 +33,11 @@ class Sequence:
     stream: TextStream
     loop: asyncio.AbstractEventLoop
     outputs: asyncio.Queue = field(default_factory=asyncio.Queue)
+    priority: int = 0  # lower runs first
     cancelled: threading.Event = field(default_factory=threading.Event)
     cache: DynamicCache | None = None
     prefilled: int = 0  # prompt tokens already in the KV cache
+    cached_tokens: int = 0  # of which the prefix cache served
     generator: torch.Generator | None = None
 
     @property
@@ -44,6 +47,15 @@ class Sequence:
     @property
     def n_generated(self) -> int:
         return len(self.stream.token_ids)
+
+    def computed(self) -> tuple[list[int], list[int]]:
+        """The tokens whose KV the sequence's cache holds, and their positions (prompt, then generated)."""
+        n = self.cache.get_seq_length() if self.cache is not None else 0
+        generated = self.stream.token_ids
+        last = self.position_ids[-1]
+        tokens = (self.token_ids + generated)[:n]
+        positions = (self.position_ids + list(range(last + 1, last + 1 + len(generated))))[:n]
+        return tokens, positions
 
     def next_position(self) -> int:
         """Where the next token to be read stands: generated tokens continue after the last prompt position."""

@@ -17,6 +17,7 @@ from common.models import load_causal_lm, load_tokenizer
 from common.protocol import ChatCompletionRequest, SamplingFields
 from common.streams import prepend
 from engine.engine import ReferenceEngine
+from engine.prefix_cache import PrefixCache
 from engine.protocol import EngineCompletionRequest
 from engine.sampling import SamplingParams
 from engine.sequence import StepOutput
@@ -28,6 +29,7 @@ class PreparedRequest:
     token_ids: list[int]
     position_ids: list[int]
     params: SamplingParams
+    priority: int = 0
 
 
 class EngineServing:
@@ -39,9 +41,10 @@ class EngineServing:
     def from_settings(cls, settings: EngineSettings, on_active_change=None) -> EngineServing:
         """Loads the target model and starts its engine."""
         model = load_causal_lm(settings.model, device=settings.device, dtype=settings.dtype)
+        prefix_cache = PrefixCache(settings.kv_cache_tokens, settings.block_size) if settings.kv_cache_tokens else None
         engine = ReferenceEngine(model, load_tokenizer(settings.model), max_running=settings.max_running,
                                  max_waiting=settings.max_waiting, prefill_chunk=settings.prefill_chunk,
-                                 on_active_change=on_active_change)
+                                 prefix_cache=prefix_cache, on_active_change=on_active_change)
         return cls(engine, [n for n in (settings.served_model_name, settings.model) if n])
 
     @property
@@ -95,7 +98,7 @@ class EngineServing:
             logprobs=request.logprobs,
             ignore_eos=request.ignore_eos,
         )
-        return PreparedRequest(token_ids, positions, params)
+        return PreparedRequest(token_ids, positions, params, request.priority)
 
     async def completion_stream(self, request: EngineCompletionRequest) -> AsyncIterator[dict]:
         """OpenAI ``text_completion`` chunks; the usage chunk last when asked for."""
@@ -108,9 +111,10 @@ class EngineServing:
     async def _stream(self, request: EngineCompletionRequest, prepared: PreparedRequest) -> AsyncIterator[dict]:
         completion_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
-        n_generated, offset = 0, 0
-        async for step in self.engine.generate(prepared.token_ids, prepared.position_ids, prepared.params):
-            n_generated += 1
+        n_generated, offset, cached = 0, 0, 0
+        async for step in self.engine.generate(prepared.token_ids, prepared.position_ids, prepared.params,
+                                               prepared.priority):
+            n_generated, cached = n_generated + 1, step.cached_tokens
             choice = {"index": 0, "text": step.text, "logprobs": None, "finish_reason": step.finish_reason}
             if prepared.params.logprobs is not None:
                 choice["logprobs"] = self._logprobs([step], offset)
@@ -122,12 +126,13 @@ class EngineServing:
                 chunk["usage"] = None
             yield chunk
         if include_usage:
-            yield _envelope(completion_id, created, self.model_name, [], _usage(len(prepared.token_ids), n_generated))
+            yield _envelope(completion_id, created, self.model_name, [],
+                            _usage(len(prepared.token_ids), n_generated, cached))
 
     async def completion(self, request: EngineCompletionRequest) -> dict:
         prepared = self.prepare(request)
         steps: list[StepOutput] = [s async for s in self.engine.generate(prepared.token_ids, prepared.position_ids,
-                                                                          prepared.params)]
+                                                                          prepared.params, prepared.priority)]
         choice = {
             "index": 0,
             "text": "".join(s.text for s in steps),
@@ -137,11 +142,11 @@ class EngineServing:
         if request.return_token_ids:
             choice["token_ids"] = [s.token_id for s in steps]
         return _envelope(f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.model_name, [choice],
-                         _usage(len(prepared.token_ids), len(steps)))
+                         _usage(len(prepared.token_ids), len(steps), steps[-1].cached_tokens))
 
     def _chat_as_completion(self, request: ChatCompletionRequest) -> EngineCompletionRequest:
         _check_supported(request)
-        _, ids = render_chat(self.engine.tokenizer, request.messages)
+        ids = render_chat(self.engine.tokenizer, request.messages).token_ids
         return EngineCompletionRequest(model=request.model, prompt=ids, **request.completion_params())
 
     async def chat_completion(self, request: ChatCompletionRequest) -> dict:
@@ -193,11 +198,13 @@ def _check_positions(positions: list[int], n_tokens: int, max_positions: int) ->
         )
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    """OpenAI's usage, with the prompt tokens served from the prefix cache where vLLM and OpenAI report them."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 

@@ -16,3 +16,5 @@ class EngineSettings(ServerOptions, DeviceOptions):
     max_running: int = Field(8, gt=0, description="sequences decoded concurrently (interleaved)")
     max_waiting: int = Field(64, ge=0, description="queued requests beyond which the engine answers 503")
     prefill_chunk: int = Field(2048, gt=0, description="prompt tokens per prefill step (cancellation and fairness)")
+    kv_cache_tokens: int = Field(65536, ge=0, description="tokens of KV kept for prefix reuse, LRU (0: off)")
+    block_size: int = Field(16, gt=0, description="tokens per prefix-cache block (only full blocks are reused)")

@@ -110,6 +110,7 @@ def test_without_positions_greedy_equals_generate(engine_url, target):
     expected = expected[: next((i + 1 for i, t in enumerate(expected) if t in eos), len(expected))]
     assert answer["choices"][0]["token_ids"] == expected
     assert answer["usage"] == {"prompt_tokens": 120, "completion_tokens": len(expected),
+                               "prompt_tokens_details": {"cached_tokens": 0},
                                "total_tokens": 120 + len(expected)}
 
 
