@@ -7,6 +7,7 @@ import contextlib
 import subprocess
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -15,6 +16,7 @@ from pydantic_settings import BaseSettings
 
 from common.options import SETTINGS_CONFIG
 from common.process import free_port, wait_healthy
+from specprefill.lab.workloads import WORKLOADS
 
 
 class Bench(BaseSettings):
@@ -38,85 +40,149 @@ class Bench(BaseSettings):
     ttft_slo: float = Field(2.0, description="load mode: the p99 TTFT objective in seconds")
     load_tokens: int = Field(4096, description="load mode: prompt length")
     load_keep_rate: float = Field(0.1, description="load mode: keep rate through the gateway")
+    workloads: bool = Field(False, description="run the workload mode (repeated contexts) instead of the sweep")
+    workload_names: list[str] = Field(list(WORKLOADS), description="workloads: which ones")
+    workload_requests: int = Field(5, description="workloads: requests per workload")
+    workload_tokens: int = Field(12000, description="workloads: prompt tokens of each workload's context")
+    step_tokens: int = Field(1000, description="workloads: tokens an agent step adds")
+    workload_keep_rate: float = Field(0.3, description="workloads: keep rate through the gateway")
+    vllm_python: str | None = Field(None, description="launch vLLM (this python's, with the plugin for the "
+                                                      "gateway, stock for direct) instead of reference engines")
 
     def cli_cmd(self) -> None:
         raise SystemExit(run_bench(self))
 
 
+@dataclass
+class Stack:
+    gateway_url: str
+    direct_url: str  # the engine the direct path talks to
+    idle_urls: list[str]  # whose /metrics say when nothing runs (workload mode)
+
+
 @contextlib.contextmanager
-def launched_demo(extra_gateway_args: list[str]) -> Iterator[tuple[str, str]]:
-    """The demo target on the reference engine, and a gateway in front of it, as local processes."""
+def launched(engines: int, gateway_args: list[str], vllm_python: str | None, out: Path) -> Iterator[Stack]:
+    """The demo target on ``engines`` engines (reference engines, or vLLM: the gateway's with the plugin, the
+    direct one stock) and a gateway in front of the first, as local processes."""
     from specprefill.lab.demo_models import ensure_demo_models
+    from specprefill.lab.vllm_server import VLLMServer
 
     root = ensure_demo_models()
-    engine_port, gateway_port = free_port(), free_port()
-    engine_url, gateway_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{gateway_port}"
     cli = [sys.executable, "-m", "specprefill"]
-    processes = [subprocess.Popen(cli + ["engine", "--model", str(root / "target"), "--port", str(engine_port),
-                                         "--log-level", "warning"])]
+    processes, vllm_servers, urls = [], [], []
     try:
-        wait_healthy(engine_url, processes[0])
+        for index in range(engines):
+            if vllm_python:
+                server = VLLMServer(vllm_python, root / "target", out / f"vllm-{index}.log", plugin=index == 0,
+                                    served_name="specprefill-demo", max_model_len=32768, kv_cache_gib=4,
+                                    extra_args=("--enable-prompt-tokens-details",))
+                vllm_servers.append(server)
+                urls.append(server.url)
+            else:
+                port = free_port()
+                urls.append(f"http://127.0.0.1:{port}")
+                processes.append(subprocess.Popen(cli + ["engine", "--model", str(root / "target"), "--port",
+                                                         str(port), "--log-level", "warning"]))
+        for server in vllm_servers:
+            server.wait()
+        for url, process in zip(urls, processes):
+            wait_healthy(url, process)
+        gateway_port = free_port()
+        gateway_url = f"http://127.0.0.1:{gateway_port}"
         processes.append(subprocess.Popen(cli + [
-            "serve", "--port", str(gateway_port), "--backend-url", engine_url,
+            "serve", "--port", str(gateway_port), "--backend-url", urls[0],
+            "--backend-kind", "vllm" if vllm_python else "reference",
             "--target-model", str(root / "target"), "--draft-model", str(root / "draft"),
-            "--served-model-name", "specprefill-demo", "--log-level", "warning", *extra_gateway_args]))
-        wait_healthy(gateway_url, processes[1])
-        yield gateway_url, engine_url
+            "--served-model-name", "specprefill-demo", "--log-level", "warning", *gateway_args]))
+        wait_healthy(gateway_url, processes[-1])
+        yield Stack(gateway_url, urls[-1], [gateway_url, *urls])
     finally:
         for process in processes:
             process.terminate()
         for process in processes:
             process.wait(timeout=30)
+        for server in vllm_servers:
+            server.stop()
 
 
 def run_bench(options: Bench) -> int:
-    from specprefill.lab.bench import BenchConfig, PromptMaker, format_table, run_sweep
+    if (options.base_url is None) != (options.backend_url is None):
+        print("specprefill bench: give --base-url with --backend-url (or neither, to launch the demo)", file=sys.stderr)
+        return 2
+    out = Path(options.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if options.base_url is not None:
+        urls = (options.base_url.rstrip("/"), options.backend_url.rstrip("/"))
+        context = contextlib.nullcontext(Stack(*urls, list(urls)))
+    elif options.workloads:
+        context = launched(2, ["--min-prompt-tokens", "1024"], options.vllm_python, out)
+    else:
+        context = launched(1, ["--min-prompt-tokens", str(min(options.lengths) // 2)], options.vllm_python, out)
+    with context as stack, httpx.Client(timeout=60) as client:
+        model = options.model or client.get(f"{stack.gateway_url}/v1/models").json()["data"][0]["id"]
+        direct_model = options.backend_model or client.get(f"{stack.direct_url}/v1/models").json()["data"][0]["id"]
+        from specprefill.lab.bench import PromptMaker
+
+        prompts = PromptMaker(client, stack.gateway_url, model)
+        meta = {"gateway_url": stack.gateway_url, "backend_url": stack.direct_url, "model": model,
+                "launched": options.base_url is None, "engine": "vllm" if options.vllm_python else "reference"}
+        if options.workloads:
+            written = _workloads(options, stack, prompts, (model, direct_model), meta)
+        else:
+            written = _sweep_and_load(options, stack, prompts, (model, direct_model), meta)
+    print("wrote " + ", ".join(str(p) for p in written))
+    return 0
+
+
+def _sweep_and_load(options: Bench, stack: Stack, prompts, models: tuple[str, str], meta: dict) -> list[Path]:
+    from specprefill.lab.bench import BenchConfig, format_table, run_sweep
     from specprefill.lab.load import max_rate_meeting, run_load
     from specprefill.lab.report import write_outputs
 
-    launch = options.base_url is None
-    if launch and options.backend_url is not None:
-        print("specprefill bench: give --base-url with --backend-url (or neither, to launch the demo)", file=sys.stderr)
-        return 2
-    context = (launched_demo(["--min-prompt-tokens", str(min(options.lengths) // 2)]) if launch
-               else contextlib.nullcontext((options.base_url.rstrip("/"), options.backend_url.rstrip("/"))))
-    with context as (gateway_url, backend_url):
-        with httpx.Client(timeout=60) as client:
-            model = options.model or client.get(f"{gateway_url}/v1/models").json()["data"][0]["id"]
-            backend_model = options.backend_model or client.get(f"{backend_url}/v1/models").json()["data"][0]["id"]
-            prompts = PromptMaker(client, gateway_url, model)
-            config = BenchConfig(gateway_url, backend_url, model, backend_model, options.lengths, options.keep_rates,
-                                 options.repeats, options.warmup, options.max_tokens)
-            load = None
-            if not options.load_only:
-                samples, rows = asyncio.run(run_sweep(config, prompts))
-                print(format_table(rows))
-            else:
-                samples, rows = [], []
-            if options.load or options.load_only:
-                # a different document per request, as real traffic: no cache hit flatters the gateway
-                n_bodies = max(8, int(max(options.rates) * options.duration * 1.5))
-                bodies = [{"messages": prompts.make(options.load_tokens), "max_tokens": options.max_tokens,
-                           "temperature": 0} for _ in range(n_bodies)]
-                results = {
-                    "gateway": asyncio.run(run_load(f"{gateway_url}/v1/chat/completions",
-                                                    [{**b, "model": model} for b in bodies],
-                                                    {"x-keep-rate": f"{options.load_keep_rate:g}"},
-                                                    options.rates, options.duration)),
-                    "direct": asyncio.run(run_load(f"{backend_url}/v1/chat/completions",
-                                                   [{**b, "model": backend_model} for b in bodies], {},
-                                                   options.rates, options.duration)),
-                }
-                load = {"slo_s": options.ttft_slo, "tokens": options.load_tokens, "keep_rate": options.load_keep_rate,
-                        "results": results,
-                        "max_rate": {name: max_rate_meeting(r, options.ttft_slo) for name, r in results.items()}}
-                for name, result in results.items():
-                    for r in result:
-                        print(f"load {name:>7} {r['rate']:>6g} req/s: p50 {r['p50_s']:.3f} s, p99 {r['p99_s']:.3f} s, "
-                              f"{r['errors']} errors")
-                print(f"highest rate with p99 TTFT <= {options.ttft_slo:g} s: {load['max_rate']}")
-    meta = {"gateway_url": gateway_url, "backend_url": backend_url, "model": model, "launched_demo": launch,
-            "lengths": options.lengths, "keep_rates": options.keep_rates, "repeats": options.repeats}
-    written = write_outputs(Path(options.out), rows, samples, load, meta)
-    print("wrote " + ", ".join(str(p) for p in written))
-    return 0
+    model, direct_model = models
+    samples, rows, load = [], [], None
+    if not options.load_only:
+        config = BenchConfig(stack.gateway_url, stack.direct_url, model, direct_model, options.lengths,
+                             options.keep_rates, options.repeats, options.warmup, options.max_tokens)
+        samples, rows = asyncio.run(run_sweep(config, prompts))
+        print(format_table(rows))
+    if options.load or options.load_only:
+        # a different document per request, as real traffic: no cache hit flatters the gateway
+        n_bodies = max(8, int(max(options.rates) * options.duration * 1.5))
+        bodies = [{"messages": prompts.make(options.load_tokens), "max_tokens": options.max_tokens,
+                   "temperature": 0} for _ in range(n_bodies)]
+        results = {
+            "gateway": asyncio.run(run_load(f"{stack.gateway_url}/v1/chat/completions",
+                                            [{**b, "model": model} for b in bodies],
+                                            {"x-keep-rate": f"{options.load_keep_rate:g}"}, options.rates,
+                                            options.duration)),
+            "direct": asyncio.run(run_load(f"{stack.direct_url}/v1/chat/completions",
+                                           [{**b, "model": direct_model} for b in bodies], {}, options.rates,
+                                           options.duration)),
+        }
+        load = {"slo_s": options.ttft_slo, "tokens": options.load_tokens, "keep_rate": options.load_keep_rate,
+                "results": results,
+                "max_rate": {name: max_rate_meeting(r, options.ttft_slo) for name, r in results.items()}}
+        for name, result in results.items():
+            for r in result:
+                print(f"load {name:>7} {r['rate']:>6g} req/s: p50 {r['p50_s']:.3f} s, p99 {r['p99_s']:.3f} s, "
+                      f"{r['errors']} errors")
+        print(f"highest rate with p99 TTFT <= {options.ttft_slo:g} s: {load['max_rate']}")
+    meta |= {"lengths": options.lengths, "keep_rates": options.keep_rates, "repeats": options.repeats}
+    return write_outputs(Path(options.out), rows, samples, load, meta)
+
+
+def _workloads(options: Bench, stack: Stack, prompts, models: tuple[str, str], meta: dict) -> list[Path]:
+    from specprefill.lab.report import write_workloads
+    from specprefill.lab.workloads import build_workloads, format_workloads, run_workloads, summarize_workloads
+
+    workloads = build_workloads(prompts, options.workload_names, options.workload_requests, options.workload_tokens,
+                                options.step_tokens)
+    samples = asyncio.run(run_workloads(workloads, (stack.gateway_url, models[0]), (stack.direct_url, models[1]),
+                                        stack.idle_urls, {"x-keep-rate": f"{options.workload_keep_rate:g}"},
+                                        options.max_tokens))
+    rows = summarize_workloads(samples)
+    print(format_workloads(rows))
+    meta |= {"workload_tokens": options.workload_tokens, "step_tokens": options.step_tokens,
+             "keep_rate": options.workload_keep_rate}
+    return write_workloads(Path(options.out), rows, samples, meta)

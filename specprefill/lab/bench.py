@@ -80,15 +80,15 @@ class PromptMaker:
         response.raise_for_status()
         return response.json()["original_tokens"]
 
-    def make(self, tokens: int) -> list[dict]:
+    def text(self, tokens: int) -> str:
+        """About ``tokens`` tokens of text (the chat template's few tokens aside), from a new place each call."""
         self._seed += 1
         rng = random.Random(self._seed)
         if len(self._sentences) < 50_000:
             self._sentences = synthetic_corpus(seed=7, n_sentences=50_000)
-        question = "\n\nWhich number appears first in the text above?"
         if self._chars_per_token is None:
             probe = " ".join(self._sentences[:400])
-            self._chars_per_token = len(probe) / self.count([{"role": "user", "content": probe + question}])
+            self._chars_per_token = len(probe) / self.count([{"role": "user", "content": probe}])
         start = rng.randrange(len(self._sentences) // 2)
         text, chars = [], 0
         target_chars = int(tokens * self._chars_per_token)
@@ -97,10 +97,14 @@ class PromptMaker:
                 break
             text.append(sentence)
             chars += len(sentence) + 1
-        body = " ".join(text)
-        messages = [{"role": "user", "content": body + question}]
+        return " ".join(text)
+
+    def make(self, tokens: int) -> list[dict]:
+        """A one-message chat of ``tokens`` tokens: a document and a question about it."""
+        question = "\n\nWhich number appears first in the text above?"
+        body = self.text(tokens)
         # one correction step against the real count keeps lengths within a few percent
-        actual = self.count(messages)
+        actual = self.count([{"role": "user", "content": body + question}])
         body = body[: max(1, int(len(body) * tokens / actual))]
         return [{"role": "user", "content": body + question}]
 

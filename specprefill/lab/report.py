@@ -61,3 +61,30 @@ def plot(out_dir: Path, rows: list[Row], load: dict | None) -> list[Path]:
         fig.savefig(written[-1], dpi=110)
         plt.close(fig)
     return written
+
+
+def write_workloads(out_dir: Path, rows: list[dict], samples: list, meta: dict) -> list[Path]:
+    """``workloads.json`` and a plot: per workload, both paths' TTFT request by request."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "workloads.json"
+    path.write_text(json.dumps({"meta": meta, "workloads": rows, "samples": [asdict(s) for s in samples]}, indent=2))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(rows), figsize=(3.2 * len(rows), 3.4), squeeze=False)
+    for ax, row in zip(axes[0], rows):
+        index = [r["index"] + 1 for r in row["requests"]]
+        ax.plot(index, [r["direct_s"] for r in row["requests"]], "k-o", label="direct")
+        ax.plot(index, [r["gateway_s"] for r in row["requests"]], "-o", color="tab:blue", label="gateway")
+        ax.set(title=row["workload"], xlabel="request", yscale="log", xticks=index)
+    axes[0][0].set(ylabel="TTFT (s)")
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(f"Time to first token, request by request ({meta.get('engine', '')}, "
+                 f"{meta.get('workload_tokens', '')} tokens, keep {meta.get('keep_rate', '')})", fontsize=10)
+    fig.tight_layout()
+    plot = out_dir / "workloads.png"
+    fig.savefig(plot, dpi=110)
+    plt.close(fig)
+    return [path, plot]

