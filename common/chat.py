@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import jinja2
@@ -17,8 +18,34 @@ from common.errors import InvalidRequestError
 from common.protocol import ChatMessage
 
 
-def render_chat(tokenizer, messages: list[ChatMessage]) -> tuple[str, list[int]]:
-    """The prompt text and token IDs the target model reads, with the generation prompt appended."""
+@dataclass(slots=True)
+class RenderedChat:
+    """A chat as the target model reads it: the template's text, its tokens, and each token's character span."""
+
+    text: str
+    token_ids: list[int]
+    offsets: list[tuple[int, int]]
+
+    def content_spans(self, messages: list[ChatMessage]) -> list[tuple[int, int] | None]:
+        """Each message's content as a character span of the text (None where the template changed it)."""
+        spans, cursor = [], 0
+        for message in messages:
+            content = message.text()
+            start = self.text.find(content, cursor) if content else -1
+            if start == -1:
+                spans.append(None)
+                continue
+            cursor = start + len(content)
+            spans.append((start, cursor))
+        return spans
+
+    def tokens_in(self, span: tuple[int, int]) -> list[int]:
+        """Indices of the tokens that start inside a character span."""
+        return [i for i, (a, b) in enumerate(self.offsets) if b > a and span[0] <= a < span[1]]
+
+
+def render_chat(tokenizer, messages: list[ChatMessage]) -> RenderedChat:
+    """The prompt the target model reads, with the generation prompt appended."""
     plain = [{"role": m.role, "content": m.text()} for m in messages]
     try:
         text = tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=True)
@@ -26,8 +53,8 @@ def render_chat(tokenizer, messages: list[ChatMessage]) -> tuple[str, list[int]]
         raise InvalidRequestError(f"the model's chat template rejected the messages: {exc}", param="messages") from None
     except ValueError as exc:  # no chat template
         raise InvalidRequestError(str(exc), param="messages") from None
-    ids = tokenizer(text, add_special_tokens=False).input_ids
-    return text, ids
+    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    return RenderedChat(text, encoding.input_ids, [tuple(o) for o in encoding["offset_mapping"]])
 
 
 def completion_to_chat(body: dict, model: str) -> dict:

@@ -27,6 +27,14 @@ class PrefixKVCache:
     def nbytes(self) -> int:
         return self._bytes
 
+    def reusable(self, prompt: Sequence[int]) -> int:
+        """How many of the prompt's tokens a lookup would reuse now (0 below ``min_prefix``); changes nothing."""
+        query = torch.as_tensor(list(prompt), dtype=torch.long)
+        with self._lock:
+            best = max((_common_prefix(query, entry.token_ids) for entry in self._entries.values()), default=0)
+        reuse = min(best, len(query) - 1)
+        return reuse if reuse >= self.min_prefix else 0
+
     def lookup(self, prompt: Sequence[int]) -> tuple[PromptKV, int] | None:
         """The entry sharing the longest prefix with ``prompt`` and how many of its tokens to reuse.
 

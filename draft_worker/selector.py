@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection, Sequence
+from dataclasses import replace
 
 import torch
 
@@ -15,25 +16,53 @@ from draft_worker.config import ScoringConfig, validate_keep_rate
 
 
 def select_tokens(token_ids: Sequence[int], scores: torch.Tensor, keep_rate: float, config: ScoringConfig,
-                  special_ids: Collection[int] = ()) -> list[int]:
+                  special_ids: Collection[int] = (), keep: torch.Tensor | None = None) -> list[int]:
     """The indices of the prompt tokens the target reads, sorted; they are also the kept tokens' positions.
 
     token_ids: the prompt [S]; scores: one per token [S]. The top ceil(n_chunks × keep_rate) chunks of
     ``config.chunk_size`` by mean score, plus the chunks holding tokens that are always kept: the first
     ``protect_first``, the last ``max(protect_last, 1)`` (the last prompt token always goes, so the first
-    generated token stands right after the prompt), and every token in ``special_ids`` (the chat
-    template's markup: BOS, role headers). Keep rate 1 keeps everything.
+    generated token stands right after the prompt), every token in ``special_ids`` (the chat template's
+    markup: BOS, role headers), and the tokens ``keep`` marks (a boolean [S] mask: a system prompt kept
+    whole). Keep rate 1 keeps everything.
     """
     keep_rate = validate_keep_rate(keep_rate)
     assert scores.dim() == 1 and scores.numel() == len(token_ids), "one score per token"
     length = len(token_ids)
     if keep_rate >= 1.0:
         return list(range(length))
-    special = None
+    extra = keep.clone() if keep is not None else torch.zeros(length, dtype=torch.bool)
     if special_ids:
-        special = torch.isin(torch.as_tensor(list(token_ids)), torch.as_tensor(sorted(special_ids)))
-    protected = protected_mask(length, config.protect_first, max(config.protect_last, 1), special)
+        extra |= torch.isin(torch.as_tensor(list(token_ids)), torch.as_tensor(sorted(special_ids)))
+    protected = protected_mask(length, config.protect_first, max(config.protect_last, 1), extra)
     return select_chunks(scores, keep_rate, config.chunk_size, protected).tolist()
+
+
+def extend_selection(token_ids: Sequence[int], scores: torch.Tensor, keep_rate: float, config: ScoringConfig,
+                     reused: Sequence[int], start: int, special_ids: Collection[int] = (),
+                     keep: torch.Tensor | None = None) -> list[int]:
+    """An earlier selection's kept indices below ``start`` (a chunk boundary up to which the earlier prompt and
+    this one agree), then ``select_tokens`` on the rest of the prompt, as if it began at ``start``.
+
+    The kept run below ``start`` is the earlier request's, so the engine's prefix cache already holds it.
+    """
+    assert start % config.chunk_size == 0 and 0 < start < len(token_ids)
+    head = [i for i in reused if i < start]
+    tail_config = replace(config, protect_first=0)
+    tail_keep = keep[start:] if keep is not None else None
+    tail = select_tokens(token_ids[start:], scores[start:], keep_rate, tail_config, special_ids, tail_keep)
+    return head + [start + i for i in tail]
+
+
+def kept_importance(scores: torch.Tensor, kept: Sequence[int], end: int, chunk_size: int) -> float:
+    """The importance a selection keeps below ``end`` (a chunk boundary): the sum of the mean scores of the
+    chunks it keeps there, chunks cut as ``select_chunks`` cuts them."""
+    n_chunks = end // chunk_size
+    if n_chunks == 0:
+        return 0.0
+    chunk_scores = scores[: n_chunks * chunk_size].float().view(n_chunks, chunk_size).mean(dim=1)
+    chunks = sorted({i // chunk_size for i in kept if i < end})
+    return float(chunk_scores[chunks].sum()) if chunks else 0.0
 
 
 def protected_mask(length: int, protect_first: int, protect_last: int,

@@ -9,6 +9,7 @@ Errors come out typed: unreachable -> 502, timed out -> 504, a backend 4xx passe
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
@@ -35,6 +36,10 @@ class Backend(Protocol):
     async def chat_stream(self, body: dict) -> AsyncIterator[dict]: ...
 
     async def ready(self) -> bool: ...
+
+    async def cache_shape(self) -> tuple[int, int] | None:
+        """The engine's prefix-cache block size and capacity in tokens, where it says (None: unknown)."""
+        ...
 
     async def close(self) -> None: ...
 
@@ -72,6 +77,9 @@ class InProcessBackend:
 
     async def ready(self) -> bool:
         return True
+
+    async def cache_shape(self) -> tuple[int, int] | None:
+        return self.serving.engine.cache_shape()
 
     async def close(self) -> None:
         self.serving.engine.close()
@@ -116,6 +124,16 @@ class HTTPBackend:
             return False
         return response.status_code == 200
 
+    async def cache_shape(self) -> tuple[int, int] | None:
+        """From the engine's /metrics: vLLM's ``vllm:cache_config_info``, or the reference engine's."""
+        try:
+            response = await self._client.get("/metrics", timeout=5.0)
+        except httpx.HTTPError:
+            return None
+        if response.status_code != 200:
+            return None
+        return parse_cache_shape(response.text)
+
     async def close(self) -> None:
         await self._client.aclose()
 
@@ -149,6 +167,24 @@ class HTTPBackend:
             await events.aclose()
             raise
         return prepend(first, events)
+
+
+def parse_cache_shape(metrics: str) -> tuple[int, int] | None:
+    """(block size, capacity in tokens) from Prometheus text; capacity 0 where prefix caching is off."""
+    for line in metrics.splitlines():
+        name, _, rest = line.partition("{")
+        if name not in ("vllm:cache_config_info", "specprefill_engine_cache_info"):
+            continue
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', rest.rpartition("}")[0]))
+        try:
+            block_size = int(labels["block_size"])
+            if name == "specprefill_engine_cache_info":
+                return block_size, int(labels["capacity_tokens"])
+            enabled = labels.get("enable_prefix_caching", "True") == "True"
+            return block_size, block_size * int(labels.get("num_gpu_blocks") or 0) if enabled else 0
+        except (KeyError, ValueError):
+            return None
+    return None
 
 
 async def _sse_events(response: httpx.Response) -> AsyncIterator[dict]:

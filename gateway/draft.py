@@ -14,6 +14,7 @@ import torch
 from draft_worker.codec import scores_from_text
 from draft_worker.config import ScoringConfig
 from draft_worker.worker import DraftWorker
+from gateway.selections import RecentPrompts
 
 logger = logging.getLogger("specprefill.gateway")
 
@@ -30,6 +31,10 @@ class DraftClient(Protocol):
     async def identity(self) -> str: ...
 
     async def score(self, token_ids: list[int]) -> torch.Tensor: ...
+
+    def reusable_prefix(self, token_ids: list[int]) -> int:
+        """Tokens of this prompt whose draft KV is kept from an earlier one (they cost no draft prefill)."""
+        ...
 
     async def ready(self) -> bool: ...
 
@@ -50,6 +55,10 @@ class LocalDraft:
 
     async def score(self, token_ids: list[int]) -> torch.Tensor:
         return await asyncio.to_thread(self.worker.score, token_ids)
+
+    def reusable_prefix(self, token_ids: list[int]) -> int:
+        cache = self.worker.prefix_cache
+        return cache.reusable(token_ids) if cache is not None else 0
 
     async def ready(self) -> bool:
         return True
@@ -75,6 +84,7 @@ class RemoteDraft:
         self._down_until = {url: 0.0 for url in self.urls}
         self._rotation = itertools.cycle(range(len(self.urls)))
         self._identity: str | None = None
+        self._recent: RecentPrompts[None] = RecentPrompts(capacity=32)  # sent lately: a worker likely keeps their KV
 
     async def identity(self) -> str:
         if self._identity is None:
@@ -107,8 +117,14 @@ class RemoteDraft:
                 continue
             if response.status_code != 200:  # the prompt itself is the problem: no other worker will differ
                 raise DraftUnavailableError(f"draft worker rejected the prompt: {response.text[:200]}")
+            self._recent.add(token_ids, None)
             return scores_from_text(response.json()["scores"])
         raise DraftUnavailableError(f"no draft worker answered: {last_error!r}")
+
+    def reusable_prefix(self, token_ids: list[int]) -> int:
+        """An estimate: workers are picked round-robin, so the prompt's prefix may sit on another worker."""
+        found = self._recent.longest_shared(token_ids)
+        return min(found[1], len(token_ids) - 1) if found is not None else 0
 
     def _candidates(self) -> list[str]:
         start = next(self._rotation)

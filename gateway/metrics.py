@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 TOKEN_BUCKETS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
@@ -25,3 +26,26 @@ class GatewayMetrics:
         self.keep_rate = Histogram("specprefill_keep_rate", "Keep rate applied to compressed requests",
                                    buckets=(0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9, 1.0), registry=r)
         self.cache = Counter("specprefill_score_cache", "Score cache lookups", ["result"], registry=r)
+        self.plans = Counter("specprefill_plans", "Backend requests by plan (whole, fresh, extend, warm)", ["kind"],
+                             registry=r)
+        self.engine_cache_error = Histogram(
+            "specprefill_engine_cache_error_tokens", "Prompt tokens the engine served from its cache minus those "
+            "the gateway predicted", buckets=(-4096, -1024, -256, -64, -1, 0, 64, 256, 1024, 4096), registry=r)
+        self.in_flight = Gauge("specprefill_backend_requests_in_flight", "Backend requests under way",
+                               ["kind"], registry=r)
+        self.warming = Counter("specprefill_warming", "Warming requests by outcome", ["outcome"], registry=r)
+
+    def expose_costs(self, models: dict) -> None:
+        """The cost models' current coefficients on /metrics (``models``: name -> CostModel)."""
+        registry = self.registry
+
+        class Costs:
+            def collect(self):
+                family = GaugeMetricFamily("specprefill_cost_coefficient", "Calibrated cost model coefficients "
+                                           "(seconds per unit)", labels=["model", "term"])
+                for name, model in models.items():
+                    for term, value in model.describe().items():
+                        family.add_metric([name, term], value)
+                yield family
+
+        registry.register(Costs())

@@ -20,6 +20,8 @@ class Reason:
     SHORT_PROMPT = "short_prompt"
     PROMPT_TOO_LONG = "prompt_too_long"
     DRAFT_ERROR = "draft_error"
+    CHEAPER_WHOLE = "cheaper_whole"
+    """The cost model priced the whole prompt below any compression (short, mostly cached, or a slow draft)."""
 
     @staticmethod
     def unsupported(feature: str) -> str:

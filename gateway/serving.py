@@ -6,11 +6,14 @@ routing; the routers in ``app.py`` only parse and choose the response type.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from common.chat import ChatChunkConverter, as_chat_chunks, completion_to_chat, render_chat
+import torch
+
+from common.chat import ChatChunkConverter, RenderedChat, as_chat_chunks, completion_to_chat, render_chat
 from common.errors import InvalidRequestError, NotFoundError, parse_body
 from common.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.backends import Backend, token_body
@@ -20,6 +23,10 @@ from gateway.plan import Plan, Planner
 from gateway.policy import request_options
 from gateway.settings import GatewaySettings
 from gateway.text_kind import kept_messages, kept_text
+from gateway.warming import Warmer
+
+logger = logging.getLogger("specprefill.gateway")
+SYSTEM_ROLES = ("system", "developer")
 
 
 @dataclass(slots=True)
@@ -34,12 +41,14 @@ class Prompt:
     """A request's prompt as the target reads it."""
 
     token_ids: list[int]
-    text: str | None = None  # the rendered chat, for the text kind
+    rendered: RenderedChat | None = None  # a chat's template text and offsets
+    keep: torch.Tensor | None = None  # [S] bool: the system prompt, kept whole where affordable
 
 
 class GatewayServing:
     def __init__(self, settings: GatewaySettings, tokenizer, draft: DraftClient, backend: Backend,
-                 metrics: GatewayMetrics, served_names: list[str], planner: Planner) -> None:
+                 metrics: GatewayMetrics, served_names: list[str], planner: Planner,
+                 warmer: Warmer | None = None) -> None:
         self.settings = settings
         self.tokenizer = tokenizer
         self.draft = draft
@@ -47,15 +56,19 @@ class GatewayServing:
         self.metrics = metrics
         self.served_names = served_names
         self.planner = planner
+        self.warmer = warmer
+        self.foreground = 0  # requests of this gateway at the backend now
 
     @property
     def model_name(self) -> str:
         return self.served_names[0]
 
     async def close(self) -> None:
+        if self.warmer is not None:
+            await self.warmer.close()
         await self.backend.close()
         await self.draft.close()
-        await self.planner.scores.close()
+        await self.planner.close()
 
     # --- the prologue every chat and completion request takes ---
 
@@ -65,9 +78,18 @@ class GatewayServing:
             if len(request.messages) > self.settings.max_messages:
                 raise InvalidRequestError(f"the chat has {len(request.messages)} messages; this gateway accepts at "
                                           f"most {self.settings.max_messages}", param="messages")
-            text, ids = render_chat(self.tokenizer, request.messages)
-            return Prompt(ids, text)
+            rendered = render_chat(self.tokenizer, request.messages)
+            return Prompt(rendered.token_ids, rendered, self._system_tokens(request, rendered))
         return Prompt(request.prompt_token_ids(self.tokenizer))
+
+    def _system_tokens(self, request: ChatCompletionRequest, rendered: RenderedChat) -> torch.Tensor | None:
+        if not self.settings.keep_system_whole or not any(m.role in SYSTEM_ROLES for m in request.messages):
+            return None
+        keep = torch.zeros(len(rendered.token_ids), dtype=torch.bool)
+        for message, span in zip(request.messages, rendered.content_spans(request.messages)):
+            if message.role in SYSTEM_ROLES and span is not None:
+                keep[rendered.tokens_in(span)] = True
+        return keep
 
     def check_limits(self, request: ChatCompletionRequest | CompletionRequest, token_ids: list[int]) -> None:
         """The gateway's own limits, before any draft or backend work."""
@@ -94,7 +116,7 @@ class GatewayServing:
         prompt = self.prompt(request)
         tokenize_ms = (time.perf_counter() - start) * 1e3
         self.check_limits(request, prompt.token_ids)
-        plan = await self.planner.plan(prompt.token_ids, options, request.unsupported_features())
+        plan = await self.planner.plan(prompt.token_ids, options, request.unsupported_features(), prompt.keep)
         plan.tokenize_ms = tokenize_ms
         return plan, prompt
 
@@ -105,20 +127,13 @@ class GatewayServing:
         backend_model = await self.backend.model_name()
         kind = self.backend.kind
         if plan.passthrough or (kind == "text" and plan.kept_indices is None):
-            return await self._forward_chat(plan, _passthrough_body(request, backend_model))
+            return await self._forward(plan, _passthrough_body(request, backend_model), chat=True)
         if kind == "text":
             body = _passthrough_body(request, backend_model)
-            body["messages"] = kept_messages(self.tokenizer, request.messages, prompt.text, plan.token_ids,
-                                             plan.kept_indices)
-            return await self._forward_chat(plan, body)
-        body = token_body(kind, backend_model, plan.kept_token_ids(), plan.kept_indices,
-                          request.completion_params())
-        converter = ChatChunkConverter(self.model_name)
-        if request.stream:
-            stream = await self._timed(plan, self.backend.completion_stream(body))
-            return Answer(plan, stream=self._rewrite_stream(as_chat_chunks(stream, converter), plan))
-        answer = await self._timed(plan, self.backend.completion(body))
-        return Answer(plan, body=self._rewrite(completion_to_chat(answer, self.model_name), plan))
+            body["messages"] = kept_messages(self.tokenizer, request.messages, prompt.rendered, plan.kept_indices)
+            return await self._forward(plan, body, chat=True)
+        body = token_body(kind, backend_model, plan.kept_token_ids(), plan.kept_indices, request.completion_params())
+        return await self._forward(plan, body, chat=False, converter=ChatChunkConverter(self.model_name))
 
     async def completion(self, request: CompletionRequest, headers) -> Answer:
         plan, _ = await self._planned(request, headers)
@@ -132,17 +147,15 @@ class GatewayServing:
         else:
             body = token_body(kind, backend_model, plan.kept_token_ids(), plan.kept_indices,
                               request.completion_params())
-        if request.stream:
-            stream = await self._timed(plan, self.backend.completion_stream(body))
-            return Answer(plan, stream=self._rewrite_stream(stream, plan))
-        return Answer(plan, body=self._rewrite(await self._timed(plan, self.backend.completion(body)), plan))
+        return await self._forward(plan, body, chat=False)
 
     async def compress(self, body: dict, headers) -> dict:
         """What would be sent to the backend for this chat or completion body, without sending it."""
         request = parse_body(ChatCompletionRequest if "messages" in body else CompletionRequest, body)
         options = request_options(headers, request.specprefill, self.settings.keep_rate)
         prompt = self.prompt(request)
-        plan = await self.planner.plan(prompt.token_ids, options, request.unsupported_features())
+        plan = await self.planner.plan(prompt.token_ids, options, request.unsupported_features(), prompt.keep,
+                                       dry_run=True)
         return {
             "original_tokens": plan.original_tokens,
             "kept_tokens": plan.kept_tokens,
@@ -153,11 +166,67 @@ class GatewayServing:
             "position_ids": plan.position_ids(),
         }
 
-    async def _forward_chat(self, plan: Plan, body: dict) -> Answer:
-        if body.get("stream"):
-            stream = await self._timed(plan, self.backend.chat_stream(body))
+    async def _forward(self, plan: Plan, body: dict, *, chat: bool,
+                       converter: ChatChunkConverter | None = None) -> Answer:
+        """Sends ``body`` to the backend's chat or completions endpoint; ``converter`` turns completion answers
+        into chat answers. Warming yields to it; when it is answered, the planner learns what happened."""
+        streamed = bool(body.get("stream"))
+        wants_usage = bool((body.get("stream_options") or {}).get("include_usage")) or not streamed
+        if streamed and not chat:  # ask for the usage: it says how much the engine served from its cache
+            body = {**body, "stream_options": {"include_usage": True}}
+        if self.warmer is not None:
+            self.warmer.yield_to_foreground()
+        self._foreground(+1)
+        try:
+            if streamed:
+                call = self.backend.chat_stream(body) if chat else self.backend.completion_stream(body)
+            else:
+                call = self.backend.chat(body) if chat else self.backend.completion(body)
+            answer = await self._timed(plan, call)
+        except BaseException:
+            self._foreground(-1)
+            raise
+        if streamed:
+            stream = self._observed(answer, plan, wants_usage)
+            if converter is not None:
+                stream = as_chat_chunks(stream, converter)
             return Answer(plan, stream=self._rewrite_stream(stream, plan))
-        return Answer(plan, body=self._rewrite(await self._timed(plan, self.backend.chat(body)), plan))
+        self._foreground(-1)
+        await self._answered(plan, answer.get("usage"))
+        if converter is not None:
+            answer = completion_to_chat(answer, self.model_name)
+        return Answer(plan, body=self._rewrite(answer, plan))
+
+    async def _observed(self, chunks: AsyncIterator[dict], plan: Plan, wants_usage: bool) -> AsyncIterator[dict]:
+        """The backend's stream, its usage kept for the planner (and hidden from a client that did not ask)."""
+        usage, finished = None, False
+        try:
+            async for chunk in chunks:
+                usage = chunk.get("usage") or usage
+                if not wants_usage:
+                    if not chunk.get("choices"):
+                        continue
+                    chunk.pop("usage", None)
+                yield chunk
+            finished = True
+        finally:
+            self._foreground(-1)
+            await chunks.aclose()
+        if finished:
+            await self._answered(plan, usage)
+
+    async def _answered(self, plan: Plan, usage: dict | None) -> None:
+        """The planner learns from an answered request; a compressed context may then be warmed."""
+        try:
+            await self.planner.completed(plan, usage, plan.backend_ms / 1e3)
+        except Exception:  # learning is best effort: never an error for the client
+            logger.exception("could not record the plan's outcome")
+        if self.warmer is not None and plan.status == "compressed" and not plan.passthrough:
+            self.warmer.maybe_warm(plan, self.foreground)
+
+    def _foreground(self, delta: int) -> None:
+        self.foreground += delta
+        self.metrics.in_flight.labels("foreground").inc(delta)
 
     @staticmethod
     async def _timed(plan: Plan, call):

@@ -9,6 +9,7 @@ from pydantic import Field, SecretStr, field_validator
 from common.options import DeviceOptions, ServerOptions
 from draft_worker.config import validate_keep_rate
 from draft_worker.settings import ScoringOptions
+from gateway.costs import cost_models
 
 BackendKind = Literal["reference", "vllm", "tokens", "text"]
 
@@ -38,7 +39,33 @@ class GatewaySettings(ServerOptions, DeviceOptions, ScoringOptions):
     memory_cache_mb: int = Field(256, ge=0, description="in-memory score cache size without Redis (0: off)")
     draft_prefix_cache_mb: int = Field(1024, ge=0, description="in-process draft KV kept for prefix reuse (0: off)")
     keep_rate: float = Field(0.3, description="default fraction of chunks kept, in (0, 1]")
-    min_prompt_tokens: int = Field(1024, ge=1, description="shorter prompts bypass compression")
+    min_prompt_tokens: int = Field(1024, ge=1, description="shorter prompts bypass compression (a floor; above it "
+                                                           "the cost model decides)")
+    # --- planning around the engine's prefix cache ---
+    planner: Literal["cost", "fresh"] = Field("cost", description="cost: price the whole prompt, a fresh selection "
+                                              "and an extension of an earlier one against the engine's cache; "
+                                              "fresh: a fresh selection for every prompt above --min-prompt-tokens "
+                                              "(the paper's behaviour)")
+    keep_system_whole: bool = Field(True, description="keep system prompts whole when that costs at most "
+                                                      "--plan-slack more than compressing them")
+    plan_slack: float = Field(0.2, ge=0, description="a plan that keeps more of the prompt wins while it costs at "
+                                                     "most this fraction more than the cheapest")
+    reuse_threshold: float = Field(0.9, ge=0, le=1, description="an earlier selection is reused only if it keeps "
+                                                                "this share of what a fresh one would keep (1.01 "
+                                                                "never reuses)")
+    warming: bool = Field(True, description="after a compressed request, send the whole prompt to an idle engine "
+                                            "in the background, so the next request on that context reads it whole")
+    warming_priority: int | None = Field(None, description="priority of warming requests (vLLM with "
+                                                           "--scheduling-policy priority; the reference engine "
+                                                           "always gets 10)")
+    engine_cache_tokens: int | None = Field(None, ge=0, description="the engine's prefix-cache capacity in tokens "
+                                                                    "(default: asked from the engine)")
+    engine_block_size: int | None = Field(None, gt=0, description="the engine's prefix-cache block size "
+                                                                  "(default: asked from the engine)")
+    calibrate: bool = Field(True, description="time a few probe prompts at start-up to calibrate the cost models")
+    cost_coefficients: dict[str, list[float]] | None = Field(
+        None, description='fixed cost models instead of calibrated ones, seconds per unit: {"target": [fixed, '
+        'per_token, per_token_pair], "draft": [fixed, per_token, per_token_pair, per_prompt_token]}')
     api_key: SecretStr | None = Field(None, description="clients must send this as a Bearer token")
     draft_timeout: float = Field(30.0, gt=0, description="seconds before a draft falls back to the full prompt")
     backend_connect_timeout: float = Field(5.0, gt=0, description="seconds to connect to the backend")
@@ -53,6 +80,13 @@ class GatewaySettings(ServerOptions, DeviceOptions, ScoringOptions):
     @classmethod
     def _keep_rate(cls, value: float) -> float:
         return validate_keep_rate(value)
+
+    @field_validator("cost_coefficients")
+    @classmethod
+    def _costs(cls, value: dict[str, list[float]] | None) -> dict[str, list[float]] | None:
+        if value is not None:
+            cost_models(value)  # a ValueError names what is missing
+        return value
 
     @field_validator("backend_url")
     @classmethod

@@ -6,6 +6,7 @@ so the model reads that text was left out.
 
 from __future__ import annotations
 
+from common.chat import RenderedChat
 from common.protocol import ChatMessage
 
 DROPPED_MARK = " … "
@@ -27,27 +28,16 @@ def kept_text(tokenizer, token_ids: list[int], kept: list[int]) -> str:
     return text
 
 
-def kept_messages(tokenizer, messages: list[ChatMessage], rendered: str, token_ids: list[int],
-                  kept: list[int]) -> list[dict]:
-    """Each message's content cut to its kept tokens (the roles and the message list stay).
-
-    rendered: the chat template's text of ``messages``; token_ids: its tokens; kept: the kept indices.
-    """
-    offsets = tokenizer(rendered, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+def kept_messages(tokenizer, messages: list[ChatMessage], rendered: RenderedChat, kept: list[int]) -> list[dict]:
+    """Each message's content cut to its kept tokens (the roles and the message list stay)."""
     kept_set = set(kept)
-    out_messages, cursor = [], 0
-    for message in messages:
-        content = message.text()
-        start = rendered.find(content, cursor) if content else -1
+    out_messages = []
+    for message, span in zip(messages, rendered.content_spans(messages)):
         out = message.model_dump(exclude_none=True)
-        if start == -1:  # the template changed the content beyond recognition: keep it whole
-            out_messages.append(out)
-            continue
-        end = start + len(content)
-        cursor = end
-        inside = [i for i, (a, _) in enumerate(offsets) if start <= a < end]
-        kept_inside = [i for i in inside if i in kept_set]
-        if kept_inside != inside:
-            out["content"] = kept_text(tokenizer, token_ids, kept_inside) if kept_inside else ""
+        if span is not None:  # else the template changed the content beyond recognition: keep it whole
+            inside = rendered.tokens_in(span)
+            kept_inside = [i for i in inside if i in kept_set]
+            if kept_inside != inside:
+                out["content"] = kept_text(tokenizer, rendered.token_ids, kept_inside) if kept_inside else ""
         out_messages.append(out)
     return out_messages

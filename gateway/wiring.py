@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import logging
+
 from common.models import TokenizerMismatchError, check_same_tokenizer, load_tokenizer, tokenizer_fingerprint
 from draft_worker.worker import DraftWorker
-from gateway.backends import Backend, HTTPBackend, InProcessBackend
+from gateway.backends import Backend, HTTPBackend, InProcessBackend, token_body
 from gateway.cache import MemoryScoreCache, RedisScoreCache, ScoreCache
+from gateway.costs import cost_models
 from gateway.draft import DraftClient, LocalDraft, RemoteDraft
+from gateway.engine_cache import EngineCacheModel, MemoryEngineCache, RedisEngineCache
 from gateway.metrics import GatewayMetrics
 from gateway.plan import Planner
 from gateway.scores import ScoreProvider
 from gateway.serving import GatewayServing
 from gateway.settings import GatewaySettings
+from gateway.warming import Warmer
+
+logger = logging.getLogger("specprefill.gateway")
 
 
 class MissingModelError(ValueError):
@@ -31,8 +38,40 @@ async def build_serving(settings: GatewaySettings, metrics: GatewayMetrics, draf
     backend = backend or _backend(settings, served)
     names = list(dict.fromkeys(n for n in (served, settings.target_model, settings.backend_model) if n))
     scores = ScoreProvider(draft, score_cache(settings), metrics, settings.redis_key_prefix)
-    planner = Planner(settings, draft, scores, metrics, tokenizer.all_special_ids)
-    return GatewayServing(settings, tokenizer, draft, backend, metrics, names, planner)
+    engine_cache = await _engine_cache(settings, backend) if backend.kind != "text" else None
+    costs = cost_models(settings.cost_coefficients)
+    metrics.expose_costs({"target": costs[0], "draft": costs[1]})
+    planner = Planner(settings, draft, scores, metrics, tokenizer.all_special_ids, engine_cache, costs,
+                      positional=backend.kind in ("reference", "vllm"))
+    priority = settings.warming_priority if settings.warming_priority is not None else (
+        10 if backend.kind == "reference" else None)
+    warmer = None
+    if settings.warming and engine_cache is not None and engine_cache.max_blocks > 0:
+        warmer = Warmer(lambda ids: _one_token(backend, ids, priority), planner.completed, metrics)
+    if settings.calibrate and settings.cost_coefficients is None:
+        vocab = sorted(set(range(len(tokenizer))) - set(tokenizer.all_special_ids))
+        await planner.calibrate(lambda ids: _one_token(backend, ids, None), vocab)
+    return GatewayServing(settings, tokenizer, draft, backend, metrics, names, planner, warmer)
+
+
+async def _one_token(backend: Backend, token_ids: list[int], priority: int | None) -> dict:
+    """The prompt through the target, one greedy token (a warm, a probe); the completion answer."""
+    params = {"max_tokens": 1, "temperature": 0.0, "stream": False, **({"priority": priority} if priority else {})}
+    return await backend.completion(token_body(backend.kind, await backend.model_name(), token_ids, None, params))
+
+
+async def _engine_cache(settings: GatewaySettings, backend: Backend) -> EngineCacheModel:
+    """The model of the engine's prefix cache, shaped as the engine says (or as the settings override)."""
+    shape = await backend.cache_shape()
+    block_size = settings.engine_block_size or (shape[0] if shape else 16)
+    capacity = settings.engine_cache_tokens if settings.engine_cache_tokens is not None else (shape[1] if shape else 0)
+    logger.info("engine prefix cache: %s tokens in blocks of %d%s", capacity, block_size,
+                "" if shape or settings.engine_cache_tokens is not None else
+                " (the engine did not say: set --engine-cache-tokens; until then no cache hit is expected)")
+    if settings.redis_url and not settings.embedded:
+        key = f"{settings.redis_key_prefix}engine-cache:{settings.backend_url}:{await backend.model_name()}"
+        return RedisEngineCache(settings.redis_url, key, block_size, capacity)
+    return MemoryEngineCache(block_size, capacity)
 
 
 async def _draft(settings: GatewaySettings, tokenizer) -> DraftClient:

@@ -33,8 +33,11 @@ def chat_messages(question: str = "What is the third number?") -> list[dict]:
 
 
 def gateway_settings(model_pair, **overrides) -> GatewaySettings:
+    """For tests of the gateway's mechanics: every prompt above 64 tokens compressed afresh, no warming, no probe
+    (the planner's own tests turn each on)."""
     values = dict(target_model=str(model_pair / "target"), draft_model=str(model_pair / "draft"),
-                  min_prompt_tokens=64, device="cpu", served_model_name="tiny")
+                  min_prompt_tokens=64, device="cpu", served_model_name="tiny", planner="fresh", warming=False,
+                  calibrate=False)
     values.update(overrides)
     return GatewaySettings(**values)
 

@@ -69,3 +69,21 @@ def make_sample(rng: random.Random, n_words: int, n_records: int) -> Sample:
         words += [f"w{rng.randrange(N_FILLER)}" for _ in range(rng.randint(4, 11))] + ["."]
     question = ["question", ":", "the", "code", "for", records[asked][3]]
     return Sample(" ".join(words + question), records[asked][4], needle)
+
+
+@dataclass(frozen=True, slots=True)
+class Session:
+    context: str  # the filler and records, without a question
+    questions: list[tuple[str, str]]  # (key, value) of records asked in turn
+
+
+def question(key: str) -> str:
+    return f"question : the code for {key}"
+
+
+def make_session(rng: random.Random, n_words: int, n_records: int, n_questions: int) -> Session:
+    """One document asked several of its records, in a random order (as successive turns or requests)."""
+    words = make_sample(rng, n_words, n_records).text.split()[:-QUESTION_LEN]
+    records = [(words[i + 3], words[i + 4]) for i in range(len(words) - 4)
+               if words[i : i + 3] == ["the", "code", "for"]]
+    return Session(" ".join(words), rng.sample(records, min(n_questions, len(records))))

@@ -72,6 +72,9 @@ class FailingDraft:
     async def score(self, token_ids):
         raise RuntimeError("draft exploded")
 
+    def reusable_prefix(self, token_ids):
+        return 0
+
     async def ready(self):
         return False
 

@@ -8,6 +8,7 @@ import httpx
 import openai
 import pytest
 
+from specprefill.lab.bench import parse_server_timing
 from tests.helpers import LONG_DOC
 from tests.helpers import chat_messages as _messages
 from tests.helpers import openai_client as _client
@@ -198,7 +199,8 @@ def test_server_timing_breaks_the_request_down(gateway_url):
     raw = _client(gateway_url).chat.completions.with_raw_response.create(
         model="tiny", messages=_messages("timing?"), max_tokens=2, stream=True, extra_headers={"x-keep-rate": "0.3"})
     list(raw.parse())
-    parts = dict(p.strip().split(";dur=") for p in raw.headers["server-timing"].split(","))
-    assert set(parts) == {"tokenize", "draft", "select", "backend"}
-    assert all(float(v) >= 0 for v in parts.values()) and float(parts["backend"]) > 0
-    assert float(parts["draft"]) == float(raw.headers["x-specprefill-draft-ms"])
+    parts = parse_server_timing(raw.headers["server-timing"])
+    assert set(parts) == {"tokenize", "draft", "select", "backend", "predicted"}
+    assert all(v >= 0 for v in parts.values()) and parts["backend"] > 0
+    assert parts["draft"] == float(raw.headers["x-specprefill-draft-ms"])
+    assert 'plan;desc="fresh"' in raw.headers["server-timing"] and raw.headers["x-specprefill-plan"] == "fresh"

@@ -18,8 +18,9 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def client():
+    # the pair's target costs about what its draft does, so the cost planner would send prompts whole
     settings = GatewaySettings(target_model=str(SHIPPED_PAIR / "target"), draft_model=str(SHIPPED_PAIR / "draft"),
-                               device="cpu", served_model_name="retrieval")
+                               device="cpu", served_model_name="retrieval", planner="fresh")
     with serve(create_app(settings)) as url:
         yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
 

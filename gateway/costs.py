@@ -1,0 +1,90 @@
+"""What a plan costs: time models of the target engine and of the draft, calibrated from measured timings.
+
+Prefilling ``n`` new tokens after ``ctx`` cached ones costs a fixed part, a part per token (the weights), and
+a part per pair of tokens that attend to each other (``n × (ctx + n/2)``); scoring adds a part per prompt
+token (the look-ahead queries and the reduction read every key). The coefficients are fitted by least
+squares on relative error, non-negative, over a short probe at start-up and a window of recent requests,
+so they follow the hardware and the load the gateway actually sees.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+TARGET_TERMS = ("fixed", "per_token", "per_token_pair")
+DRAFT_TERMS = ("fixed", "per_token", "per_token_pair", "per_prompt_token")
+
+
+def target_features(new: int, cached: int) -> list[float]:
+    return [1.0, float(new), new * (cached + new / 2)]
+
+
+def draft_features(new: int, cached: int) -> list[float]:
+    return [*target_features(new, cached), float(new + cached)]
+
+
+class CostModel:
+    """seconds ≈ coefficients · features, fitted on the probe (always kept) and the last ``window`` requests."""
+
+    def __init__(self, terms: Sequence[str], features, defaults: Sequence[float], window: int = 256,
+                 fixed: bool = False) -> None:
+        assert len(terms) == len(defaults)
+        self.terms = tuple(terms)
+        self.features = features
+        self.coefficients = np.asarray(defaults, dtype=float)
+        self.fixed = fixed  # the coefficients were given: observations change nothing
+        self._probe: list[tuple[list[float], float]] = []
+        self._recent: collections.deque[tuple[list[float], float]] = collections.deque(maxlen=window)
+
+    def predict(self, new: int, cached: int) -> float:
+        """Seconds to process ``new`` tokens after ``cached`` ones (0 for nothing new)."""
+        if new <= 0:
+            return 0.0
+        return float(np.dot(self.coefficients, self.features(new, cached)))
+
+    def observe(self, new: int, cached: int, seconds: float, *, probe: bool = False) -> None:
+        if self.fixed or new <= 0 or not math.isfinite(seconds) or seconds <= 0:
+            return
+        (self._probe if probe else self._recent).append((self.features(new, cached), seconds))
+        self.refit()
+
+    def refit(self) -> None:
+        samples = self._probe + list(self._recent)
+        if len(samples) < len(self.terms):
+            return
+        x = np.asarray([f for f, _ in samples], dtype=float)
+        y = np.asarray([t for _, t in samples], dtype=float)
+        self.coefficients = _nonnegative_fit(x / y[:, None], np.ones_like(y))  # relative error
+
+    def describe(self) -> dict[str, float]:
+        return dict(zip(self.terms, self.coefficients.tolist()))
+
+
+def _nonnegative_fit(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with the coefficients held at zero that would otherwise come out negative."""
+    active = np.ones(x.shape[1], dtype=bool)
+    while True:
+        solution = np.zeros(x.shape[1])
+        if active.any():
+            solution[active] = np.linalg.lstsq(x[:, active], y, rcond=None)[0]
+        negative = active & (solution < 0)
+        if not negative.any():
+            return solution
+        active &= ~negative
+
+
+def cost_models(fixed: dict[str, Sequence[float]] | None = None) -> tuple[CostModel, CostModel]:
+    """The target's and the draft's models: ``fixed`` coefficients, or defaults for calibration to replace (a
+    target about 30x the draft per token, as a 1B draft for a 30B-class target)."""
+    if fixed is not None:
+        for name, terms in (("target", TARGET_TERMS), ("draft", DRAFT_TERMS)):
+            if len(fixed.get(name, ())) != len(terms):
+                raise ValueError(f"cost_coefficients needs {name!r}: {len(terms)} numbers ({', '.join(terms)})")
+        return (CostModel(TARGET_TERMS, target_features, fixed["target"], fixed=True),
+                CostModel(DRAFT_TERMS, draft_features, fixed["draft"], fixed=True))
+    return (CostModel(TARGET_TERMS, target_features, (0.02, 3e-4, 3e-9)),
+            CostModel(DRAFT_TERMS, draft_features, (0.005, 1e-5, 1e-10, 1e-6)))

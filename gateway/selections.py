@@ -1,0 +1,64 @@
+"""Recent prompts, found by the longest prefix a new prompt shares with them.
+
+The planner keeps the prompts it compressed with what it kept of each (a ``Selection``): a new prompt that
+begins like one of them (the next turn of a chat, the next step of an agent, the same document with another
+question) can reuse that selection below the point where the two part, so that the engine's prefix cache
+serves it. Kept in this process (LRU of ``capacity`` prompts); replicas do not share them, and a replica
+without one plans afresh.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+import numpy as np
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class Selection:
+    kept: tuple[int, ...]  # the earlier prompt's kept indices, sorted
+    keep_rate: float
+    protected: bool  # whether its system prompt was kept whole
+
+
+class RecentPrompts(Generic[T]):
+    def __init__(self, capacity: int = 64) -> None:
+        self.capacity = capacity
+        self._entries: collections.OrderedDict[int, tuple[np.ndarray, T]] = collections.OrderedDict()
+        self._ids = 0
+        self._lock = threading.Lock()
+
+    def add(self, token_ids: Sequence[int], value: T) -> None:
+        if self.capacity <= 0:
+            return
+        with self._lock:
+            self._ids += 1
+            self._entries[self._ids] = (np.asarray(token_ids, dtype=np.int64), value)
+            while len(self._entries) > self.capacity:
+                self._entries.popitem(last=False)
+
+    def longest_shared(self, token_ids: Sequence[int]) -> tuple[T, int] | None:
+        """The value whose prompt shares the longest prefix with ``token_ids``, and that prefix's length."""
+        query = np.asarray(token_ids, dtype=np.int64)
+        best, best_len, best_key = None, 0, None
+        with self._lock:
+            for key, (prompt, value) in self._entries.items():
+                shared = _common_prefix(query, prompt)
+                if shared > best_len:
+                    best, best_len, best_key = value, shared, key
+            if best_key is None:
+                return None
+            self._entries.move_to_end(best_key)
+        return best, best_len
+
+
+def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(a.size, b.size)
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if differ.size else n

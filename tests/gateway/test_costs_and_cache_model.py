@@ -1,0 +1,96 @@
+"""The cost models' fit, the engine-cache model (in memory and in a real Redis), and warming's manners."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import numpy as np
+import pytest
+
+from gateway.costs import cost_models
+from gateway.engine_cache import MemoryEngineCache, RedisEngineCache
+from gateway.metrics import GatewayMetrics
+from gateway.plan import Plan
+from gateway.warming import Warmer
+
+
+def test_the_fit_recovers_the_coefficients_and_never_goes_negative():
+    target, _ = cost_models()
+    truth = np.array([0.02, 4e-4, 2e-8])
+    rng = np.random.default_rng(0)
+    for new, cached in [(256, 0), (1024, 0), (2048, 0), (512, 2048), (64, 12000), (3000, 500)]:
+        seconds = float(truth @ [1, new, new * (cached + new / 2)]) * rng.uniform(0.97, 1.03)
+        target.observe(new, cached, seconds)
+    np.testing.assert_allclose(target.coefficients, truth, rtol=0.15)
+    flat, _ = cost_models()
+    for new in (100, 1000, 4000, 8000):
+        flat.observe(new, 0, 0.5)  # time that does not grow with size: a negative slope would fit best
+    assert (flat.coefficients >= 0).all() and flat.predict(100, 0) == pytest.approx(0.5, rel=0.05)
+    with pytest.raises(ValueError, match="'draft': 4 numbers"):
+        cost_models({"target": [1, 2, 3], "draft": [1]})
+
+
+async def test_the_memory_model_predicts_reusable_full_blocks_and_evicts_tails_first():
+    model = MemoryEngineCache(block_size=16, capacity_tokens=64)
+    first, second = list(range(100, 149)), list(range(300, 333))
+    assert await model.cached_tokens(first, None) == 0
+    await model.record(first, None)  # 3 full blocks
+    assert await model.cached_tokens(first, None) == 48
+    assert await model.cached_tokens(first[:48], None) == 32  # the last token is always computed
+    assert await model.cached_tokens(first, list(range(49)) ) == 48  # default positions are default positions
+    assert await model.cached_tokens(first, [p + 1 for p in range(49)]) == 0  # other positions, other blocks
+    await model.record(second, None)  # 2 more: the first chain's tail goes
+    assert await model.cached_tokens(first, None) == 32 and await model.cached_tokens(second, None) == 32
+
+
+async def test_replicas_share_the_model_in_redis_and_an_outage_predicts_nothing(redis_url, caplog):
+    key = "specprefill-test:engine-cache"
+    a = RedisEngineCache(redis_url, key, 16, 1 << 16)
+    b = RedisEngineCache(redis_url, key, 16, 1 << 16)
+    await a._client.delete(key)
+    prompt = list(range(1000, 1100))
+    await a.record(prompt, None)
+    assert await b.cached_tokens(prompt, None) == 96
+    small = RedisEngineCache(redis_url, key, 16, 32)  # trimming keeps the newest blocks of the budget
+    await small.record(list(range(5000, 5100)), None)
+    assert await small._client.zcard(key) == 2
+    await a.close(), await b.close(), await small.close()
+    down = RedisEngineCache("redis://127.0.0.1:1/0", key, 16, 1 << 16, timeout=0.2)
+    with caplog.at_level(logging.WARNING, logger="specprefill.gateway"):
+        for _ in range(3):
+            assert await down.cached_tokens(prompt, None) == 0
+            await down.record(prompt, None)
+    assert sum("Redis unavailable" in r.message for r in caplog.records) == 1
+    await down.close()
+
+
+async def test_warming_waits_for_an_idle_backend_and_yields_to_real_traffic():
+    metrics = GatewayMetrics()
+    sent, recorded, release = [], [], asyncio.Event()
+
+    async def send(token_ids):
+        sent.append(token_ids)
+        await release.wait()
+        return {"usage": {"prompt_tokens_details": {"cached_tokens": 0}}}
+
+    async def completed(plan, usage, seconds):
+        recorded.append(plan)
+
+    warmer = Warmer(send, completed, metrics, concurrency=1)
+    plan = Plan(list(range(50)), status="compressed", kept_indices=list(range(10)))
+    warmer.maybe_warm(plan, foreground=1)  # the backend is busy: skipped
+    assert sent == [] and metrics.warming.labels("skipped_busy")._value.get() == 1
+    warmer.maybe_warm(plan, foreground=0)
+    warmer.maybe_warm(plan, foreground=0)  # at most one at a time
+    await asyncio.sleep(0.01)
+    assert sent == [list(range(50))] and metrics.warming.labels("skipped_busy")._value.get() == 2
+    warmer.yield_to_foreground()  # a client's request: the warm steps aside
+    await asyncio.sleep(0.01)
+    assert metrics.warming.labels("cancelled")._value.get() == 1 and recorded == []
+    warmer.maybe_warm(plan, foreground=0)
+    await asyncio.sleep(0.01)
+    release.set()
+    await asyncio.sleep(0.01)
+    assert [p.kind for p in recorded] == ["warm"] and recorded[0].kept_indices is None  # the whole prompt
+    await warmer.close()

@@ -1,0 +1,202 @@
+"""The planner's choices, in process: a draft whose scores a test sets, fixed cost models, the engine-cache model.
+
+Costs are a 30x-the-draft target, as for a large model, so that compression pays on these prompt sizes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+import torch
+
+from common.models import load_causal_lm, load_tokenizer
+from draft_worker import ScoringConfig
+from engine.engine import ReferenceEngine
+from engine.sampling import SamplingParams
+from gateway.app import create_app
+from gateway.costs import cost_models
+from gateway.engine_cache import MemoryEngineCache
+from gateway.metrics import GatewayMetrics
+from gateway.plan import Planner
+from gateway.policy import RequestOptions
+from gateway.scores import ScoreProvider
+from gateway.settings import GatewaySettings
+from tests.helpers import LONG_DOC, RecordingApp, engine_app, eventually, gateway_settings, serve
+
+COSTS = {"target": [0.01, 1e-3, 3e-8], "draft": [0.002, 3e-5, 1e-9, 1e-6]}
+CHUNK = 16
+
+
+class FakeDraft:
+    config = ScoringConfig(chunk_size=CHUNK, protect_first=0, protect_last=1)
+    score_params = (8, 13)
+    max_prompt_tokens = 10**6
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.peaks: list[int] = []  # chunks that score high; the rest score low
+
+    async def identity(self) -> str:
+        return "fake"
+
+    async def score(self, token_ids: list[int]) -> torch.Tensor:
+        self.calls += 1
+        scores = torch.full((len(token_ids),), 0.01)
+        scores += torch.linspace(0, 0.001, len(token_ids))  # ties broken, stably
+        for chunk in self.peaks:
+            scores[chunk * CHUNK : (chunk + 1) * CHUNK] = 1.0
+        return scores
+
+    def reusable_prefix(self, token_ids: list[int]) -> int:
+        return 0
+
+    async def close(self) -> None:
+        return None
+
+
+def _planner(**settings) -> tuple[Planner, FakeDraft]:
+    values = dict(target_model="t", draft_model="d", min_prompt_tokens=64, cost_coefficients=COSTS)
+    values.update(settings)
+    draft = FakeDraft()
+    metrics = GatewayMetrics()
+    settings = GatewaySettings(**values)
+    planner = Planner(settings, draft, ScoreProvider(draft, None, metrics), metrics, (),
+                      MemoryEngineCache(16, 1 << 20), cost_models(settings.cost_coefficients))
+    return planner, draft
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    return torch.randint(10, 5000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+OPTIONS = RequestOptions(keep_rate=0.3, enabled=True)
+
+
+async def test_a_cold_prompt_is_compressed_afresh():
+    planner, draft = _planner()
+    plan = await planner.plan(_ids(4000, 1), OPTIONS, [])
+    assert (plan.status, plan.kind, draft.calls) == ("compressed", "fresh", 1)
+    assert 0.25 < plan.kept_tokens / plan.original_tokens < 0.35 and plan.engine_cached == 0
+
+
+async def test_a_prompt_the_engine_holds_goes_whole_without_the_draft():
+    planner, draft = _planner()
+    document = _ids(4000, 2)
+    await planner.engine_cache.record(document, None)  # a warm, say
+    plan = await planner.plan(document + _ids(30, 3), OPTIONS, [])
+    assert (plan.status, plan.reason, plan.kind, draft.calls) == ("bypassed", "cheaper_whole", "whole", 0)
+    assert plan.engine_cached == 4000
+    # the paper's planner compresses it anyway
+    fresh, _ = _planner(planner="fresh")
+    await fresh.engine_cache.record(document, None)
+    assert (await fresh.plan(document + _ids(30, 3), OPTIONS, [])).kind == "fresh"
+
+
+async def test_a_growing_context_extends_the_earlier_selection():
+    planner, _ = _planner()
+    first_prompt = _ids(4000, 4)
+    first = await planner.plan(first_prompt, OPTIONS, [])
+    await planner.completed(first, None, 1.0)
+    second = await planner.plan(first_prompt + _ids(1500, 5), OPTIONS, [])
+    assert second.kind == "extend" and second.status == "compressed"
+    start = (4000 // CHUNK) * CHUNK
+    assert [i for i in second.kept_indices if i < start] == [i for i in first.kept_indices if i < start]
+    assert second.engine_cached >= 0.9 * sum(1 for i in first.kept_indices if i < start) - 16
+    assert second.kept_tokens >= 0.29 * second.original_tokens  # never fewer than the keep rate asks
+
+
+async def test_an_earlier_selection_that_misses_what_matters_now_is_not_reused():
+    planner, draft = _planner()
+    first_prompt = _ids(4000, 6)
+    draft.peaks = [10, 20]
+    first = await planner.plan(first_prompt, OPTIONS, [])
+    await planner.completed(first, None, 1.0)
+    assert all(10 * CHUNK + i in first.kept_indices for i in range(CHUNK))
+    draft.peaks = [150, 200]  # the new last token attends elsewhere: chunks the first selection dropped
+    assert 150 * CHUNK not in first.kept_indices
+    second = await planner.plan(first_prompt + _ids(1500, 7), OPTIONS, [])
+    assert second.kind == "fresh"
+    assert 150 * CHUNK in second.kept_indices and 200 * CHUNK in second.kept_indices
+    # reused below a lower keep rate would keep fewer tokens than asked: never
+    lower, _ = _planner()
+    first = await lower.plan(first_prompt, RequestOptions(keep_rate=0.1, enabled=True), [])
+    await lower.completed(first, None, 1.0)
+    assert (await lower.plan(first_prompt + _ids(1500, 7), OPTIONS, [])).kind == "fresh"
+
+
+async def test_a_system_prompt_stays_whole_where_affordable():
+    planner, _ = _planner()
+    prompt = _ids(4000, 8)
+    short = torch.zeros(4000, dtype=torch.bool)
+    short[:200] = True
+    plan = await planner.plan(prompt, OPTIONS, [], short)
+    assert plan.kind == "fresh" and plan.protected and set(range(200)) <= set(plan.kept_indices)
+    long = torch.zeros(4000, dtype=torch.bool)
+    long[:3500] = True  # a long system prompt the engine has not seen: keeping it whole costs far more
+    plan = await planner.plan(prompt, OPTIONS, [], long)
+    assert plan.kind == "fresh" and not plan.protected and plan.kept_tokens < 0.5 * 4000
+    await planner.engine_cache.record(prompt[:3600], None)  # warmed: whole now costs little
+    plan = await planner.plan(prompt, OPTIONS, [], long)
+    assert plan.kind == "whole"
+
+
+async def test_the_outcome_teaches_the_cost_model_and_the_cache_model():
+    planner, _ = _planner(cost_coefficients=None)
+    prompt = _ids(3000, 9)
+    plan = await planner.plan(prompt, OPTIONS, [])
+    before = planner.target_cost.coefficients.copy()
+    sent = plan.kept_token_ids()
+    await planner.completed(plan, {"prompt_tokens_details": {"cached_tokens": 0}}, 0.5)
+    assert await planner.engine_cache.cached_tokens(sent, plan.kept_indices) == (len(sent) - 1) // 16 * 16
+    for seconds in (0.6, 0.7, 0.8):
+        await planner.completed(plan, None, seconds)
+    assert not (planner.target_cost.coefficients == before).all()
+    fixed, _ = _planner()
+    for seconds in (0.6, 0.7, 0.8):
+        await fixed.completed(plan, None, seconds)
+    assert fixed.target_cost.coefficients.tolist() == COSTS["target"]  # given coefficients stay
+
+
+def test_no_plan_changes_an_answer(model_pair, tmp_path):
+    """Through a live gateway (cost planner, warming, an engine with its prefix cache): a fresh selection, the
+    whole prompt after warming, and an extension each answer exactly as a fresh engine without a cache does when
+    fed the same tokens at the same positions."""
+    engine = RecordingApp(engine_app(model_pair, block_size=16))
+    oracle = ReferenceEngine(load_causal_lm(model_pair / "target", device="cpu"),
+                             load_tokenizer(model_pair / "target"))
+    with serve(engine) as engine_url:
+        settings = gateway_settings(model_pair, backend_url=engine_url, planner="cost", warming=True,
+                                    cost_coefficients=COSTS, reuse_threshold=0.0)
+        with serve(create_app(settings)) as gw:
+            document = LONG_DOC * 2  # about 3,000 tokens of the 4,096 positions
+            body = {"model": "tiny", "max_tokens": 6, "temperature": 0, "logprobs": 3, "ignore_eos": True}
+            turns = [document, document + " And one more question?", document + " " + LONG_DOC[:1200]]
+            plans = []
+            for prompt in turns:
+                raw = httpx.post(f"{gw}/v1/completions", json={**body, "prompt": prompt}, timeout=120)
+                assert raw.status_code == 200, raw.text
+                plans.append(raw.headers["x-specprefill-plan"])
+                sent = engine.last("/v1/completions")["body"]
+                positions = sent.get("position_ids") or list(range(len(sent["prompt"])))
+                expected = asyncio.run(_oracle(oracle, sent["prompt"], positions))
+                answer = raw.json()["choices"][0]["logprobs"]
+                assert answer["token_logprobs"] == pytest.approx(expected, abs=1e-4)
+                assert asyncio.run(_eventually_idle(gw))  # the warm, if any, is done
+    oracle.close()
+    assert plans == ["fresh", "whole", "extend"]
+
+
+async def _oracle(engine: ReferenceEngine, ids: list[int], positions: list[int]) -> list[float]:
+    params = SamplingParams(max_tokens=6, temperature=0, logprobs=0, ignore_eos=True)
+    return [s.logprob async for s in engine.generate(ids, positions, params)]
+
+
+async def _eventually_idle(gateway_url: str) -> bool:
+    def idle() -> bool:
+        text = httpx.get(f"{gateway_url}/metrics").text
+        return all(float(line.rsplit(" ", 1)[1]) == 0 for line in text.splitlines()
+                   if line.startswith("specprefill_backend_requests_in_flight{"))
+
+    return await eventually(idle, within=60)
