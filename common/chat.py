@@ -44,8 +44,9 @@ class RenderedChat:
         return [i for i, (a, b) in enumerate(self.offsets) if b > a and span[0] <= a < span[1]]
 
 
-def render_chat(tokenizer, messages: list[ChatMessage]) -> RenderedChat:
-    """The prompt the target model reads, with the generation prompt appended."""
+def render_chat(tokenizer, messages: list[ChatMessage], encode=None) -> RenderedChat:
+    """The prompt the target model reads, with the generation prompt appended. ``encode(text) -> (ids,
+    offsets)`` replaces a plain tokenization (a ``tokenize.PieceCache``'s)."""
     plain = [{"role": m.role, "content": m.text()} for m in messages]
     try:
         text = tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=True)
@@ -53,6 +54,8 @@ def render_chat(tokenizer, messages: list[ChatMessage]) -> RenderedChat:
         raise InvalidRequestError(f"the model's chat template rejected the messages: {exc}", param="messages") from None
     except ValueError as exc:  # no chat template
         raise InvalidRequestError(str(exc), param="messages") from None
+    if encode is not None:
+        return RenderedChat(text, *encode(text))
     encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     return RenderedChat(text, encoding.input_ids, [tuple(o) for o in encoding["offset_mapping"]])
 

@@ -129,8 +129,11 @@ class Planner:
             return bypass
         priced = self.settings.planner == "cost"
         earlier = self.selections.longest_shared(token_ids) if priced and self.engine_cache is not None else None
+        held = self._held_system(keep, whole.cached)
+        if held and earlier is not None and not earlier[0].protected:
+            earlier = None  # it compressed the system prompt, which is to stay whole now
         draft_new = n - self.draft.reusable_prefix(token_ids)
-        least = self.draft_cost.predict(draft_new, n - draft_new) + self._least_target(n, options, earlier)
+        least = self.draft_cost.predict(draft_new, n - draft_new) + self._least_target(n, options, earlier, held)
         if priced and whole.seconds <= (1 + self.settings.plan_slack) * least:
             return self._as_plan(whole, token_ids, options, reason=Reason.CHEAPER_WHOLE)
         start = time.perf_counter()
@@ -148,7 +151,7 @@ class Planner:
             self.metrics.draft_latency.labels("ok").observe(draft_ms / 1e3)
             self.draft_cost.observe(draft_new, n - draft_new, draft_ms / 1e3)
         start = time.perf_counter()
-        compressed = await self._compressed(token_ids, scores, options.keep_rate, keep, earlier)
+        compressed = await self._compressed(token_ids, scores, options.keep_rate, keep, earlier, held > 0)
         chosen = self._choose([whole, *compressed]) if priced else compressed[0]
         plan = self._as_plan(chosen, token_ids, options, reason=Reason.CHEAPER_WHOLE if chosen.kind == "whole" else None,
                              cache=cache, draft_ms=draft_ms, protected=keep is not None and chosen.kind != "fresh_unprotected")
@@ -178,11 +181,22 @@ class Planner:
         cached = await self.engine_cache.cached_tokens(sent, positions) if self.engine_cache is not None else 0
         return Candidate(kind, kept, cached, self.target_cost.predict(len(sent) - cached, cached))
 
-    def _least_target(self, n: int, options: RequestOptions, earlier: tuple[Selection, int] | None) -> float:
-        """The least target time a compressed plan could take, before the draft says which tokens it keeps."""
+    def _held_system(self, keep: torch.Tensor | None, cached: int) -> int:
+        """The system prompt's length if it must stay whole: the engine holds it (warming put it there), so
+        keeping it costs nothing more, shared prefixes stay cacheable and instructions do not fade. Else 0."""
+        if keep is None or not bool(keep.any()):
+            return 0
+        end = int(keep.nonzero().max()) + 1
+        block = self.engine_cache.block_size if self.engine_cache is not None else 1
+        return end if cached + block > end else 0
+
+    def _least_target(self, n: int, options: RequestOptions, earlier: tuple[Selection, int] | None,
+                      held: int) -> float:
+        """The least target time a compressed plan could take, before the draft says which tokens it keeps;
+        ``held``: leading tokens kept whole and already in the engine's cache."""
         chunk = self.draft.config.chunk_size
-        kept = math.ceil(math.ceil(n / chunk) * options.keep_rate) * chunk
-        least = self.target_cost.predict(kept, 0)
+        kept = held + math.ceil(math.ceil((n - held) / chunk) * options.keep_rate) * chunk
+        least = self.target_cost.predict(kept - held, held)
         if earlier is not None and earlier[0].keep_rate >= options.keep_rate:
             start = (min(earlier[1], n - 1) // chunk) * chunk
             head = sum(1 for i in earlier[0].kept if i < start)
@@ -191,11 +205,12 @@ class Planner:
         return least
 
     async def _compressed(self, token_ids: list[int], scores: torch.Tensor, keep_rate: float,
-                          keep: torch.Tensor | None, earlier: tuple[Selection, int] | None) -> list[Candidate]:
+                          keep: torch.Tensor | None, earlier: tuple[Selection, int] | None,
+                          held: bool) -> list[Candidate]:
         config = self.draft.config
         fresh = select_tokens(token_ids, scores, keep_rate, config, self.special_ids, keep)
         candidates = [await self._candidate("fresh", token_ids, fresh)]
-        if keep is not None and bool(keep.any()) and self.settings.planner == "cost":
+        if keep is not None and bool(keep.any()) and self.settings.planner == "cost" and not held:
             plain = select_tokens(token_ids, scores, keep_rate, config, self.special_ids)
             candidates.append(await self._candidate("fresh_unprotected", token_ids, plain))
         if earlier is not None:

@@ -16,6 +16,7 @@ import torch
 from common.chat import ChatChunkConverter, RenderedChat, as_chat_chunks, completion_to_chat, render_chat
 from common.errors import InvalidRequestError, NotFoundError, parse_body
 from common.protocol import ChatCompletionRequest, CompletionRequest
+from common.tokenize import PieceCache
 from gateway.backends import Backend, token_body
 from gateway.draft import DraftClient
 from gateway.metrics import GatewayMetrics
@@ -58,6 +59,7 @@ class GatewayServing:
         self.planner = planner
         self.warmer = warmer
         self.foreground = 0  # requests of this gateway at the backend now
+        self.pieces = PieceCache(tokenizer)  # chats' repeated parts are tokenized once
 
     @property
     def model_name(self) -> str:
@@ -78,7 +80,7 @@ class GatewayServing:
             if len(request.messages) > self.settings.max_messages:
                 raise InvalidRequestError(f"the chat has {len(request.messages)} messages; this gateway accepts at "
                                           f"most {self.settings.max_messages}", param="messages")
-            rendered = render_chat(self.tokenizer, request.messages)
+            rendered = render_chat(self.tokenizer, request.messages, self.pieces.encode)
             return Prompt(rendered.token_ids, rendered, self._system_tokens(request, rendered))
         return Prompt(request.prompt_token_ids(self.tokenizer))
 

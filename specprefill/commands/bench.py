@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import subprocess
 import sys
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -15,7 +12,7 @@ from pydantic import Field
 from pydantic_settings import BaseSettings
 
 from common.options import SETTINGS_CONFIG
-from common.process import free_port, wait_healthy
+from specprefill.lab.launch import Stack, launched
 from specprefill.lab.workloads import WORKLOADS
 
 
@@ -48,61 +45,12 @@ class Bench(BaseSettings):
     workload_keep_rate: float = Field(0.3, description="workloads: keep rate through the gateway")
     vllm_python: str | None = Field(None, description="launch vLLM (this python's, with the plugin for the "
                                                       "gateway, stock for direct) instead of reference engines")
+    baseline: bool = Field(False, description="launch the gateway as it was before cache-aware planning: a fresh "
+                                              "selection for every prompt, no warming")
+    gateway_warming: bool = Field(True, description="launched gateway: warming on (its default) or off")
 
     def cli_cmd(self) -> None:
         raise SystemExit(run_bench(self))
-
-
-@dataclass
-class Stack:
-    gateway_url: str
-    direct_url: str  # the engine the direct path talks to
-    idle_urls: list[str]  # whose /metrics say when nothing runs (workload mode)
-
-
-@contextlib.contextmanager
-def launched(engines: int, gateway_args: list[str], vllm_python: str | None, out: Path) -> Iterator[Stack]:
-    """The demo target on ``engines`` engines (reference engines, or vLLM: the gateway's with the plugin, the
-    direct one stock) and a gateway in front of the first, as local processes."""
-    from specprefill.lab.demo_models import ensure_demo_models
-    from specprefill.lab.vllm_server import VLLMServer
-
-    root = ensure_demo_models()
-    cli = [sys.executable, "-m", "specprefill"]
-    processes, vllm_servers, urls = [], [], []
-    try:
-        for index in range(engines):
-            if vllm_python:
-                server = VLLMServer(vllm_python, root / "target", out / f"vllm-{index}.log", plugin=index == 0,
-                                    served_name="specprefill-demo", max_model_len=32768, kv_cache_gib=4,
-                                    extra_args=("--enable-prompt-tokens-details",))
-                vllm_servers.append(server)
-                urls.append(server.url)
-            else:
-                port = free_port()
-                urls.append(f"http://127.0.0.1:{port}")
-                processes.append(subprocess.Popen(cli + ["engine", "--model", str(root / "target"), "--port",
-                                                         str(port), "--log-level", "warning"]))
-        for server in vllm_servers:
-            server.wait()
-        for url, process in zip(urls, processes):
-            wait_healthy(url, process)
-        gateway_port = free_port()
-        gateway_url = f"http://127.0.0.1:{gateway_port}"
-        processes.append(subprocess.Popen(cli + [
-            "serve", "--port", str(gateway_port), "--backend-url", urls[0],
-            "--backend-kind", "vllm" if vllm_python else "reference",
-            "--target-model", str(root / "target"), "--draft-model", str(root / "draft"),
-            "--served-model-name", "specprefill-demo", "--log-level", "warning", *gateway_args]))
-        wait_healthy(gateway_url, processes[-1])
-        yield Stack(gateway_url, urls[-1], [gateway_url, *urls])
-    finally:
-        for process in processes:
-            process.terminate()
-        for process in processes:
-            process.wait(timeout=30)
-        for server in vllm_servers:
-            server.stop()
 
 
 def run_bench(options: Bench) -> int:
@@ -114,10 +62,13 @@ def run_bench(options: Bench) -> int:
     if options.base_url is not None:
         urls = (options.base_url.rstrip("/"), options.backend_url.rstrip("/"))
         context = contextlib.nullcontext(Stack(*urls, list(urls)))
-    elif options.workloads:
-        context = launched(2, ["--min-prompt-tokens", "1024"], options.vllm_python, out)
     else:
-        context = launched(1, ["--min-prompt-tokens", str(min(options.lengths) // 2)], options.vllm_python, out)
+        args = ["--min-prompt-tokens", "1024" if options.workloads else str(min(options.lengths) // 2)]
+        if options.baseline:
+            args += ["--planner", "fresh", "--no-warming", "--no-keep-system-whole"]
+        elif not options.gateway_warming:
+            args += ["--no-warming"]
+        context = launched(2, args, options.vllm_python, out)
     with context as stack, httpx.Client(timeout=60) as client:
         model = options.model or client.get(f"{stack.gateway_url}/v1/models").json()["data"][0]["id"]
         direct_model = options.backend_model or client.get(f"{stack.direct_url}/v1/models").json()["data"][0]["id"]
@@ -144,22 +95,20 @@ def _sweep_and_load(options: Bench, stack: Stack, prompts, models: tuple[str, st
     if not options.load_only:
         config = BenchConfig(stack.gateway_url, stack.direct_url, model, direct_model, options.lengths,
                              options.keep_rates, options.repeats, options.warmup, options.max_tokens)
-        samples, rows = asyncio.run(run_sweep(config, prompts))
+        samples, rows = asyncio.run(run_sweep(config, prompts, stack.idle_urls))
         print(format_table(rows))
     if options.load or options.load_only:
         # a different document per request, as real traffic: no cache hit flatters the gateway
         n_bodies = max(8, int(max(options.rates) * options.duration * 1.5))
         bodies = [{"messages": prompts.make(options.load_tokens), "max_tokens": options.max_tokens,
                    "temperature": 0} for _ in range(n_bodies)]
-        results = {
-            "gateway": asyncio.run(run_load(f"{stack.gateway_url}/v1/chat/completions",
-                                            [{**b, "model": model} for b in bodies],
-                                            {"x-keep-rate": f"{options.load_keep_rate:g}"}, options.rates,
-                                            options.duration)),
-            "direct": asyncio.run(run_load(f"{stack.direct_url}/v1/chat/completions",
-                                           [{**b, "model": direct_model} for b in bodies], {}, options.rates,
-                                           options.duration)),
-        }
+        results = {"gateway": asyncio.run(run_load(f"{stack.gateway_url}/v1/chat/completions",
+                                                   [{**b, "model": model} for b in bodies],
+                                                   {"x-keep-rate": f"{options.load_keep_rate:g}"}, options.rates,
+                                                   options.duration, idle_urls=stack.idle_urls))}
+        results["direct"] = asyncio.run(run_load(f"{stack.direct_url}/v1/chat/completions",
+                                                 [{**b, "model": direct_model} for b in bodies], {}, options.rates,
+                                                 options.duration, idle_urls=stack.idle_urls))
         load = {"slo_s": options.ttft_slo, "tokens": options.load_tokens, "keep_rate": options.load_keep_rate,
                 "results": results,
                 "max_rate": {name: max_rate_meeting(r, options.ttft_slo) for name, r in results.items()}}
@@ -184,5 +133,5 @@ def _workloads(options: Bench, stack: Stack, prompts, models: tuple[str, str], m
     rows = summarize_workloads(samples)
     print(format_workloads(rows))
     meta |= {"workload_tokens": options.workload_tokens, "step_tokens": options.step_tokens,
-             "keep_rate": options.workload_keep_rate}
+             "keep_rate": options.workload_keep_rate, "baseline": options.baseline}
     return write_workloads(Path(options.out), rows, samples, meta)

@@ -31,6 +31,11 @@ class Eval(BaseSettings):
     direct_model: str | None = Field(None, description="dataset: the model name at --direct-url")
     max_tokens: int = Field(64, description="dataset: tokens generated per answer")
     api_key: str | None = Field(None, description="dataset: Bearer token for the gateway")
+    sessions: bool = Field(False, description="retrieval across requests: one document, several questions, as "
+                                              "chat turns and as separate requests, through a live gateway")
+    questions: int = Field(4, description="sessions: questions per document")
+    session_samples: int = Field(40, description="sessions: documents")
+    session_keep_rate: float = Field(0.1, description="sessions: keep rate through the gateway")
 
     def cli_cmd(self) -> None:
         raise SystemExit(run_eval(self))
@@ -74,10 +79,25 @@ def run_eval(options: Eval) -> int:
     if not (pair / "draft").is_dir() or not (pair / "target").is_dir():
         print(f"specprefill eval: {pair} needs draft/ and target/ model folders", file=sys.stderr)
         return 2
+    if options.sessions:
+        return _sessions(options, pair, out)
     result = evaluate_retrieval(pair, samples=options.samples, words=options.words, keep_rates=options.keep_rates)
     print(format_retrieval(result))
     payload = asdict(result) | {"pair": str(pair), "words": options.words}
     (out / "eval.json").write_text(json.dumps(payload, indent=2))
     written = plot_retrieval(result, out / "eval.png")
     print(f"wrote {out / 'eval.json'}, {written}")
+    return 0
+
+
+def _sessions(options: Eval, pair: Path, out: Path) -> int:
+    from specprefill.lab.session_eval import evaluate_sessions, format_sessions
+
+    results = evaluate_sessions(pair, samples=options.session_samples, words=options.words,
+                                questions=options.questions, keep_rate=options.session_keep_rate)
+    print(format_sessions(results))
+    (out / "sessions.json").write_text(json.dumps({"pair": str(pair), "keep_rate": options.session_keep_rate,
+                                                   "words": options.words, "results": [asdict(r) for r in results]},
+                                                  indent=2))
+    print(f"wrote {out / 'sessions.json'}")
     return 0

@@ -9,6 +9,7 @@ Every measurement uses a fresh prompt (another document), so no cache or prefix 
 
 from __future__ import annotations
 
+import asyncio
 import random
 import statistics
 import time
@@ -109,6 +110,28 @@ class PromptMaker:
         return [{"role": "user", "content": body + question}]
 
 
+ACTIVITY_METRICS = ("specprefill_engine_active_requests", "vllm:num_requests_running", "vllm:num_requests_waiting",
+                    "specprefill_backend_requests_in_flight")
+
+
+async def wait_idle(client: httpx.AsyncClient, urls: list[str], timeout: float = 600.0) -> None:
+    """Until no engine or gateway in ``urls`` reports a request running, waiting or in flight (their /metrics)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        busy = 0.0
+        for url in urls:
+            response = await client.get(f"{url}/metrics")
+            if response.status_code != 200:  # nothing to read (behind an API key, say): take it as idle
+                continue
+            text = response.text
+            busy += sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                        if line.split("{")[0].split(" ")[0] in ACTIVITY_METRICS)
+        if busy == 0:
+            return
+        await asyncio.sleep(0.1)
+    raise RuntimeError(f"{urls} stayed busy for {timeout:.0f} s")
+
+
 async def stream_ttft(client: httpx.AsyncClient, url: str, body: dict, headers: dict) -> tuple[float, httpx.Headers]:
     """Seconds from sending the request to the first streamed event with content; the stream is then dropped."""
     start = time.perf_counter()
@@ -134,7 +157,9 @@ class BenchConfig:
     max_tokens: int = 1
 
 
-async def run_sweep(config: BenchConfig, prompts: PromptMaker) -> tuple[list[Sample], list[Row]]:
+async def run_sweep(config: BenchConfig, prompts: PromptMaker,
+                    idle_urls: list[str] = ()) -> tuple[list[Sample], list[Row]]:
+    """Each measurement waits until the engines and the gateway in ``idle_urls`` are idle (warming included)."""
     samples: list[Sample] = []
     total = len(config.lengths) * (config.warmup + config.repeats)
     async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0)) as client:
@@ -145,11 +170,13 @@ async def run_sweep(config: BenchConfig, prompts: PromptMaker) -> tuple[list[Sam
                 messages = prompts.make(length)
                 direct_body = {"model": config.backend_model, "messages": messages, "max_tokens": config.max_tokens,
                                "temperature": 0}
+                await wait_idle(client, idle_urls)
                 ttft, _ = await stream_ttft(client, f"{config.backend_url}/v1/chat/completions", direct_body, {})
                 if measured:
                     samples.append(Sample("direct", length, 1.0, ttft))
                 for keep in config.keep_rates:
                     body = {**direct_body, "model": config.model, "messages": prompts.make(length)}
+                    await wait_idle(client, idle_urls)
                     ttft, headers = await stream_ttft(client, f"{config.gateway_url}/v1/chat/completions", body,
                                                       {"x-keep-rate": f"{keep:g}"})
                     kept = int(headers.get("x-specprefill-kept-tokens", length))
@@ -159,6 +186,7 @@ async def run_sweep(config: BenchConfig, prompts: PromptMaker) -> tuple[list[Sam
                                               headers.get("x-specprefill-status")))
                     if keep < 1.0:  # the target reading only the kept tokens, directly
                         kept_body = {**direct_body, "messages": prompts.make(kept)}
+                        await wait_idle(client, idle_urls)
                         ttft, _ = await stream_ttft(client, f"{config.backend_url}/v1/chat/completions", kept_body,
                                                     {})
                         if measured:

@@ -11,7 +11,7 @@ import time
 import httpx
 from tqdm import tqdm
 
-from specprefill.lab.bench import stream_ttft
+from specprefill.lab.bench import stream_ttft, wait_idle
 
 
 def poisson_arrivals(rate: float, duration: float, rng: random.Random) -> list[float]:
@@ -38,11 +38,13 @@ def max_rate_meeting(results: list[dict], slo_s: float) -> float | None:
 
 
 async def run_load(url: str, bodies: list[dict], headers: dict, rates: list[float], duration: float,
-                   seed: int = 0) -> list[dict]:
-    """Poisson arrivals at each rate for ``duration`` seconds; request i sends ``bodies[i % len(bodies)]``."""
+                   seed: int = 0, idle_urls: list[str] = ()) -> list[dict]:
+    """Poisson arrivals at each rate for ``duration`` seconds; request i sends ``bodies[i % len(bodies)]``. Each
+    rate starts once everything in ``idle_urls`` is idle (no earlier rate's backlog or background work)."""
     results = []
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=httpx.Limits(max_connections=1000)) as client:
         for rate in tqdm(rates, desc=f"load {url}", unit="rate"):
+            await wait_idle(client, idle_urls)
             arrivals = poisson_arrivals(rate, duration, random.Random(seed))
             start = time.perf_counter()
 

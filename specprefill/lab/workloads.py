@@ -13,20 +13,15 @@ user's think time), so that on a shared machine no path's background work lands 
 
 from __future__ import annotations
 
-import asyncio
 import statistics
-import time
 from dataclasses import dataclass, field
 
 import httpx
 from tqdm import tqdm
 
-from specprefill.lab.bench import PromptMaker, parse_server_timing, stream_ttft
+from specprefill.lab.bench import PromptMaker, parse_server_timing, stream_ttft, wait_idle
 
 WORKLOADS = ("fresh", "document", "chat", "agent", "system")
-REPEATED = ("document", "chat", "agent", "system")
-ACTIVITY_METRICS = ("specprefill_engine_active_requests", "vllm:num_requests_running", "vllm:num_requests_waiting",
-                    "specprefill_backend_requests_in_flight")
 
 
 @dataclass
@@ -89,21 +84,6 @@ class WorkloadSample:
     plan: str | None = None
     reason: str | None = None
     timing_ms: dict[str, float] = field(default_factory=dict)
-
-
-async def wait_idle(client: httpx.AsyncClient, urls: list[str], timeout: float = 600.0) -> None:
-    """Until no engine or gateway in ``urls`` reports a request running, waiting or in flight (their /metrics)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        busy = 0.0
-        for url in urls:
-            text = (await client.get(f"{url}/metrics")).text
-            busy += sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                        if line.split("{")[0].split(" ")[0] in ACTIVITY_METRICS)
-        if busy == 0:
-            return
-        await asyncio.sleep(0.1)
-    raise RuntimeError(f"{urls} stayed busy for {timeout:.0f} s")
 
 
 async def run_workloads(workloads: list[Workload], gateway: tuple[str, str], direct: tuple[str, str],

@@ -137,9 +137,10 @@ async def test_a_system_prompt_stays_whole_where_affordable():
     long[:3500] = True  # a long system prompt the engine has not seen: keeping it whole costs far more
     plan = await planner.plan(prompt, OPTIONS, [], long)
     assert plan.kind == "fresh" and not plan.protected and plan.kept_tokens < 0.5 * 4000
-    await planner.engine_cache.record(prompt[:3600], None)  # warmed: whole now costs little
+    await planner.engine_cache.record(prompt[:3600], None)  # warmed: the system prompt now stays whole
     plan = await planner.plan(prompt, OPTIONS, [], long)
-    assert plan.kind == "whole"
+    assert plan.kind == "fresh" and plan.protected and set(range(3500)) <= set(plan.kept_indices)
+    assert plan.engine_cached >= 3488 and plan.kept_tokens < 3500 + 0.5 * 500
 
 
 async def test_the_outcome_teaches_the_cost_model_and_the_cache_model():
@@ -178,7 +179,8 @@ def test_no_plan_changes_an_answer(model_pair, tmp_path):
                 raw = httpx.post(f"{gw}/v1/completions", json={**body, "prompt": prompt}, timeout=120)
                 assert raw.status_code == 200, raw.text
                 plans.append(raw.headers["x-specprefill-plan"])
-                sent = engine.last("/v1/completions")["body"]
+                sent = next(r["body"] for r in reversed(engine.requests)  # the request, not its warm
+                            if r["path"] == "/v1/completions" and "priority" not in r["body"])
                 positions = sent.get("position_ids") or list(range(len(sent["prompt"])))
                 expected = asyncio.run(_oracle(oracle, sent["prompt"], positions))
                 answer = raw.json()["choices"][0]["logprobs"]
@@ -200,3 +202,19 @@ async def _eventually_idle(gateway_url: str) -> bool:
                    if line.startswith("specprefill_backend_requests_in_flight{"))
 
     return await eventually(idle, within=60)
+
+
+async def test_a_system_prompt_the_engine_holds_stays_whole_and_the_draft_is_skipped():
+    """A long system prompt is compressed on its first, cold request; once warmed, plans that would compress
+    it are off the table, and with only a short question left to decide, so is the draft."""
+    planner, draft = _planner()
+    system = torch.zeros(4030, dtype=torch.bool)
+    system[:4000] = True
+    prompt = _ids(4030, 10)
+    first = await planner.plan(prompt, OPTIONS, [], system)
+    assert first.kind == "fresh" and not first.protected
+    await planner.completed(first, None, 1.0)
+    await planner.engine_cache.record(prompt, None)  # the warm
+    calls = draft.calls
+    second = await planner.plan(prompt[:4000] + _ids(30, 11), OPTIONS, [], system)
+    assert second.kind == "whole" and second.reason == "cheaper_whole" and draft.calls == calls

@@ -12,6 +12,7 @@ from draft_worker import ScoringConfig, select_tokens
 from specprefill.cli import main
 from specprefill.lab.eval import baseline_indices, evaluate_retrieval
 from specprefill.lab.retrieval import SHIPPED_PAIR, make_tokenizer
+from specprefill.lab.session_eval import evaluate_sessions, format_sessions
 from specprefill.lab.training import PairShape, save, train
 
 
@@ -74,3 +75,18 @@ def test_builtin_eval_command_on_a_given_pair(tiny_retrieval_pair, tmp_path):
     assert excinfo.value.code == 0
     payload = json.loads((tmp_path / "eval.json").read_text())
     assert payload["samples"] == 2 and (tmp_path / "eval.png").exists()
+
+
+def test_the_session_eval_runs_through_a_live_gateway_and_reports_plans(tiny_retrieval_pair, tmp_path):
+    """The logic of the sessions eval (two forms, warming on and off, the plan of every request); its numbers
+    come from the shipped pair in the README, not from this tiny one."""
+    results = evaluate_sessions(tiny_retrieval_pair, samples=2, words=700, questions=2, keep_rate=0.1)
+    assert [(r.form, r.warming) for r in results] == [("turns", True), ("requests", True), ("turns", False),
+                                                      ("requests", False)]
+    for result in results:
+        assert result.asked == [2, 2] and all(sum(p.values()) == 2 for p in result.plans)
+        assert result.plans[0] == {"fresh": 2}  # the first question: a cold document
+        assert 0.05 < result.kept_fraction[0] < 0.3
+    warm = next(r for r in results if r.form == "requests" and r.warming)
+    assert warm.plans[1] == {"whole": 2}  # the document warmed: the second question reads it whole
+    assert "turn 2" in format_sessions(results)

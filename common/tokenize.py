@@ -1,0 +1,83 @@
+"""Tokenizing chats without redoing the parts that repeat.
+
+A chat template puts special tokens between messages, and a tokenizer splits its input at its added tokens
+before anything else. So the text between two special tokens tokenizes the same wherever it stands, and a
+long system prompt, a shared document or a conversation's earlier turns need tokenizing once: later
+requests look their pieces up (LRU, bounded by characters). Whether a tokenizer really behaves so (some
+add a prefix space to every piece, or strip whitespace beside special tokens) is checked once, on a sample
+chat, against a plain tokenization; where the two differ, every text is tokenized whole.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import re
+import threading
+
+logger = logging.getLogger("specprefill")
+
+SAMPLE_CHAT = [{"role": "system", "content": "You answer briefly.\n  Be precise. "},
+               {"role": "user", "content": " Hello there!\n\nWhat is 2 + 2?  "},
+               {"role": "assistant", "content": "4."}, {"role": "user", "content": "And 3 + 3 ?"}]
+
+
+class PieceCache:
+    """``encode(text) -> (ids, offsets)`` as ``tokenizer(text, add_special_tokens=False)`` gives them."""
+
+    def __init__(self, tokenizer, capacity_chars: int = 16 << 20) -> None:
+        self.tokenizer = tokenizer
+        self.capacity_chars = capacity_chars
+        self._pieces: collections.OrderedDict[str, tuple[list[int], list[tuple[int, int]]]] = collections.OrderedDict()
+        self._chars = 0
+        self._lock = threading.Lock()
+        added = sorted(tokenizer.get_added_vocab(), key=len, reverse=True)
+        self._split = re.compile("(" + "|".join(map(re.escape, added)) + ")") if added else None
+        self.enabled = self._split is not None and capacity_chars > 0 and self._agrees()
+
+    def encode(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        if not self.enabled:
+            return self._whole(text)
+        ids, offsets, start = [], [], 0
+        for piece in self._split.split(text):
+            if piece:
+                piece_ids, piece_offsets = self._piece(piece)
+                ids += piece_ids
+                offsets += [(a + start, b + start) for a, b in piece_offsets]
+            start += len(piece)
+        return ids, offsets
+
+    def _piece(self, piece: str) -> tuple[list[int], list[tuple[int, int]]]:
+        with self._lock:
+            found = self._pieces.get(piece)
+            if found is not None:
+                self._pieces.move_to_end(piece)
+                return found
+        found = self._whole(piece)
+        if len(piece) <= self.capacity_chars:
+            with self._lock:
+                self._pieces[piece] = found
+                self._chars += len(piece)
+                while self._chars > self.capacity_chars:
+                    evicted, _ = self._pieces.popitem(last=False)
+                    self._chars -= len(evicted)
+        return found
+
+    def _whole(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        encoding = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        return encoding.input_ids, [tuple(o) for o in encoding["offset_mapping"]]
+
+    def _agrees(self) -> bool:
+        """A sample chat, then every added token between whitespace: split and whole must give one result."""
+        try:
+            text = self.tokenizer.apply_chat_template(SAMPLE_CHAT, tokenize=False, add_generation_prompt=True)
+        except Exception:  # no chat template
+            text = ""
+        text += "".join(f" word {token}  word\n{token}\n " for token in self.tokenizer.get_added_vocab())
+        self.enabled = True
+        agrees = self.encode(text) == self._whole(text)
+        self._pieces.clear()
+        self._chars = 0
+        if not agrees:
+            logger.info("this tokenizer does not split at its added tokens alone: chats are tokenized whole")
+        return agrees

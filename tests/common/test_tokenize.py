@@ -1,0 +1,30 @@
+"""Chats tokenized piece by piece, the repeated pieces once, exactly as a plain tokenization."""
+
+from __future__ import annotations
+
+from tokenizers import AddedToken
+
+from common.chat import render_chat
+from common.protocol import ChatMessage
+from common.tokenize import PieceCache
+from specprefill.lab.demo_models import train_tokenizer
+from tests.helpers import LONG_DOC
+
+
+def test_pieces_give_exactly_the_plain_tokens_and_repeats_come_from_the_cache(tokenizer):
+    cache = PieceCache(tokenizer)
+    assert cache.enabled
+    for question in ("What is it?", "  And this one?  ", "\nTell me\n\n"):
+        messages = [ChatMessage(role="system", content=LONG_DOC), ChatMessage(role="user", content=question)]
+        fast, plain = render_chat(tokenizer, messages, cache.encode), render_chat(tokenizer, messages)
+        assert (fast.token_ids, fast.offsets) == (plain.token_ids, plain.offsets)
+    assert "\n\n" + LONG_DOC in cache._pieces  # the system prompt (after its header) was tokenized once
+
+
+def test_a_tokenizer_that_strips_beside_special_tokens_is_tokenized_whole():
+    tokenizer = train_tokenizer(vocab_size=600)
+    tokenizer.add_special_tokens({"additional_special_tokens": [AddedToken("<|x|>", lstrip=True, rstrip=True)]})
+    cache = PieceCache(tokenizer)
+    assert not cache.enabled
+    text = "Hello <|x|> there"
+    assert cache.encode(text)[0] == tokenizer(text, add_special_tokens=False).input_ids
