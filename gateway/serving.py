@@ -20,7 +20,8 @@ from common.tokenize import PieceCache
 from gateway.backends import Backend, token_body
 from gateway.draft import DraftClient
 from gateway.metrics import GatewayMetrics
-from gateway.plan import Plan, Planner
+from gateway.plan import Plan
+from gateway.planner import Planner
 from gateway.policy import request_options
 from gateway.settings import GatewaySettings
 from gateway.text_kind import kept_messages, kept_text

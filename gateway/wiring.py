@@ -12,7 +12,7 @@ from gateway.costs import cost_models
 from gateway.draft import DraftClient, LocalDraft, RemoteDraft
 from gateway.engine_cache import EngineCacheModel, MemoryEngineCache, RedisEngineCache
 from gateway.metrics import GatewayMetrics
-from gateway.plan import Planner
+from gateway.planner import Planner
 from gateway.scores import ScoreProvider
 from gateway.serving import GatewayServing
 from gateway.settings import GatewaySettings

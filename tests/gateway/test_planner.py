@@ -19,7 +19,7 @@ from gateway.app import create_app
 from gateway.costs import cost_models
 from gateway.engine_cache import MemoryEngineCache
 from gateway.metrics import GatewayMetrics
-from gateway.plan import Planner
+from gateway.planner import Planner
 from gateway.policy import RequestOptions
 from gateway.scores import ScoreProvider
 from gateway.settings import GatewaySettings

@@ -1,0 +1,242 @@
+"""The planner: what goes to the backend for one request, priced against what the engine already holds.
+
+Candidates:
+  whole   the prompt as it is.
+  fresh   SpecPrefill's selection at the keep rate (``select_tokens``; system prompts kept whole unless that
+          costs far more than compressing them, as for a long system prompt the engine has not seen yet).
+  extend  an earlier compressed request's kept tokens below the point where its prompt and this one part,
+          then the selection rule on the rest: the engine's prefix cache serves the reused run. Allowed only
+          when the earlier selection keeps at least ``reuse_threshold`` of the importance that a fresh
+          selection keeps there (by the draft's scores for *this* prompt), and at a keep rate no lower.
+Each is priced by the calibrated cost models: draft time on what the draft has not seen, plus target time on
+what the engine has not cached. The plan that keeps more of the prompt (whole, then fresh, then extend) wins
+while it costs at most ``plan_slack`` more than the cheapest. Before the draft runs, the whole prompt is
+priced against the least any compression could cost; when it is cheaper even so (a short or mostly cached
+prompt, a slow draft), the draft is skipped (reason ``cheaper_whole``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Collection
+from dataclasses import dataclass
+
+import torch
+
+from draft_worker.selector import extend_selection, kept_importance, select_tokens
+from gateway.costs import CostModel
+from gateway.draft import DraftClient
+from gateway.engine_cache import EngineCacheModel
+from gateway.metrics import GatewayMetrics
+from gateway.plan import Plan
+from gateway.policy import Reason, RequestOptions
+from gateway.scores import ScoreProvider
+from gateway.selections import RecentPrompts, Selection
+from gateway.settings import GatewaySettings
+
+logger = logging.getLogger("specprefill.gateway")
+TIERS = {"whole": 0, "fresh": 1, "extend": 2, "fresh_unprotected": 3}
+
+
+@dataclass(slots=True)
+class Candidate:
+    kind: str
+    kept: list[int] | None
+    cached: int  # predicted engine cache hit
+    seconds: float  # predicted target time
+
+
+class Planner:
+    def __init__(self, settings: GatewaySettings, draft: DraftClient, scores: ScoreProvider, metrics: GatewayMetrics,
+                 special_ids: Collection[int], engine_cache: EngineCacheModel | None,
+                 costs: tuple[CostModel, CostModel], positional: bool = True) -> None:
+        self.settings = settings
+        self.draft = draft
+        self.scores = scores
+        self.metrics = metrics
+        self.special_ids = frozenset(special_ids)
+        self.engine_cache = engine_cache  # None: plan as if the engine kept nothing (text backends)
+        self.target_cost, self.draft_cost = costs
+        self.positional = positional  # the backend reads positions (else kept tokens run contiguously)
+        self.selections: RecentPrompts[Selection] = RecentPrompts(capacity=64)
+
+    async def plan(self, token_ids: list[int], options: RequestOptions, unsupported: list[str],
+                   keep: torch.Tensor | None = None, *, dry_run: bool = False) -> Plan:
+        """The plan for this prompt. ``keep`` marks tokens to keep whole if affordable (a system prompt)."""
+        n = len(token_ids)
+        if not dry_run:
+            self.metrics.original_tokens.observe(n)
+        whole = await self._candidate("whole", token_ids, None)
+        if (bypass := self._bypass(token_ids, options, unsupported)) is not None:
+            bypass.engine_cached, bypass.predicted_ms = whole.cached, whole.seconds * 1e3
+            return bypass
+        priced = self.settings.planner == "cost"
+        earlier = self.selections.longest_shared(token_ids) if priced and self.engine_cache is not None else None
+        held = self._held_system(keep, whole.cached)
+        if held and earlier is not None and not earlier[0].protected:
+            earlier = None  # it compressed the system prompt, which is to stay whole now
+        draft_new = n - self.draft.reusable_prefix(token_ids)
+        least = self.draft_cost.predict(draft_new, n - draft_new) + self._least_target(n, options, earlier, held)
+        if priced and whole.seconds <= (1 + self.settings.plan_slack) * least:
+            return self._as_plan(whole, token_ids, options, reason=Reason.CHEAPER_WHOLE)
+        start = time.perf_counter()
+        try:
+            scores, cache = await asyncio.wait_for(self.scores.scores(token_ids), self.settings.draft_timeout)
+        except Exception as exc:  # any draft fault: the full prompt goes through instead
+            draft_ms = (time.perf_counter() - start) * 1e3
+            self.metrics.draft_latency.labels("error").observe(draft_ms / 1e3)
+            logger.warning("draft failed, forwarding the full prompt: %s",
+                           type(exc).__name__ + (f": {exc}" if str(exc) else ""))
+            return Plan(token_ids, reason=Reason.DRAFT_ERROR, draft_ms=draft_ms, engine_cached=whole.cached,
+                        predicted_ms=whole.seconds * 1e3)
+        draft_ms = (time.perf_counter() - start) * 1e3
+        if cache != "hit":
+            self.metrics.draft_latency.labels("ok").observe(draft_ms / 1e3)
+            self.draft_cost.observe(draft_new, n - draft_new, draft_ms / 1e3)
+        start = time.perf_counter()
+        compressed = await self._compressed(token_ids, scores, options.keep_rate, keep, earlier, held > 0)
+        chosen = self._choose([whole, *compressed]) if priced else compressed[0]
+        plan = self._as_plan(chosen, token_ids, options, reason=Reason.CHEAPER_WHOLE if chosen.kind == "whole" else None,
+                             cache=cache, draft_ms=draft_ms, protected=keep is not None and chosen.kind != "fresh_unprotected")
+        plan.select_ms = (time.perf_counter() - start) * 1e3
+        if not dry_run and plan.status == "compressed":
+            self.metrics.keep_rate.observe(options.keep_rate)
+        return plan
+
+    def _bypass(self, token_ids: list[int], options: RequestOptions, unsupported: list[str]) -> Plan | None:
+        """The reasons to send the prompt whole that need no pricing."""
+        n = len(token_ids)
+        if not options.enabled:
+            return Plan(token_ids, reason=Reason.OFF, passthrough=True)
+        if unsupported:
+            return Plan(token_ids, reason=Reason.unsupported(unsupported[0]), passthrough=True)
+        if options.keep_rate >= 1.0:
+            return Plan(token_ids, reason=Reason.KEEP_RATE_ONE)
+        if n < self.settings.min_prompt_tokens:
+            return Plan(token_ids, reason=Reason.SHORT_PROMPT)
+        if n > self.draft.max_prompt_tokens:
+            return Plan(token_ids, reason=Reason.PROMPT_TOO_LONG)
+        return None
+
+    async def _candidate(self, kind: str, token_ids: list[int], kept: list[int] | None) -> Candidate:
+        sent = token_ids if kept is None else [token_ids[i] for i in kept]
+        positions = kept if self.positional else None
+        cached = await self.engine_cache.cached_tokens(sent, positions) if self.engine_cache is not None else 0
+        return Candidate(kind, kept, cached, self.target_cost.predict(len(sent) - cached, cached))
+
+    def _held_system(self, keep: torch.Tensor | None, cached: int) -> int:
+        """The system prompt's length if it must stay whole: the engine holds it (warming put it there), so
+        keeping it costs nothing more, shared prefixes stay cacheable and instructions do not fade. Else 0."""
+        if keep is None or not bool(keep.any()):
+            return 0
+        end = int(keep.nonzero().max()) + 1
+        block = self.engine_cache.block_size if self.engine_cache is not None else 1
+        return end if cached + block > end else 0
+
+    def _least_target(self, n: int, options: RequestOptions, earlier: tuple[Selection, int] | None,
+                      held: int) -> float:
+        """The least target time a compressed plan could take, before the draft says which tokens it keeps;
+        ``held``: leading tokens kept whole and already in the engine's cache."""
+        chunk = self.draft.config.chunk_size
+        kept = held + math.ceil(math.ceil((n - held) / chunk) * options.keep_rate) * chunk
+        least = self.target_cost.predict(kept - held, held)
+        if earlier is not None and earlier[0].keep_rate >= options.keep_rate:
+            start = (min(earlier[1], n - 1) // chunk) * chunk
+            head = sum(1 for i in earlier[0].kept if i < start)
+            tail = math.ceil(math.ceil((n - start) / chunk) * options.keep_rate) * chunk
+            least = min(least, self.target_cost.predict(tail, head))
+        return least
+
+    async def _compressed(self, token_ids: list[int], scores: torch.Tensor, keep_rate: float,
+                          keep: torch.Tensor | None, earlier: tuple[Selection, int] | None,
+                          held: bool) -> list[Candidate]:
+        config = self.draft.config
+        fresh = select_tokens(token_ids, scores, keep_rate, config, self.special_ids, keep)
+        candidates = [await self._candidate("fresh", token_ids, fresh)]
+        if keep is not None and bool(keep.any()) and self.settings.planner == "cost" and not held:
+            plain = select_tokens(token_ids, scores, keep_rate, config, self.special_ids)
+            candidates.append(await self._candidate("fresh_unprotected", token_ids, plain))
+        if earlier is not None:
+            selection, shared = earlier
+            start = (min(shared, len(token_ids) - 1) // config.chunk_size) * config.chunk_size
+            if start > 0 and selection.keep_rate >= keep_rate and self._covers(scores, selection.kept, fresh, start):
+                extended = extend_selection(token_ids, scores, keep_rate, config, selection.kept, start,
+                                            self.special_ids, keep)
+                candidates.append(await self._candidate("extend", token_ids, extended))
+        return candidates
+
+    def _covers(self, scores: torch.Tensor, reused: tuple[int, ...], fresh: list[int], end: int) -> bool:
+        """Whether the earlier selection keeps, below ``end``, enough of what a fresh one would keep there."""
+        chunk = self.draft.config.chunk_size
+        wanted = kept_importance(scores, fresh, end, chunk)
+        return wanted == 0 or kept_importance(scores, reused, end, chunk) >= self.settings.reuse_threshold * wanted
+
+    def _choose(self, candidates: list[Candidate]) -> Candidate:
+        """The cheapest, unless one that keeps more of the prompt costs at most ``plan_slack`` more."""
+        cheapest = min(c.seconds for c in candidates)
+        affordable = [c for c in candidates if c.seconds <= (1 + self.settings.plan_slack) * cheapest]
+        return min(affordable, key=lambda c: (TIERS[c.kind], c.seconds))
+
+    def _as_plan(self, chosen: Candidate, token_ids: list[int], options: RequestOptions, *, reason: str | None,
+                 cache: str = "off", draft_ms: float = 0.0, protected: bool = False) -> Plan:
+        kind = "fresh" if chosen.kind == "fresh_unprotected" else chosen.kind
+        compressed = chosen.kept is not None
+        return Plan(token_ids, status="compressed" if compressed else "bypassed", reason=reason,
+                    kept_indices=chosen.kept, keep_rate=options.keep_rate if compressed else 1.0, cache=cache,
+                    draft_ms=draft_ms, kind=kind, protected=protected and compressed, engine_cached=chosen.cached,
+                    predicted_ms=chosen.seconds * 1e3)
+
+    async def close(self) -> None:
+        await self.scores.close()
+        if self.engine_cache is not None:
+            await self.engine_cache.close()
+
+    # --- what happened: the engine's cache, the cost models, the selections later prompts may reuse ---
+
+    async def completed(self, plan: Plan, usage: dict | None, backend_s: float) -> None:
+        """A backend answered ``plan`` (its first event after ``backend_s``); ``usage`` as the backend reported it."""
+        sent = plan.kept_token_ids()
+        cached = _cached_tokens(usage)
+        if cached is not None:
+            self.metrics.engine_cache_error.observe(cached - plan.engine_cached)
+        else:
+            cached = plan.engine_cached
+        self.target_cost.observe(len(sent) - cached, cached, backend_s)
+        if self.engine_cache is not None:
+            await self.engine_cache.record(sent, plan.kept_indices if self.positional else None)
+        if plan.status == "compressed":
+            self.selections.add(plan.token_ids, Selection(tuple(plan.kept_indices), plan.keep_rate, plan.protected))
+        self.metrics.plans.labels(plan.kind).inc()
+
+    async def calibrate(self, complete, vocab: list[int], sizes: tuple[int, ...] = (256, 1024, 2048)) -> None:
+        """The start-up probe: random prompts of ``sizes`` tokens, then the largest extended by a quarter, through
+        ``complete(token_ids)`` (the target, one token: its completion answer) and the draft; both models fitted
+        on the timings."""
+        generator = torch.Generator().manual_seed(0)
+        pool = torch.as_tensor(vocab)
+        prompts = [pool[torch.randint(len(vocab), (n,), generator=generator)].tolist() for n in sizes]
+        prompts.append(prompts[-1] + pool[torch.randint(len(vocab), (sizes[-1] // 4,), generator=generator)].tolist())
+        for index, prompt in enumerate(prompts):
+            cached = len(prompts[index - 1]) if index == len(prompts) - 1 else 0
+            start = time.perf_counter()
+            await self.draft.score(prompt)
+            self.draft_cost.observe(len(prompt) - cached, cached, time.perf_counter() - start, probe=True)
+            start = time.perf_counter()
+            answer = await complete(prompt)
+            seconds = time.perf_counter() - start
+            served = _cached_tokens(answer.get("usage"))
+            served = cached if served is None else served
+            self.target_cost.observe(len(prompt) - served, served, seconds, probe=True)
+            if self.engine_cache is not None:
+                await self.engine_cache.record(prompt, None)
+        logger.info("cost models calibrated: target %s, draft %s", self.target_cost.describe(),
+                    self.draft_cost.describe())
+
+
+def _cached_tokens(usage: dict | None) -> int | None:
+    details = (usage or {}).get("prompt_tokens_details") or {}
+    cached = details.get("cached_tokens")
+    return cached if isinstance(cached, int) else None
