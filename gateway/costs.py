@@ -1,8 +1,9 @@
 """What a plan costs: time models of the target engine and of the draft, calibrated from measured timings.
 
-Prefilling ``n`` new tokens after ``ctx`` cached ones costs a fixed part, a part per token (the weights), and
-a part per pair of tokens that attend to each other (``n × (ctx + n/2)``); scoring adds a part per prompt
-token (the look-ahead queries and the reduction read every key). The coefficients are fitted by least
+Prefilling ``n`` new tokens after ``ctx`` cached ones costs a fixed part, a part per new token (the weights),
+a part per cached token (every forward reads the whole KV cache once), and a part per pair of tokens that
+attend to each other (``n × (ctx + n/2)``); scoring adds a part per prompt token (the look-ahead queries and
+the reduction read every key). The coefficients are fitted by least
 squares on relative error, non-negative, over a short probe at start-up and a window of recent requests,
 so they follow the hardware and the load the gateway actually sees.
 """
@@ -15,16 +16,16 @@ from collections.abc import Sequence
 
 import numpy as np
 
-TARGET_TERMS = ("fixed", "per_token", "per_token_pair")
+TARGET_TERMS = ("fixed", "per_token", "per_cached_token", "per_token_pair")
 DRAFT_TERMS = ("fixed", "per_token", "per_token_pair", "per_prompt_token")
 
 
 def target_features(new: int, cached: int) -> list[float]:
-    return [1.0, float(new), new * (cached + new / 2)]
+    return [1.0, float(new), float(cached), new * (cached + new / 2)]
 
 
 def draft_features(new: int, cached: int) -> list[float]:
-    return [*target_features(new, cached), float(new + cached)]
+    return [1.0, float(new), new * (cached + new / 2), float(new + cached)]
 
 
 class CostModel:
@@ -86,5 +87,5 @@ def cost_models(fixed: dict[str, Sequence[float]] | None = None) -> tuple[CostMo
                 raise ValueError(f"cost_coefficients needs {name!r}: {len(terms)} numbers ({', '.join(terms)})")
         return (CostModel(TARGET_TERMS, target_features, fixed["target"], fixed=True),
                 CostModel(DRAFT_TERMS, draft_features, fixed["draft"], fixed=True))
-    return (CostModel(TARGET_TERMS, target_features, (0.02, 3e-4, 3e-9)),
+    return (CostModel(TARGET_TERMS, target_features, (0.02, 3e-4, 1e-6, 3e-9)),
             CostModel(DRAFT_TERMS, draft_features, (0.005, 1e-5, 1e-10, 1e-6)))

@@ -211,24 +211,31 @@ class Planner:
             self.selections.add(plan.token_ids, Selection(tuple(plan.kept_indices), plan.keep_rate, plan.protected))
         self.metrics.plans.labels(plan.kind).inc()
 
-    async def calibrate(self, complete, vocab: list[int], sizes: tuple[int, ...] = (256, 1024, 2048)) -> None:
-        """The start-up probe: random prompts of ``sizes`` tokens, then the largest extended by a quarter, through
-        ``complete(token_ids)`` (the target, one token: its completion answer) and the draft; both models fitted
-        on the timings."""
+    async def calibrate(self, complete, vocab: list[int], sizes: tuple[int, ...] = (256, 1024, 2048),
+                        extensions: tuple[int, ...] = (32, 512)) -> None:
+        """The start-up probe through ``complete(token_ids)`` (the target, one token: its completion answer) and
+        the draft: random prompts of ``sizes`` tokens, then the largest extended by each of ``extensions`` in
+        turn (few new tokens after many cached ones, as a chat's next turn); both models fitted on the timings."""
         generator = torch.Generator().manual_seed(0)
         pool = torch.as_tensor(vocab)
-        prompts = [pool[torch.randint(len(vocab), (n,), generator=generator)].tolist() for n in sizes]
-        prompts.append(prompts[-1] + pool[torch.randint(len(vocab), (sizes[-1] // 4,), generator=generator)].tolist())
-        for index, prompt in enumerate(prompts):
-            cached = len(prompts[index - 1]) if index == len(prompts) - 1 else 0
+
+        def tokens(n: int) -> list[int]:
+            return pool[torch.randint(len(vocab), (n,), generator=generator)].tolist()
+
+        prompts = [(tokens(n), 0) for n in sizes]
+        for n in extensions:
+            previous = prompts[-1][0]
+            prompts.append((previous + tokens(n), len(previous)))
+        for prompt, cached in prompts:
+            reused = self.draft.reusable_prefix(prompt)
             start = time.perf_counter()
             await self.draft.score(prompt)
-            self.draft_cost.observe(len(prompt) - cached, cached, time.perf_counter() - start, probe=True)
+            self.draft_cost.observe(len(prompt) - reused, reused, time.perf_counter() - start, probe=True)
             start = time.perf_counter()
             answer = await complete(prompt)
             seconds = time.perf_counter() - start
             served = _cached_tokens(answer.get("usage"))
-            served = cached if served is None else served
+            served = cached if served is None else served  # an engine that does not say: as sent
             self.target_cost.observe(len(prompt) - served, served, seconds, probe=True)
             if self.engine_cache is not None:
                 await self.engine_cache.record(prompt, None)

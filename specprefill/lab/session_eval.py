@@ -8,8 +8,8 @@ gives both turn by turn, and which plan each request took, with warming on (the 
 
 The retrieval pair's target costs about what its draft does, so the planner left to itself would send every
 prompt whole and the eval would measure nothing. The gateway runs with fixed cost models of a large target
-(``REALISTIC_COSTS``: the demo pair's calibration on a 2-core CPU, a target 32x the draft per token), so it
-plans as it would in a real deployment while the retrieval pair answers.
+(``REALISTIC_COSTS``: the demo pair's start-up calibration on a 2-core CPU, a target 32x the draft per
+token), so it plans as it would in a real deployment while the retrieval pair answers.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from specprefill.lab.bench import wait_idle
 from specprefill.lab.launch import launched_gateway
 from specprefill.lab.retrieval import make_session, question
 
-REALISTIC_COSTS = {"target": [0.0221, 0.000566, 8.12e-09], "draft": [0.00465, 1.7e-05, 4.9e-10, 3.7e-06]}
+REALISTIC_COSTS = {"target": [0.0425, 9.17e-4, 0.0, 1.33e-07], "draft": [0.035, 7.0e-07, 5.76e-08, 7.76e-06]}
 FORMS = ("turns", "requests")
 
 

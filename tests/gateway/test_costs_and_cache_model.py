@@ -17,18 +17,18 @@ from gateway.warming import Warmer
 
 def test_the_fit_recovers_the_coefficients_and_never_goes_negative():
     target, _ = cost_models()
-    truth = np.array([0.02, 4e-4, 2e-8])
+    truth = np.array([0.02, 4e-4, 5e-6, 2e-8])
     rng = np.random.default_rng(0)
-    for new, cached in [(256, 0), (1024, 0), (2048, 0), (512, 2048), (64, 12000), (3000, 500)]:
-        seconds = float(truth @ [1, new, new * (cached + new / 2)]) * rng.uniform(0.97, 1.03)
+    for new, cached in [(256, 0), (1024, 0), (2048, 0), (512, 2048), (64, 12000), (3000, 500), (32, 4000)]:
+        seconds = float(truth @ [1, new, cached, new * (cached + new / 2)]) * rng.uniform(0.98, 1.02)
         target.observe(new, cached, seconds)
-    np.testing.assert_allclose(target.coefficients, truth, rtol=0.15)
+    np.testing.assert_allclose(target.coefficients, truth, rtol=0.2)
     flat, _ = cost_models()
     for new in (100, 1000, 4000, 8000):
         flat.observe(new, 0, 0.5)  # time that does not grow with size: a negative slope would fit best
     assert (flat.coefficients >= 0).all() and flat.predict(100, 0) == pytest.approx(0.5, rel=0.05)
     with pytest.raises(ValueError, match="'draft': 4 numbers"):
-        cost_models({"target": [1, 2, 3], "draft": [1]})
+        cost_models({"target": [1, 2, 3, 4], "draft": [1]})
 
 
 async def test_the_memory_model_predicts_reusable_full_blocks_and_evicts_tails_first():

@@ -25,7 +25,7 @@ from gateway.scores import ScoreProvider
 from gateway.settings import GatewaySettings
 from tests.helpers import LONG_DOC, RecordingApp, engine_app, eventually, gateway_settings, serve
 
-COSTS = {"target": [0.01, 1e-3, 3e-8], "draft": [0.002, 3e-5, 1e-9, 1e-6]}
+COSTS = {"target": [0.01, 1e-3, 1e-6, 3e-8], "draft": [0.002, 3e-5, 1e-9, 1e-6]}
 CHUNK = 16
 
 
