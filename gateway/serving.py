@@ -6,6 +6,7 @@ routing; the routers in ``app.py`` only parse and choose the response type.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -60,6 +61,7 @@ class GatewayServing:
         self.planner = planner
         self.warmer = warmer
         self.foreground = 0  # requests of this gateway at the backend now
+        self._settling: set[asyncio.Task] = set()  # streams' ends being recorded
         self.pieces = PieceCache(tokenizer)  # chats' repeated parts are tokenized once
 
     @property
@@ -67,6 +69,7 @@ class GatewayServing:
         return self.served_names[0]
 
     async def close(self) -> None:
+        await asyncio.gather(*self._settling, return_exceptions=True)
         if self.warmer is not None:
             await self.warmer.close()
         await self.backend.close()
@@ -194,15 +197,16 @@ class GatewayServing:
             if converter is not None:
                 stream = as_chat_chunks(stream, converter)
             return Answer(plan, stream=self._rewrite_stream(stream, plan))
-        self._foreground(-1)
-        await self._answered(plan, answer.get("usage"))
+        await self._settle(plan, answer.get("usage"))
         if converter is not None:
             answer = completion_to_chat(answer, self.model_name)
         return Answer(plan, body=self._rewrite(answer, plan))
 
     async def _observed(self, chunks: AsyncIterator[dict], plan: Plan, wants_usage: bool) -> AsyncIterator[dict]:
-        """The backend's stream, its usage kept for the planner (and hidden from a client that did not ask)."""
-        usage, finished = None, False
+        """The backend's stream, its usage kept for the planner (and hidden from a client that did not ask).
+        The stream opened with the backend's first event, so the engine holds the prompt whether or not the
+        client reads to the end: the planner learns either way (the usage, if it came, says what was cached)."""
+        usage = None
         try:
             async for chunk in chunks:
                 usage = chunk.get("usage") or usage
@@ -211,12 +215,22 @@ class GatewayServing:
                         continue
                     chunk.pop("usage", None)
                 yield chunk
-            finished = True
+        finally:
+            # a task: a client's disconnect cancels this generator, and an await here would be cancelled too
+            task = asyncio.ensure_future(self._settle(plan, usage, chunks))
+            self._settling.add(task)
+            task.add_done_callback(self._settling.discard)
+
+    async def _settle(self, plan: Plan, usage: dict | None, chunks: AsyncIterator[dict] | None = None) -> None:
+        """The end of a backend request: the stream closed (the backend stops generating for a client that
+        left), the planner told, and the context warmed if idle. The request counts as under way until its warm
+        has started, so that no one watching sees the backend idle in between."""
+        try:
+            if chunks is not None:
+                await chunks.aclose()
+            await self._answered(plan, usage)
         finally:
             self._foreground(-1)
-            await chunks.aclose()
-        if finished:
-            await self._answered(plan, usage)
 
     async def _answered(self, plan: Plan, usage: dict | None) -> None:
         """The planner learns from an answered request; a compressed context may then be warmed."""
@@ -225,7 +239,7 @@ class GatewayServing:
         except Exception:  # learning is best effort: never an error for the client
             logger.exception("could not record the plan's outcome")
         if self.warmer is not None and plan.status == "compressed" and not plan.passthrough:
-            self.warmer.maybe_warm(plan, self.foreground)
+            self.warmer.maybe_warm(plan, self.foreground - 1)  # the others: this request is still counted
 
     def _foreground(self, delta: int) -> None:
         self.foreground += delta

@@ -34,9 +34,14 @@ class Warmer:
         if foreground > 0 or len(self._tasks) >= self.concurrency:
             self.metrics.warming.labels("skipped_busy").inc()
             return
+        self.metrics.in_flight.labels("warm").inc()  # from now: a watcher never sees an idle gap before it
         task = asyncio.ensure_future(self._warm(plan.token_ids))
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        self.metrics.in_flight.labels("warm").dec()
 
     def yield_to_foreground(self) -> None:
         for task in list(self._tasks):
@@ -45,7 +50,6 @@ class Warmer:
 
     async def _warm(self, token_ids: list[int]) -> None:
         self.metrics.warming.labels("started").inc()
-        self.metrics.in_flight.labels("warm").inc()
         start = time.perf_counter()
         try:
             answer = await self.send(token_ids)
@@ -55,8 +59,6 @@ class Warmer:
             self.metrics.warming.labels("failed").inc()
             logger.warning("warming failed: %s", type(exc).__name__)
             return
-        finally:
-            self.metrics.in_flight.labels("warm").dec()
         self.metrics.warming.labels("done").inc()
         await self.completed(Plan(token_ids, kind="warm"), answer.get("usage"), time.perf_counter() - start)
 

@@ -190,6 +190,33 @@ def test_no_plan_changes_an_answer(model_pair, tmp_path):
     assert plans == ["fresh", "whole", "extend"]
 
 
+def test_a_client_that_leaves_after_the_first_token_still_teaches_the_planner(model_pair):
+    """A streaming client that drops the stream at its first token (as a TTFT probe does): the engine holds the
+    prompt all the same, so the planner records it and warms it, and the next request on it goes whole. The
+    gateway counts as busy from the request until its warm is done, with no idle moment in between."""
+    engine = RecordingApp(engine_app(model_pair, block_size=16))
+    with serve(engine) as engine_url:
+        settings = gateway_settings(model_pair, backend_url=engine_url, planner="cost", warming=True,
+                                    cost_coefficients=COSTS)
+        with serve(create_app(settings)) as gw:
+            body = {"model": "tiny", "prompt": LONG_DOC * 2, "max_tokens": 8, "temperature": 0, "stream": True}
+            with httpx.stream("POST", f"{gw}/v1/completions", json=body, timeout=120) as response:
+                assert response.headers["x-specprefill-plan"] == "fresh"
+                next(line for line in response.iter_lines() if line.startswith("data:"))
+            idle_seen_before_warm = False
+            for _ in range(600):
+                text = httpx.get(f"{gw}/metrics").text
+                busy = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                           if line.startswith("specprefill_backend_requests_in_flight{"))
+                warmed = 'specprefill_warming_total{outcome="done"} 1.0' in text
+                if busy == 0:
+                    idle_seen_before_warm = not warmed
+                    break
+            assert not idle_seen_before_warm and warmed
+            again = httpx.post(f"{gw}/v1/completions", json={**body, "stream": False}, timeout=120)
+            assert again.headers["x-specprefill-plan"] == "whole"
+
+
 async def _oracle(engine: ReferenceEngine, ids: list[int], positions: list[int]) -> list[float]:
     params = SamplingParams(max_tokens=6, temperature=0, logprobs=0, ignore_eos=True)
     return [s.logprob async for s in engine.generate(ids, positions, params)]
