@@ -37,6 +37,8 @@ class Bench(BaseSettings):
     ttft_slo: float = Field(2.0, description="load mode: the p99 TTFT objective in seconds")
     load_tokens: int = Field(4096, description="load mode: prompt length")
     load_keep_rate: float = Field(0.1, description="load mode: keep rate through the gateway")
+    load_direct: bool = Field(True, description="load mode: also load the engine directly (off: the gateway only, "
+                                                "as when comparing gateway settings)")
     workloads: bool = Field(False, description="run the workload mode (repeated contexts) instead of the sweep")
     workload_names: list[str] = Field(list(WORKLOADS), description="workloads: which ones")
     workload_requests: int = Field(5, description="workloads: requests per workload")
@@ -76,7 +78,8 @@ def run_bench(options: Bench) -> int:
 
         prompts = PromptMaker(client, stack.gateway_url, model)
         meta = {"gateway_url": stack.gateway_url, "backend_url": stack.direct_url, "model": model,
-                "launched": options.base_url is None, "engine": "vllm" if options.vllm_python else "reference"}
+                "launched": options.base_url is None, "engine": "vllm" if options.vllm_python else "reference",
+                "baseline": options.baseline, "gateway_warming": options.gateway_warming}
         if options.workloads:
             written = _workloads(options, stack, prompts, (model, direct_model), meta)
         else:
@@ -106,9 +109,10 @@ def _sweep_and_load(options: Bench, stack: Stack, prompts, models: tuple[str, st
                                                    [{**b, "model": model} for b in bodies],
                                                    {"x-keep-rate": f"{options.load_keep_rate:g}"}, options.rates,
                                                    options.duration, idle_urls=stack.idle_urls))}
-        results["direct"] = asyncio.run(run_load(f"{stack.direct_url}/v1/chat/completions",
-                                                 [{**b, "model": direct_model} for b in bodies], {}, options.rates,
-                                                 options.duration, idle_urls=stack.idle_urls))
+        if options.load_direct:
+            results["direct"] = asyncio.run(run_load(f"{stack.direct_url}/v1/chat/completions",
+                                                     [{**b, "model": direct_model} for b in bodies], {},
+                                                     options.rates, options.duration, idle_urls=stack.idle_urls))
         load = {"slo_s": options.ttft_slo, "tokens": options.load_tokens, "keep_rate": options.load_keep_rate,
                 "results": results,
                 "max_rate": {name: max_rate_meeting(r, options.ttft_slo) for name, r in results.items()}}
