@@ -19,6 +19,7 @@ class Plan:
     passthrough: bool = False  # forward the client's body unchanged
     kind: str = "whole"  # whole, fresh or extend
     protected: bool = False  # the system prompt kept whole
+    recurring: bool = False  # a context likely to come back (a system prompt, or the start of an earlier prompt)
     engine_cached: int = 0  # prompt tokens the engine is expected to serve from its prefix cache
     predicted_ms: float = 0.0  # the target's predicted time for what is sent
     tokenize_ms: float = 0.0

@@ -74,7 +74,11 @@ class Planner:
             bypass.engine_cached, bypass.predicted_ms = whole.cached, whole.seconds * 1e3
             return bypass
         priced = self.settings.planner == "cost"
-        earlier = self.selections.longest_shared(token_ids) if priced and self.engine_cache is not None else None
+        seen = self.selections.longest_shared(token_ids)
+        # likely to come back, so worth warming: a system prompt (shared by users), or a prompt that begins with
+        # most of an earlier one (a chat's next turn, the same document again); a fresh document each time is not
+        recurring = (keep is not None and bool(keep.any())) or (seen is not None and 2 * seen[1] >= n)
+        earlier = seen if priced and self.engine_cache is not None else None
         held = self._held_system(keep, whole.cached)
         if held and earlier is not None and not earlier[0].protected:
             earlier = None  # it compressed the system prompt, which is to stay whole now
@@ -102,6 +106,7 @@ class Planner:
         plan = self._as_plan(chosen, token_ids, options, reason=Reason.CHEAPER_WHOLE if chosen.kind == "whole" else None,
                              cache=cache, draft_ms=draft_ms, protected=keep is not None and chosen.kind != "fresh_unprotected")
         plan.select_ms = (time.perf_counter() - start) * 1e3
+        plan.recurring = recurring
         if not dry_run and plan.status == "compressed":
             self.metrics.keep_rate.observe(options.keep_rate)
         return plan

@@ -61,6 +61,7 @@ class GatewayServing:
         self.planner = planner
         self.warmer = warmer
         self.foreground = 0  # requests of this gateway at the backend now
+        self.planning = 0  # requests being tokenized and planned now
         self._settling: set[asyncio.Task] = set()  # streams' ends being recorded
         self.pieces = PieceCache(tokenizer)  # chats' repeated parts are tokenized once
 
@@ -116,6 +117,15 @@ class GatewayServing:
                                 param="model", code="model_not_found")
 
     async def _planned(self, request: ChatCompletionRequest | CompletionRequest, headers) -> tuple[Plan, Prompt]:
+        if self.warmer is not None:  # a request arrived: warming yields now, not after the draft competed with it
+            self.warmer.yield_to_foreground()
+        self.planning += 1
+        try:
+            return await self._plan(request, headers)
+        finally:
+            self.planning -= 1
+
+    async def _plan(self, request: ChatCompletionRequest | CompletionRequest, headers) -> tuple[Plan, Prompt]:
         self.check_model(request.model)
         options = request_options(headers, request.specprefill, self.settings.keep_rate)
         start = time.perf_counter()
@@ -238,8 +248,8 @@ class GatewayServing:
             await self.planner.completed(plan, usage, plan.backend_ms / 1e3)
         except Exception:  # learning is best effort: never an error for the client
             logger.exception("could not record the plan's outcome")
-        if self.warmer is not None and plan.status == "compressed" and not plan.passthrough:
-            self.warmer.maybe_warm(plan, self.foreground - 1)  # the others: this request is still counted
+        if self.warmer is not None and plan.status == "compressed" and plan.recurring:
+            self.warmer.maybe_warm(plan, self.foreground - 1 + self.planning)  # others (this one is still counted)
 
     def _foreground(self, delta: int) -> None:
         self.foreground += delta

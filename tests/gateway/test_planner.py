@@ -94,6 +94,23 @@ async def test_a_prompt_the_engine_holds_goes_whole_without_the_draft():
     assert (await fresh.plan(document + _ids(30, 3), OPTIONS, [])).kind == "fresh"
 
 
+async def test_only_contexts_likely_to_come_back_are_marked_for_warming():
+    """A new document is not worth warming (it would cost the engine a whole prefill for nothing); a prompt
+    with a system prompt, or one that begins with most of an earlier prompt, is."""
+    planner, _ = _planner()
+    document = _ids(4000, 30)
+    first = await planner.plan(document, OPTIONS, [])
+    await planner.completed(first, None, 1.0)
+    assert first.status == "compressed" and not first.recurring
+    again = await planner.plan(document + _ids(40, 31), OPTIONS, [])
+    assert again.status == "compressed" and again.recurring
+    other = await planner.plan(_ids(4000, 32), OPTIONS, [])
+    assert other.status == "compressed" and not other.recurring
+    system = torch.zeros(4000, dtype=torch.bool)
+    system[:500] = True
+    assert (await planner.plan(_ids(4000, 33), OPTIONS, [], system)).recurring
+
+
 async def test_a_growing_context_extends_the_earlier_selection():
     planner, _ = _planner()
     first_prompt = _ids(4000, 4)
@@ -161,8 +178,8 @@ async def test_the_outcome_teaches_the_cost_model_and_the_cache_model():
 
 
 def test_no_plan_changes_an_answer(model_pair, tmp_path):
-    """Through a live gateway (cost planner, warming, an engine with its prefix cache): a fresh selection, the
-    whole prompt after warming, and an extension each answer exactly as a fresh engine without a cache does when
+    """Through a live gateway (cost planner, warming, an engine with its prefix cache): a fresh selection, an
+    extension, the whole prompt after warming, and an extension again each answer exactly as a fresh engine without a cache does when
     fed the same tokens at the same positions."""
     engine = RecordingApp(engine_app(model_pair, block_size=16))
     oracle = ReferenceEngine(load_causal_lm(model_pair / "target", device="cpu"),
@@ -173,7 +190,9 @@ def test_no_plan_changes_an_answer(model_pair, tmp_path):
         with serve(create_app(settings)) as gw:
             document = LONG_DOC * 2  # about 3,000 tokens of the 4,096 positions
             body = {"model": "tiny", "max_tokens": 6, "temperature": 0, "logprobs": 3, "ignore_eos": True}
-            turns = [document, document + " And one more question?", document + " " + LONG_DOC[:1200]]
+            # the second turn begins like the first: a context that comes back, so it is warmed
+            turns = [document, document + " And one more question?", document + " And another one?",
+                     document + " " + LONG_DOC[:1200]]
             plans = []
             for prompt in turns:
                 raw = httpx.post(f"{gw}/v1/completions", json={**body, "prompt": prompt}, timeout=120)
@@ -187,7 +206,7 @@ def test_no_plan_changes_an_answer(model_pair, tmp_path):
                 assert answer["token_logprobs"] == pytest.approx(expected, abs=1e-4)
                 assert asyncio.run(_eventually_idle(gw))  # the warm, if any, is done
     oracle.close()
-    assert plans == ["fresh", "whole", "extend"]
+    assert plans == ["fresh", "extend", "whole", "extend"]
 
 
 def test_a_client_that_leaves_after_the_first_token_still_teaches_the_planner(model_pair):
@@ -200,8 +219,12 @@ def test_a_client_that_leaves_after_the_first_token_still_teaches_the_planner(mo
                                     cost_coefficients=COSTS)
         with serve(create_app(settings)) as gw:
             body = {"model": "tiny", "prompt": LONG_DOC * 2, "max_tokens": 8, "temperature": 0, "stream": True}
+            first = httpx.post(f"{gw}/v1/completions", json={**body, "stream": False}, timeout=120)
+            assert first.headers["x-specprefill-plan"] == "fresh"  # seen once: not warmed
+            assert 'specprefill_warming_total{outcome="started"}' not in httpx.get(f"{gw}/metrics").text
+            body["prompt"] += " A question?"  # it comes back: worth warming
             with httpx.stream("POST", f"{gw}/v1/completions", json=body, timeout=120) as response:
-                assert response.headers["x-specprefill-plan"] == "fresh"
+                assert response.headers["x-specprefill-status"] == "compressed"
                 next(line for line in response.iter_lines() if line.startswith("data:"))
             idle_seen_before_warm = False
             for _ in range(600):
