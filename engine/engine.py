@@ -34,12 +34,15 @@ class ReferenceEngine:
         max_running: int = 8,
         max_waiting: int = 64,
         prefill_chunk: int = 2048,
+        background_prefill_chunk: int = 256,
         prefix_cache: PrefixCache | None = None,
         on_active_change: Callable[[int], None] | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.prefill_chunk = prefill_chunk
+        # background work (priority > 0, as a gateway's warming) yields to a new request after at most this many
+        self.background_prefill_chunk = min(background_prefill_chunk, prefill_chunk)
         self.prefix_cache = prefix_cache
         self.eos_ids = set(eos_token_ids(model))
         self.scheduler = Scheduler(max_running=max_running, max_waiting=max_waiting,
@@ -123,7 +126,8 @@ class ReferenceEngine:
             seq.cache, seq.cached_tokens = self.prefix_cache.lookup(seq.token_ids, seq.position_ids, self.model.config)
             seq.prefilled = seq.cached_tokens
         if not seq.prefill_done:
-            end = min(len(seq.token_ids), seq.prefilled + self.prefill_chunk)
+            chunk = self.prefill_chunk if seq.priority <= 0 else self.background_prefill_chunk
+            end = min(len(seq.token_ids), seq.prefilled + chunk)
             ids = torch.tensor([seq.token_ids[seq.prefilled:end]], device=device)
             positions = torch.tensor([seq.position_ids[seq.prefilled:end]], device=device)
             logits, seq.cache = prefill(self.model, ids, positions, seq.cache)

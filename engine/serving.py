@@ -44,6 +44,7 @@ class EngineServing:
         prefix_cache = PrefixCache(settings.kv_cache_tokens, settings.block_size) if settings.kv_cache_tokens else None
         engine = ReferenceEngine(model, load_tokenizer(settings.model), max_running=settings.max_running,
                                  max_waiting=settings.max_waiting, prefill_chunk=settings.prefill_chunk,
+                                 background_prefill_chunk=settings.background_prefill_chunk,
                                  prefix_cache=prefix_cache, on_active_change=on_active_change)
         return cls(engine, [n for n in (settings.served_model_name, settings.model) if n])
 

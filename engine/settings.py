@@ -16,5 +16,7 @@ class EngineSettings(ServerOptions, DeviceOptions):
     max_running: int = Field(8, gt=0, description="sequences decoded concurrently (interleaved)")
     max_waiting: int = Field(64, ge=0, description="queued requests beyond which the engine answers 503")
     prefill_chunk: int = Field(2048, gt=0, description="prompt tokens per prefill step (cancellation and fairness)")
+    background_prefill_chunk: int = Field(256, gt=0, description="the same for background requests (priority > 0, "
+                                                                 "as warming): a new request waits at most one")
     kv_cache_tokens: int = Field(65536, ge=0, description="tokens of KV kept for prefix reuse, LRU (0: off)")
     block_size: int = Field(16, gt=0, description="tokens per prefix-cache block (only full blocks are reused)")

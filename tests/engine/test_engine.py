@@ -232,3 +232,29 @@ async def test_chunked_prefill_equals_one_prefill(model_pair, target):
         results.append(([s.token_id for s in steps], [s.logprob for s in steps]))
     assert results[0][0] == results[1][0]
     assert max(abs(a - b) for a, b in zip(results[0][1], results[1][1])) <= 1e-4
+
+
+async def test_background_requests_prefill_in_small_chunks(model_pair, target, monkeypatch):
+    """A background request (priority > 0, as warming) prefills in small chunks, so that a new request waits at
+    most one of them; a foreground one in full chunks. Either way the answer is the same."""
+    import engine.engine as engine_module
+
+    chunks: list[int] = []
+    real = engine_module.prefill
+
+    def counting(model, ids, *args, **kwargs):
+        chunks.append(ids.shape[1])
+        return real(model, ids, *args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "prefill", counting)
+    ids, positions = _gapped(seed=12)
+    engine = ReferenceEngine(target, load_tokenizer(model_pair / "target"), prefill_chunk=4096,
+                             background_prefill_chunk=64)
+    answers = {}
+    for priority in (0, 1):
+        chunks.clear()
+        params = SamplingParams(max_tokens=1, temperature=0, logprobs=0)
+        answers[priority] = [s.logprob async for s in engine.generate(ids, positions, params, priority=priority)]
+        assert max(chunks) == (len(ids) if priority == 0 else 64)
+    engine.close()
+    assert answers[0] == pytest.approx(answers[1], abs=1e-4)
