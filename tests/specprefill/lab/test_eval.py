@@ -80,13 +80,14 @@ def test_builtin_eval_command_on_a_given_pair(tiny_retrieval_pair, tmp_path):
 def test_the_session_eval_runs_through_a_live_gateway_and_reports_plans(tiny_retrieval_pair, tmp_path):
     """The logic of the sessions eval (two forms, warming on and off, the plan of every request); its numbers
     come from the shipped pair in the README, not from this tiny one."""
-    results = evaluate_sessions(tiny_retrieval_pair, samples=2, words=700, questions=2, keep_rate=0.1)
+    results = evaluate_sessions(tiny_retrieval_pair, samples=2, words=700, questions=3, keep_rate=0.1)
     assert [(r.form, r.warming) for r in results] == [("turns", True), ("requests", True), ("turns", False),
                                                       ("requests", False)]
     for result in results:
-        assert result.asked == [2, 2] and all(sum(p.values()) == 2 for p in result.plans)
+        assert result.asked == [2, 2, 2] and all(sum(p.values()) == 2 for p in result.plans)
         assert result.plans[0] == {"fresh": 2}  # the first question: a cold document
         assert 0.05 < result.kept_fraction[0] < 0.3
     warm = next(r for r in results if r.form == "requests" and r.warming)
-    assert warm.plans[1] == {"whole": 2}  # the document warmed: the second question reads it whole
+    assert "whole" not in warm.plans[1]  # the document came back: compressed, and warmed
+    assert warm.plans[2] == {"whole": 2}  # so the third question reads it whole
     assert "turn 2" in format_sessions(results)
