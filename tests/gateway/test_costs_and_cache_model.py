@@ -94,3 +94,29 @@ async def test_warming_waits_for_an_idle_backend_and_yields_to_real_traffic():
     await asyncio.sleep(0.01)
     assert [p.kind for p in recorded] == ["warm"] and recorded[0].kept_indices is None  # the whole prompt
     await warmer.close()
+
+
+async def test_a_warm_counts_as_in_flight_from_the_moment_it_is_scheduled():
+    """No idle moment between a request and its warm for anyone watching /metrics, and a warm cancelled before
+    it ever ran leaves nothing counted."""
+    metrics = GatewayMetrics()
+    in_flight = metrics.in_flight.labels("warm")._value
+
+    async def send(token_ids):
+        await asyncio.sleep(10)
+
+    async def completed(plan, usage, seconds):
+        pass
+
+    warmer = Warmer(send, completed, metrics)
+    plan = Plan(list(range(50)), status="compressed", kept_indices=list(range(10)))
+    warmer.maybe_warm(plan, foreground=0)
+    assert in_flight.get() == 1  # before the task has run at all
+    warmer.yield_to_foreground()  # cancelled before it started
+    await asyncio.sleep(0.01)
+    assert in_flight.get() == 0
+    warmer.maybe_warm(plan, foreground=0)
+    await asyncio.sleep(0.01)  # now running
+    assert in_flight.get() == 1
+    await warmer.close()
+    assert in_flight.get() == 0
