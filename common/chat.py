@@ -44,19 +44,21 @@ class RenderedChat:
         return [i for i, (a, b) in enumerate(self.offsets) if b > a and span[0] <= a < span[1]]
 
 
-def render_chat(tokenizer, messages: list[ChatMessage], encode=None) -> RenderedChat:
-    """The prompt the target model reads, with the generation prompt appended. ``encode(text) -> (ids,
-    offsets)`` replaces a plain tokenization (a ``tokenize.PieceCache``'s)."""
-    plain = [{"role": m.role, "content": m.text()} for m in messages]
+def render_chat(tokenizer, messages: list[ChatMessage], encode=None, tools: list[dict] | None = None,
+                add_special_tokens: bool = False) -> RenderedChat:
+    """The prompt the target model reads, with the generation prompt appended, as vLLM renders it (tools go to
+    the template). ``encode(text) -> (ids, offsets)`` replaces a plain tokenization (a ``tokenize.PieceCache``'s)."""
+    plain = [m.for_template() for m in messages]
     try:
-        text = tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=True)
-    except jinja2.TemplateError as exc:
-        raise InvalidRequestError(f"the model's chat template rejected the messages: {exc}", param="messages") from None
+        text = tokenizer.apply_chat_template(plain, tools=tools or None, tokenize=False, add_generation_prompt=True)
+    except (jinja2.TemplateError, TypeError) as exc:  # TypeError: a tool or tool call the template cannot print
+        raise InvalidRequestError(f"the model's chat template rejected the messages or tools: {exc}",
+                                  param="messages") from None
     except ValueError as exc:  # no chat template
         raise InvalidRequestError(str(exc), param="messages") from None
-    if encode is not None:
+    if encode is not None and not add_special_tokens:
         return RenderedChat(text, *encode(text))
-    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    encoding = tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
     return RenderedChat(text, encoding.input_ids, [tuple(o) for o in encoding["offset_mapping"]])
 
 

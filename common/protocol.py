@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
@@ -48,9 +49,12 @@ class SamplingFields(WireModel):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
     # --- extensions ---
     ignore_eos: bool = False
     """vLLM's extension: keep generating past EOS (the reference engine and vLLM know it)."""
+    vllm_xargs: dict[str, Any] | None = None
+    """vLLM's per-request extension (it reaches ``SamplingParams.extra_args``); carries the swap (``common.swap``)."""
     specprefill: SpecPrefillOptions | None = None
     """Per-request options (``extra_body={"specprefill": {"keep_rate": 0.2}}`` in the OpenAI SDK)."""
 
@@ -71,6 +75,8 @@ class SamplingFields(WireModel):
             found.append("penalties")
         if self.logit_bias:
             found.append("logit_bias")
+        if self.response_format and self.response_format.get("type") not in (None, "text"):
+            found.append("response_format")
         return found
 
     def _sampling_params(self) -> dict[str, Any]:
@@ -85,25 +91,61 @@ class SamplingFields(WireModel):
             params["stream_options"] = {"include_usage": self.stream_options.include_usage}
         return params
 
+    def generation_params(self) -> dict[str, Any]:
+        """What an engine that renders the prompt itself needs beyond the completion fields (set ones only)."""
+        fields = ("n", "presence_penalty", "frequency_penalty", "logit_bias", "response_format", "vllm_xargs")
+        return {name: getattr(self, name) for name in fields if name in self.model_fields_set}
+
 
 class ChatMessage(WireModel):
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
+        """The content as the chat template reads it: text parts joined by newlines, as vLLM joins them."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
         parts = []
         for part in self.content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            if part.get("type") not in TEXT_PARTS or not isinstance(part.get("text"), str):
                 raise InvalidRequestError(
                     f"only text content parts are supported, got {part.get('type')!r}", param="messages"
                 )
             parts.append(part["text"])
-        return "".join(parts)
+        return "\n".join(parts)
+
+    def has_only_text(self) -> bool:
+        return not isinstance(self.content, list) or all(part.get("type") in TEXT_PARTS for part in self.content)
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates take it (vLLM's way: tool-call arguments as objects, not strings)."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            message["tool_calls"] = [_parsed_arguments(call) for call in self.tool_calls]
+        return message
+
+
+TEXT_PARTS = ("text", "input_text", "output_text")
+
+
+def _parsed_arguments(call: dict[str, Any]) -> dict[str, Any]:
+    function = call.get("function") or {}
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            pass
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -114,14 +156,14 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     functions: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
+    # --- extensions ---
+    add_special_tokens: bool = False
+    """vLLM's: also add the tokenizer's special tokens (BOS) to the rendered chat; vLLM's Responses API does."""
 
     def unsupported_features(self) -> list[str]:
         found = super().unsupported_features()
         if self.tools or self.functions:
             found.append("tools")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            found.append("response_format")
         return found
 
     def completion_params(self) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -11,13 +12,18 @@ from common.errors import as_api_error
 SSE_DONE = b"data: [DONE]\n\n"
 
 
-def sse(payload: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+def sse(payload: dict[str, Any], named: bool = False) -> bytes:
+    """One frame; ``named`` streams (OpenAI's Responses events) also carry the payload's type as the event name."""
+    head = f"event: {payload.get('type')}\n".encode() if named else b""
+    return head + b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
 
 
-def sse_error(exc: BaseException) -> bytes:
+def sse_error(exc: BaseException, named: bool = False) -> bytes:
     """The frame sent when a stream has already begun: one error event (then the caller sends [DONE])."""
-    return sse(as_api_error(exc).body())
+    body = as_api_error(exc).body()
+    if named:  # the Responses stream's error event
+        return sse({"type": "error", **body["error"]}, named=True)
+    return sse(body)
 
 
 async def prepend(first: dict, rest: AsyncIterator[dict]) -> AsyncIterator[dict]:
@@ -30,10 +36,52 @@ async def prepend(first: dict, rest: AsyncIterator[dict]) -> AsyncIterator[dict]
         await rest.aclose()
 
 
+async def merge(streams: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:
+    """``(index, item)`` from several streams as each comes; one stream is passed through without tasks.
+    The first failure ends the merge; closing it closes every stream."""
+    if len(streams) == 1:
+        try:
+            async for item in streams[0]:
+                yield 0, item
+        finally:
+            await streams[0].aclose()
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(index: int, stream: AsyncIterator[Any]) -> None:
+        try:
+            async for item in stream:
+                await queue.put((index, item))
+            await queue.put((index, done))
+        except BaseException as exc:
+            await queue.put((index, exc))
+            raise
+        finally:
+            await stream.aclose()
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 async def sse_body(chunks: AsyncIterator[dict], *, on_first: Callable[[], None] | None = None,
                    on_error: Callable[[BaseException], None] | None = None,
-                   on_done: Callable[[], None] | None = None) -> AsyncIterator[bytes]:
+                   on_done: Callable[[], None] | None = None, named: bool = False) -> AsyncIterator[bytes]:
     """``chunks`` as SSE frames, then ``[DONE]``; the hooks observe the first chunk, a failure, a clean end.
+    ``named``: OpenAI's Responses stream (an event name on each frame, and no ``[DONE]``).
 
     A failure after the first byte cannot change the HTTP status any more: it becomes one error event,
     then ``[DONE]``.
@@ -44,13 +92,14 @@ async def sse_body(chunks: AsyncIterator[dict], *, on_first: Callable[[], None] 
             if first and on_first is not None:
                 on_first()
             first = False
-            yield sse(chunk)
+            yield sse(chunk, named)
         if on_done is not None:
             on_done()
     except Exception as exc:
         if on_error is not None:
             on_error(exc)
-        yield sse_error(exc)
+        yield sse_error(exc, named)
     finally:
         await chunks.aclose()
-    yield SSE_DONE
+    if not named:
+        yield SSE_DONE

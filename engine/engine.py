@@ -20,9 +20,10 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from common.models import eos_token_ids
 from engine.prefix_cache import PrefixCache
 from engine.runner import decode_one, prefill
-from engine.sampling import SamplingParams, TextStream, make_generator, sample_next
+from engine.sampling import SamplingParams, TextStream, adjust_logits, make_generator, sample_next
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, StepOutput
+from engine.structured import StructuredOutputs
 
 
 class ReferenceEngine:
@@ -45,6 +46,7 @@ class ReferenceEngine:
         self.background_prefill_chunk = min(background_prefill_chunk, prefill_chunk)
         self.prefix_cache = prefix_cache
         self.eos_ids = set(eos_token_ids(model))
+        self.structured = StructuredOutputs(tokenizer, model.config.vocab_size)
         self.scheduler = Scheduler(max_running=max_running, max_waiting=max_waiting,
                                    on_active_change=on_active_change)
         self._ids = itertools.count()
@@ -141,7 +143,12 @@ class ReferenceEngine:
         params = seq.params
         if seq.generator is None:
             seq.generator = make_generator(params.seed, self.model.device)
-        token_id = int(sample_next(logits, params, seq.generator))
+        if params.json_parser is not None and seq.constraint is None:
+            seq.constraint = self.structured.constraint(params.json_parser)
+        chosen = adjust_logits(logits, seq.stream.token_ids, params)
+        if seq.constraint is not None:
+            chosen = seq.constraint.mask(chosen, seq.stream.token_ids)
+        token_id = int(sample_next(chosen, params, seq.generator))
         logprob, top = _logprobs(logits, token_id, params.logprobs)
         finish = None
         if token_id in self.eos_ids and not params.ignore_eos:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from common.protocol import CompletionRequest
 
 
@@ -14,14 +12,13 @@ class EngineCompletionRequest(CompletionRequest):
     # --- extensions ---
     position_ids: list[int] | None = None
     """The prompt tokens' positions (strictly increasing); decoding continues at position_ids[-1] + 1."""
-    vllm_xargs: dict[str, Any] | None = None
-    """vLLM's per-request extension; ``position_ids`` is read from here too, so one body serves both."""
     return_token_ids: bool = False
     """Also return the generated token IDs in each choice (vLLM's name for it)."""
     priority: int = 0
     """vLLM's extension: lower runs first; a running sequence waits while one of a lower value runs."""
 
     def positions(self) -> list[int] | None:
+        """The token-ID wire format's positions (top-level, or in ``vllm_xargs`` so one body serves both)."""
         if self.position_ids is not None:
             return self.position_ids
         if self.vllm_xargs and "position_ids" in self.vllm_xargs:

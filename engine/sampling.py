@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -16,6 +17,11 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     logprobs: int | None = None
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    json_parser: Any = None
+    """A structured-output parser (``engine.structured.json_parser``); None for free text."""
 
 
 def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
@@ -25,6 +31,20 @@ def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
     else:
         generator.manual_seed(seed)
     return generator
+
+
+def adjust_logits(logits: torch.Tensor, generated: list[int], params: SamplingParams) -> torch.Tensor:
+    """logits [V] -> [V] with OpenAI's logit_bias and presence/frequency penalties (over the generated tokens,
+    as vLLM applies them). Log-probabilities stay the model's own."""
+    if params.logit_bias:
+        logits = logits.clone()
+        ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=logits.device)
+        logits[ids] += torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype, device=logits.device)
+    if generated and (params.presence_penalty or params.frequency_penalty):
+        counts = torch.bincount(torch.tensor(generated, device=logits.device), minlength=logits.shape[-1])
+        counts = counts[: logits.shape[-1]].to(logits.dtype)
+        logits = logits - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
 
 
 def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> torch.Tensor:

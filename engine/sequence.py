@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from transformers import DynamicCache
@@ -39,6 +40,7 @@ class Sequence:
     prefilled: int = 0  # prompt tokens already in the KV cache
     cached_tokens: int = 0  # of which the prefix cache served
     generator: torch.Generator | None = None
+    constraint: Any = None  # structured output: an ``engine.structured.JSONConstraint``
 
     @property
     def prefill_done(self) -> bool:

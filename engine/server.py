@@ -13,6 +13,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from common.cancellation import with_cancellation
 from common.errors import install_error_handlers
 from common.protocol import ChatCompletionRequest
+from common.responses import ResponsesRequest
 from common.streams import sse_body
 from engine.metrics import EngineMetrics
 from engine.protocol import EngineCompletionRequest
@@ -41,9 +42,9 @@ def create_app(settings: EngineSettings | None = None, *, serving: EngineServing
     app.state.metrics = metrics
     install_error_handlers(app)
 
-    def streamed(chunks: AsyncIterator[dict]) -> StreamingResponse:
+    def streamed(chunks: AsyncIterator[dict], named: bool = False) -> StreamingResponse:
         body = sse_body(chunks, on_error=lambda _: metrics.requests.labels("error").inc(),
-                        on_done=lambda: metrics.requests.labels("ok").inc())
+                        on_done=lambda: metrics.requests.labels("ok").inc(), named=named)
         return StreamingResponse(body, media_type="text/event-stream")
 
     @app.post("/v1/completions")
@@ -64,6 +65,17 @@ def create_app(settings: EngineSettings | None = None, *, serving: EngineServing
         if request.stream:
             return streamed(await serving_.chat_completion_stream(request))
         body = await serving_.chat_completion(request)
+        metrics.requests.labels("ok").inc()
+        return JSONResponse(body)
+
+    @app.post("/v1/responses")
+    @with_cancellation
+    async def responses(request: ResponsesRequest, raw_request: Request) -> Response:
+        """OpenAI's Responses API through the chat template; takes the swap as chat does."""
+        serving_: EngineServing = raw_request.app.state.serving
+        if request.stream:
+            return streamed(await serving_.responses_stream(request), named=True)
+        body = await serving_.responses(request)
         metrics.requests.labels("ok").inc()
         return JSONResponse(body)
 

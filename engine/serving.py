@@ -6,22 +6,26 @@ exactly as it consumes a remote backend's parsed stream.
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from common.chat import ChatChunkConverter, as_chat_chunks, completion_to_chat, render_chat
 from common.errors import InvalidRequestError, NotFoundError
 from common.models import load_causal_lm, load_tokenizer
 from common.protocol import ChatCompletionRequest, SamplingFields
-from common.streams import prepend
+from common.responses import ResponsesRequest, chat_to_response, response_events
+from common.streams import merge, prepend
+from common.swap import requested_swap, swap_prompt
 from engine.engine import ReferenceEngine
 from engine.prefix_cache import PrefixCache
 from engine.protocol import EngineCompletionRequest
 from engine.sampling import SamplingParams
 from engine.sequence import StepOutput
 from engine.settings import EngineSettings
+from engine.structured import json_parser
 
 
 @dataclass(slots=True)
@@ -74,11 +78,11 @@ class EngineServing:
                                 param="model", code="model_not_found")
         _check_supported(request)
         token_ids = request.prompt_token_ids(self.engine.tokenizer, self.engine.vocab_size)
-        positions = request.positions()
-        if positions is None:
+        if (swap := requested_swap(request.vllm_xargs)) is not None:  # the kept tokens, in place of the prompt
+            token_ids, positions = swap_prompt(token_ids, *swap)
+        elif (positions := request.positions()) is None:
             positions = list(range(len(token_ids)))
-        else:
-            _check_positions(positions, len(token_ids), self.engine.max_positions)
+        _check_positions(positions, len(token_ids), self.engine.max_positions)
         last = positions[-1]
         room = self.engine.max_positions - 1 - last
         max_tokens = request.max_tokens if request.max_tokens is not None else room
@@ -98,8 +102,23 @@ class EngineServing:
             stop=request.stop,
             logprobs=request.logprobs,
             ignore_eos=request.ignore_eos,
+            presence_penalty=request.presence_penalty,
+            frequency_penalty=request.frequency_penalty,
+            logit_bias=_logit_bias(request.logit_bias, self.engine.vocab_size),
+            json_parser=json_parser(request.response_format),
         )
         return PreparedRequest(token_ids, positions, params, request.priority)
+
+    def _choices(self, request: EngineCompletionRequest, prepared: PreparedRequest) -> list[AsyncIterator[StepOutput]]:
+        """One generation per choice (``n``); a seeded request's choices take consecutive seeds."""
+        generations = []
+        for i in range(request.n):
+            params = prepared.params
+            if i and params.seed is not None:
+                params = replace(params, seed=params.seed + i)
+            generations.append(self.engine.generate(prepared.token_ids, prepared.position_ids, params,
+                                                    prepared.priority))
+        return generations
 
     async def completion_stream(self, request: EngineCompletionRequest) -> AsyncIterator[dict]:
         """OpenAI ``text_completion`` chunks; the usage chunk last when asked for."""
@@ -112,16 +131,15 @@ class EngineServing:
     async def _stream(self, request: EngineCompletionRequest, prepared: PreparedRequest) -> AsyncIterator[dict]:
         completion_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
-        n_generated, offset, cached = 0, 0, 0
-        async for step in self.engine.generate(prepared.token_ids, prepared.position_ids, prepared.params,
-                                               prepared.priority):
+        n_generated, offsets, cached = 0, [0] * request.n, 0
+        async for index, step in merge(self._choices(request, prepared)):
             n_generated, cached = n_generated + 1, step.cached_tokens
-            choice = {"index": 0, "text": step.text, "logprobs": None, "finish_reason": step.finish_reason}
+            choice = {"index": index, "text": step.text, "logprobs": None, "finish_reason": step.finish_reason}
             if prepared.params.logprobs is not None:
-                choice["logprobs"] = self._logprobs([step], offset)
+                choice["logprobs"] = self._logprobs([step], offsets[index])
             if request.return_token_ids:
                 choice["token_ids"] = [step.token_id]
-            offset += len(step.text)
+            offsets[index] += len(step.text)
             chunk = _envelope(completion_id, created, self.model_name, [choice])
             if include_usage:
                 chunk["usage"] = None
@@ -132,23 +150,30 @@ class EngineServing:
 
     async def completion(self, request: EngineCompletionRequest) -> dict:
         prepared = self.prepare(request)
-        steps: list[StepOutput] = [s async for s in self.engine.generate(prepared.token_ids, prepared.position_ids,
-                                                                          prepared.params, prepared.priority)]
-        choice = {
-            "index": 0,
-            "text": "".join(s.text for s in steps),
-            "logprobs": self._logprobs(steps, 0) if prepared.params.logprobs is not None else None,
-            "finish_reason": steps[-1].finish_reason,
-        }
-        if request.return_token_ids:
-            choice["token_ids"] = [s.token_id for s in steps]
-        return _envelope(f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.model_name, [choice],
-                         _usage(len(prepared.token_ids), len(steps), steps[-1].cached_tokens))
+        runs = await asyncio.gather(*(_collect(g) for g in self._choices(request, prepared)))
+        choices = []
+        for index, steps in enumerate(runs):
+            choice = {
+                "index": index,
+                "text": "".join(s.text for s in steps),
+                "logprobs": self._logprobs(steps, 0) if prepared.params.logprobs is not None else None,
+                "finish_reason": steps[-1].finish_reason,
+            }
+            if request.return_token_ids:
+                choice["token_ids"] = [s.token_id for s in steps]
+            choices.append(choice)
+        usage = _usage(len(prepared.token_ids), sum(len(steps) for steps in runs), runs[0][-1].cached_tokens)
+        return _envelope(f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.model_name, choices, usage)
 
     def _chat_as_completion(self, request: ChatCompletionRequest) -> EngineCompletionRequest:
+        """The chat rendered as vLLM renders it (tools in the template); the swap then applies to its tokens."""
         _check_supported(request)
-        ids = render_chat(self.engine.tokenizer, request.messages).token_ids
-        return EngineCompletionRequest(model=request.model, prompt=ids, **request.completion_params())
+        if not all(m.has_only_text() for m in request.messages):
+            raise InvalidRequestError("the reference engine reads text content parts only", param="messages")
+        ids = render_chat(self.engine.tokenizer, request.messages, tools=request.tools,
+                          add_special_tokens=request.add_special_tokens).token_ids
+        return EngineCompletionRequest(model=request.model, prompt=ids, **request.completion_params(),
+                                       **request.generation_params())
 
     async def chat_completion(self, request: ChatCompletionRequest) -> dict:
         """Chat through the model's chat template, so the engine stands in for any OpenAI-compatible server."""
@@ -158,6 +183,14 @@ class EngineServing:
     async def chat_completion_stream(self, request: ChatCompletionRequest) -> AsyncIterator[dict]:
         chunks = await self.completion_stream(self._chat_as_completion(request))
         return as_chat_chunks(chunks, ChatChunkConverter(self.model_name))
+
+    async def responses(self, request: ResponsesRequest) -> dict:
+        """OpenAI's Responses API through the chat template (the request as vLLM renders it)."""
+        return chat_to_response(request, await self.chat_completion(request.as_chat()), self.model_name)
+
+    async def responses_stream(self, request: ResponsesRequest) -> AsyncIterator[dict]:
+        chunks = await self.chat_completion_stream(request.as_chat())
+        return response_events(request, chunks, self.model_name)
 
     def _logprobs(self, steps: list[StepOutput], offset: int) -> dict:
         decode = self.engine.tokenizer.decode
@@ -177,9 +210,28 @@ class EngineServing:
 
 
 def _check_supported(request: SamplingFields) -> None:
-    if unsupported := request.unsupported_features():
+    """What the reference engine does not do (as vLLM V1 does not do suffix or best_of)."""
+    unsupported = [name for name in ("echo", "suffix", "best_of") if name in request.unsupported_features()]
+    if getattr(request, "functions", None):
+        unsupported.append("functions")
+    if unsupported:
         raise InvalidRequestError(f"the reference engine does not support {', '.join(unsupported)}",
                                   param=unsupported[0])
+
+
+def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float]:
+    try:
+        out = {int(token): float(value) for token, value in (bias or {}).items()}
+    except ValueError:
+        raise InvalidRequestError("logit_bias keys must be token IDs", param="logit_bias") from None
+    if any(not 0 <= token < vocab_size for token in out) or any(not -100 <= v <= 100 for v in out.values()):
+        raise InvalidRequestError(f"logit_bias takes token IDs in [0, {vocab_size}) and values in [-100, 100]",
+                                  param="logit_bias")
+    return out
+
+
+async def _collect(steps: AsyncIterator[StepOutput]) -> list[StepOutput]:
+    return [step async for step in steps]
 
 
 def _check_positions(positions: list[int], n_tokens: int, max_positions: int) -> None:

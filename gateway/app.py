@@ -16,6 +16,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from common.cancellation import with_cancellation
 from common.errors import APIError, AuthenticationError, install_error_handlers
 from common.protocol import ChatCompletionRequest, CompletionRequest
+from common.responses import ResponsesRequest
 from common.streams import sse_body
 from gateway.backends import Backend
 from gateway.draft import DraftClient
@@ -56,6 +57,11 @@ def create_app(settings: GatewaySettings | None = None, *, draft: DraftClient | 
     @with_cancellation
     async def completions(request: CompletionRequest, raw_request: Request) -> Response:
         return await _respond("completions", raw_request, lambda s: s.completion(request, raw_request.headers))
+
+    @app.post("/v1/responses", dependencies=auth)
+    @with_cancellation
+    async def responses(request: ResponsesRequest, raw_request: Request) -> Response:
+        return await _respond("responses", raw_request, lambda s: s.responses(request, raw_request.headers))
 
     @app.post("/v1/specprefill/compress", dependencies=auth)
     async def compress(body: dict, raw_request: Request) -> JSONResponse:
@@ -105,7 +111,8 @@ async def _respond(endpoint: str, raw_request: Request, work: Callable) -> Respo
         metrics.errors.labels(endpoint, str(getattr(exc, "status_code", 500))).inc()
 
     if answer.stream is not None:
-        return StreamingResponse(sse_body(answer.stream, on_first=first_byte, on_error=failed),
+        return StreamingResponse(sse_body(answer.stream, on_first=first_byte, on_error=failed,
+                                          named=endpoint == "responses"),
                                  media_type="text/event-stream", headers=plan.headers())
     first_byte()
     return JSONResponse(answer.body, headers=plan.headers())

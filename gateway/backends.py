@@ -15,8 +15,9 @@ from typing import Any, Protocol
 
 import httpx
 
-from common.errors import APIError, UpstreamError, parse_body
+from common.errors import APIError, NotFoundError, UpstreamError, parse_body
 from common.protocol import ChatCompletionRequest
+from common.responses import ResponsesRequest
 from common.streams import prepend
 from engine.protocol import EngineCompletionRequest
 from engine.serving import EngineServing
@@ -34,6 +35,12 @@ class Backend(Protocol):
     async def chat(self, body: dict) -> dict: ...
 
     async def chat_stream(self, body: dict) -> AsyncIterator[dict]: ...
+
+    async def post(self, path: str, body: dict) -> dict:
+        """Another OpenAI endpoint (``/v1/responses``), answered whole."""
+        ...
+
+    async def stream(self, path: str, body: dict) -> AsyncIterator[dict]: ...
 
     async def ready(self) -> bool: ...
 
@@ -74,6 +81,19 @@ class InProcessBackend:
 
     async def chat_stream(self, body: dict) -> AsyncIterator[dict]:
         return await self.serving.chat_completion_stream(parse_body(ChatCompletionRequest, body))
+
+    async def post(self, path: str, body: dict) -> dict:
+        self._check_path(path)
+        return await self.serving.responses(parse_body(ResponsesRequest, body))
+
+    async def stream(self, path: str, body: dict) -> AsyncIterator[dict]:
+        self._check_path(path)
+        return await self.serving.responses_stream(parse_body(ResponsesRequest, body))
+
+    @staticmethod
+    def _check_path(path: str) -> None:
+        if path != "/v1/responses":
+            raise NotFoundError(f"the reference engine does not serve {path}")
 
     async def ready(self) -> bool:
         return True
@@ -116,6 +136,12 @@ class HTTPBackend:
 
     async def chat_stream(self, body: dict) -> AsyncIterator[dict]:
         return await self._stream("/v1/chat/completions", body)
+
+    async def post(self, path: str, body: dict) -> dict:
+        return (await self._request("POST", path, body)).json()
+
+    async def stream(self, path: str, body: dict) -> AsyncIterator[dict]:
+        return await self._stream(path, body)
 
     async def ready(self) -> bool:
         try:
@@ -169,6 +195,9 @@ class HTTPBackend:
         return prepend(first, events)
 
 
+RESPONSES_LAST_EVENTS = ("response.completed", "response.incomplete", "response.failed")
+
+
 def parse_cache_shape(metrics: str) -> tuple[int, int] | None:
     """(block size, capacity in tokens) from Prometheus text; capacity 0 where prefix caching is off."""
     for line in metrics.splitlines():
@@ -196,10 +225,12 @@ async def _sse_events(response: httpx.Response) -> AsyncIterator[dict]:
             if data == "[DONE]":
                 return
             event = json.loads(data)
-            if "error" in event:
-                error = event["error"] or {}
+            if "error" in event or event.get("type") == "error":
+                error = event.get("error") or event
                 raise UpstreamError(f"the backend failed mid-stream: {error.get('message', 'unknown error')}")
             yield event
+            if event.get("type") in RESPONSES_LAST_EVENTS:  # a Responses stream ends here, without [DONE]
+                return
         raise UpstreamError("the backend's stream ended without [DONE]")
     except httpx.TimeoutException as exc:
         raise _transport_error(exc) from None

@@ -33,6 +33,8 @@ class GatewayMetrics:
             "the gateway predicted", buckets=(-4096, -1024, -256, -64, -1, 0, 64, 256, 1024, 4096), registry=r)
         self.in_flight = Gauge("specprefill_backend_requests_in_flight", "Backend requests under way",
                                ["kind"], registry=r)
+        self.swap_mismatch = Counter("specprefill_swap_mismatch", "Swaps the backend refused because its rendering "
+                                     "differed; those requests went whole", ["cause"], registry=r)
         self.warming = Counter("specprefill_warming", "Warming requests by outcome", ["outcome"], registry=r)
 
     def expose_costs(self, models: dict) -> None:

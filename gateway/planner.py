@@ -249,6 +249,8 @@ class Planner:
 
 
 def _cached_tokens(usage: dict | None) -> int | None:
-    details = (usage or {}).get("prompt_tokens_details") or {}
+    """Prompt tokens the engine served from its cache, from a chat/completion usage or a Responses usage."""
+    usage = usage or {}
+    details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details") or {}
     cached = details.get("cached_tokens")
     return cached if isinstance(cached, int) else None

@@ -20,6 +20,10 @@ class Reason:
     SHORT_PROMPT = "short_prompt"
     PROMPT_TOO_LONG = "prompt_too_long"
     DRAFT_ERROR = "draft_error"
+    UNSCORED_CONTENT = "unscored_content"
+    """Content parts the draft cannot read (images, audio): the request goes whole."""
+    SWAP_MISMATCH = "swap_mismatch"
+    """The backend rendered the request differently from the gateway, so the kept tokens were not its own."""
     CHEAPER_WHOLE = "cheaper_whole"
     """The cost model priced the whole prompt below any compression (short, mostly cached, or a slow draft)."""
 

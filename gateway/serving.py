@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -15,21 +16,24 @@ from dataclasses import dataclass
 import torch
 
 from common.chat import ChatChunkConverter, RenderedChat, as_chat_chunks, completion_to_chat, render_chat
-from common.errors import InvalidRequestError, NotFoundError, parse_body
+from common.errors import APIError, InvalidRequestError, NotFoundError, parse_body
 from common.protocol import ChatCompletionRequest, CompletionRequest
+from common.responses import ResponsesRequest
+from common.swap import KEPT_KEY, POSITIONS_KEY, SWAP_PARAM
 from common.tokenize import PieceCache
 from gateway.backends import Backend, token_body
 from gateway.draft import DraftClient
 from gateway.metrics import GatewayMetrics
 from gateway.plan import Plan
 from gateway.planner import Planner
-from gateway.policy import request_options
+from gateway.policy import Reason, request_options
 from gateway.settings import GatewaySettings
 from gateway.text_kind import kept_messages, kept_text
 from gateway.warming import Warmer
 
 logger = logging.getLogger("specprefill.gateway")
 SYSTEM_ROLES = ("system", "developer")
+SWAP_KINDS = ("reference", "vllm")  # backends that render requests themselves and take the swap
 
 
 @dataclass(slots=True)
@@ -63,6 +67,7 @@ class GatewayServing:
         self.foreground = 0  # requests of this gateway at the backend now
         self.planning = 0  # requests being tokenized and planned now
         self._settling: set[asyncio.Task] = set()  # streams' ends being recorded
+        self._mismatch_causes: set[str] = set()  # swap mismatches already logged
         self.pieces = PieceCache(tokenizer)  # chats' repeated parts are tokenized once
 
     @property
@@ -85,17 +90,27 @@ class GatewayServing:
             if len(request.messages) > self.settings.max_messages:
                 raise InvalidRequestError(f"the chat has {len(request.messages)} messages; this gateway accepts at "
                                           f"most {self.settings.max_messages}", param="messages")
-            rendered = render_chat(self.tokenizer, request.messages, self.pieces.encode)
+            rendered = render_chat(self.tokenizer, request.messages, self.pieces.encode, tools=request.tools,
+                                   add_special_tokens=request.add_special_tokens)
             return Prompt(rendered.token_ids, rendered, self._system_tokens(request, rendered))
         return Prompt(request.prompt_token_ids(self.tokenizer))
 
     def _system_tokens(self, request: ChatCompletionRequest, rendered: RenderedChat) -> torch.Tensor | None:
-        if not self.settings.keep_system_whole or not any(m.role in SYSTEM_ROLES for m in request.messages):
+        """The system prompt and the tool definitions (the template's text outside any message), kept whole."""
+        has_system = any(m.role in SYSTEM_ROLES for m in request.messages)
+        if not self.settings.keep_system_whole or not (has_system or request.tools):
             return None
         keep = torch.zeros(len(rendered.token_ids), dtype=torch.bool)
-        for message, span in zip(request.messages, rendered.content_spans(request.messages)):
+        spans = rendered.content_spans(request.messages)
+        for message, span in zip(request.messages, spans):
             if message.role in SYSTEM_ROLES and span is not None:
                 keep[rendered.tokens_in(span)] = True
+        if request.tools:  # tool definitions are the template's own text, between the message contents
+            inside = torch.zeros_like(keep)
+            for span in spans:
+                if span is not None:
+                    inside[rendered.tokens_in(span)] = True
+            keep |= ~inside
         return keep
 
     def check_limits(self, request: ChatCompletionRequest | CompletionRequest, token_ids: list[int]) -> None:
@@ -128,13 +143,20 @@ class GatewayServing:
     async def _plan(self, request: ChatCompletionRequest | CompletionRequest, headers) -> tuple[Plan, Prompt]:
         self.check_model(request.model)
         options = request_options(headers, request.specprefill, self.settings.keep_rate)
+        if isinstance(request, ChatCompletionRequest) and not all(m.has_only_text() for m in request.messages):
+            return Plan([], reason=Reason.UNSCORED_CONTENT, passthrough=True), Prompt([])  # images, audio
         start = time.perf_counter()
         prompt = self.prompt(request)
         tokenize_ms = (time.perf_counter() - start) * 1e3
         self.check_limits(request, prompt.token_ids)
-        plan = await self.planner.plan(prompt.token_ids, options, request.unsupported_features(), prompt.keep)
+        plan = await self.planner.plan(prompt.token_ids, options, self._unsupported(request), prompt.keep)
         plan.tokenize_ms = tokenize_ms
         return plan, prompt
+
+    def _unsupported(self, request: ChatCompletionRequest | CompletionRequest) -> list[str]:
+        """What this backend kind cannot reproduce compressed: nothing where the backend renders the request
+        itself and takes the swap; a token-ID completion's limits otherwise."""
+        return [] if self.backend.kind in SWAP_KINDS else request.unsupported_features()
 
     # --- requests ---
 
@@ -142,10 +164,10 @@ class GatewayServing:
         plan, prompt = await self._planned(request, headers)
         backend_model = await self.backend.model_name()
         kind = self.backend.kind
-        if plan.passthrough or (kind == "text" and plan.kept_indices is None):
-            return await self._forward(plan, _passthrough_body(request, backend_model), chat=True)
+        body = _passthrough_body(request, backend_model)
+        if kind in SWAP_KINDS or plan.passthrough or plan.kept_indices is None:
+            return await self._swapped(plan, body, chat=True)
         if kind == "text":
-            body = _passthrough_body(request, backend_model)
             body["messages"] = kept_messages(self.tokenizer, request.messages, prompt.rendered, plan.kept_indices)
             return await self._forward(plan, body, chat=True)
         body = token_body(kind, backend_model, plan.kept_token_ids(), plan.kept_indices, request.completion_params())
@@ -155,9 +177,10 @@ class GatewayServing:
         plan, _ = await self._planned(request, headers)
         backend_model = await self.backend.model_name()
         kind = self.backend.kind
-        if plan.passthrough or (kind == "text" and plan.kept_indices is None):
-            body = _passthrough_body(request, backend_model)
-        elif kind == "text":
+        body = _passthrough_body(request, backend_model)
+        if kind in SWAP_KINDS or plan.passthrough or plan.kept_indices is None:
+            return await self._swapped(plan, body, chat=False)
+        if kind == "text":
             body = {"model": backend_model, "prompt": kept_text(self.tokenizer, plan.token_ids, plan.kept_indices),
                     **request.completion_params()}
         else:
@@ -165,12 +188,58 @@ class GatewayServing:
                               request.completion_params())
         return await self._forward(plan, body, chat=False)
 
+    async def _swapped(self, plan: Plan, body: dict, *, chat: bool, endpoint: str | None = None) -> Answer:
+        """The client's body to the backend's own endpoint, plus the swap when compressed. A backend that renders
+        the prompt differently from the gateway answers the swap with a mismatch 400: the request then goes
+        whole, and the client never sees it."""
+        if plan.kept_indices is None:
+            return await self._forward(plan, body, chat=chat, endpoint=endpoint)
+        swap = {KEPT_KEY: plan.kept_token_ids(), POSITIONS_KEY: plan.kept_indices}
+        try:
+            return await self._forward(plan, {**body, "vllm_xargs": {**(body.get("vllm_xargs") or {}), **swap}},
+                                       chat=chat, endpoint=endpoint)
+        except APIError as exc:
+            if exc.status_code != 400 or exc.param != SWAP_PARAM:
+                raise
+            self._mismatched(exc.message)
+        whole = Plan(plan.token_ids, reason=Reason.SWAP_MISMATCH, cache=plan.cache, draft_ms=plan.draft_ms,
+                     tokenize_ms=plan.tokenize_ms)
+        return await self._forward(whole, body, chat=chat, endpoint=endpoint)
+
+    def _mismatched(self, message: str) -> None:
+        cause = re.sub(r"\d+", "N", message)
+        self.metrics.swap_mismatch.labels(cause[:120]).inc()
+        if cause not in self._mismatch_causes:
+            self._mismatch_causes.add(cause)
+            logger.warning("the backend renders prompts differently from the gateway (%s); such requests go whole. "
+                           "Check that --target-model has the backend's tokenizer and chat template.", message)
+
+    async def responses(self, request: ResponsesRequest, headers) -> Answer:
+        """OpenAI's Responses API: rendered as the backend renders it (``ResponsesRequest.as_chat``), planned like
+        a chat, and the client's own body forwarded to the backend's ``/v1/responses`` with the swap. A request
+        the gateway cannot render (reasoning items, a stored previous response) goes whole."""
+        if self.backend.kind not in SWAP_KINDS:
+            raise InvalidRequestError(f"the Responses API needs a backend that serves it (--backend-kind reference "
+                                      f"or vllm); this one is {self.backend.kind!r}", param="input")
+        body = request.model_dump(exclude_unset=True, exclude={"specprefill"})
+        body["model"] = await self.backend.model_name()
+        try:
+            chat = request.as_chat()
+        except InvalidRequestError as exc:
+            self.check_model(request.model)
+            plan = Plan([], reason=Reason.UNSCORED_CONTENT, passthrough=True)
+            logger.debug("Responses request forwarded whole: %s", exc.message)
+            return await self._swapped(plan, body, chat=False, endpoint="/v1/responses")
+        chat.specprefill = request.specprefill
+        plan, _ = await self._planned(chat, headers)
+        return await self._swapped(plan, body, chat=False, endpoint="/v1/responses")
+
     async def compress(self, body: dict, headers) -> dict:
         """What would be sent to the backend for this chat or completion body, without sending it."""
         request = parse_body(ChatCompletionRequest if "messages" in body else CompletionRequest, body)
         options = request_options(headers, request.specprefill, self.settings.keep_rate)
         prompt = self.prompt(request)
-        plan = await self.planner.plan(prompt.token_ids, options, request.unsupported_features(), prompt.keep,
+        plan = await self.planner.plan(prompt.token_ids, options, self._unsupported(request), prompt.keep,
                                        dry_run=True)
         return {
             "original_tokens": plan.original_tokens,
@@ -182,19 +251,22 @@ class GatewayServing:
             "position_ids": plan.position_ids(),
         }
 
-    async def _forward(self, plan: Plan, body: dict, *, chat: bool,
-                       converter: ChatChunkConverter | None = None) -> Answer:
-        """Sends ``body`` to the backend's chat or completions endpoint; ``converter`` turns completion answers
-        into chat answers. Warming yields to it; when it is answered, the planner learns what happened."""
+    async def _forward(self, plan: Plan, body: dict, *, chat: bool, converter: ChatChunkConverter | None = None,
+                       endpoint: str | None = None) -> Answer:
+        """Sends ``body`` to the backend's chat or completions endpoint (or ``endpoint``, as Responses);
+        ``converter`` turns completion answers into chat answers. Warming yields to it; when it is answered, the
+        planner learns what happened."""
         streamed = bool(body.get("stream"))
         wants_usage = bool((body.get("stream_options") or {}).get("include_usage")) or not streamed
-        if streamed and not chat:  # ask for the usage: it says how much the engine served from its cache
+        if streamed and endpoint is None:  # ask for the usage: it says how much the engine served from its cache
             body = {**body, "stream_options": {"include_usage": True}}
         if self.warmer is not None:
             self.warmer.yield_to_foreground()
         self._foreground(+1)
         try:
-            if streamed:
+            if endpoint is not None:
+                call = self.backend.stream(endpoint, body) if streamed else self.backend.post(endpoint, body)
+            elif streamed:
                 call = self.backend.chat_stream(body) if chat else self.backend.completion_stream(body)
             else:
                 call = self.backend.chat(body) if chat else self.backend.completion(body)
@@ -203,7 +275,7 @@ class GatewayServing:
             self._foreground(-1)
             raise
         if streamed:
-            stream = self._observed(answer, plan, wants_usage)
+            stream = self._observed(answer, plan, wants_usage or endpoint is not None)
             if converter is not None:
                 stream = as_chat_chunks(stream, converter)
             return Answer(plan, stream=self._rewrite_stream(stream, plan))
@@ -219,7 +291,7 @@ class GatewayServing:
         usage = None
         try:
             async for chunk in chunks:
-                usage = chunk.get("usage") or usage
+                usage = chunk.get("usage") or (chunk.get("response") or {}).get("usage") or usage
                 if not wants_usage:
                     if not chunk.get("choices"):
                         continue
@@ -267,12 +339,17 @@ class GatewayServing:
     # --- answers ---
 
     def _rewrite(self, body: dict, plan: Plan) -> dict:
-        """Our model name, and usage that tells the original and the kept prompt tokens."""
-        body["model"] = self.model_name
+        """Our model name, and usage that tells the original and the kept prompt tokens (a Response's too)."""
+        if isinstance(body.get("response"), dict):  # a Responses stream event
+            self._rewrite(body["response"], plan)
+            return body
+        if "model" in body:
+            body["model"] = self.model_name
         usage = body.get("usage")
         if usage:
-            completion_tokens = usage.get("completion_tokens", 0)
-            usage["prompt_tokens"] = plan.original_tokens
+            responses = "input_tokens" in usage
+            completion_tokens = usage.get("output_tokens" if responses else "completion_tokens", 0)
+            usage["input_tokens" if responses else "prompt_tokens"] = plan.original_tokens
             usage["total_tokens"] = plan.original_tokens + completion_tokens
             usage["specprefill"] = {"original_prompt_tokens": plan.original_tokens,
                                     "kept_prompt_tokens": plan.kept_tokens}

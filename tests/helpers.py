@@ -49,6 +49,17 @@ def engine_app(model_pair, **overrides):
     return create_engine_app(EngineSettings(**values))
 
 
+@torch.no_grad()
+def reference_logits(model, ids: list[int], positions: list[int]) -> torch.Tensor:
+    """The oracle for positions: a plain transformers forward, eager attention, explicit positions and an explicit
+    full causal mask (float, additive; without one, transformers reads gapped positions as packed sequences).
+    Logits of the last token."""
+    n = len(ids)
+    mask = torch.full((n, n), torch.finfo(torch.float32).min).triu(1)[None, None]
+    out = model(torch.tensor([ids]), position_ids=torch.tensor([positions]), attention_mask=mask, use_cache=False)
+    return out.logits[0, -1].float()
+
+
 def openai_client(url: str, api_key: str = "unused") -> openai.OpenAI:
     """The real OpenAI SDK pointed at one of our servers (no retries: a test sees every failure)."""
     return openai.OpenAI(base_url=f"{url}/v1", api_key=api_key, max_retries=0)

@@ -19,15 +19,29 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-DEMO_VERSION = "v1"
+DEMO_VERSION = "v2"  # v2: the chat template renders tools
 DEMO_NAME = "specprefill-demo"  # the model name clients send to a gateway serving the demo pair
 BOS, EOS, EOT, PAD = "<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>", "<|pad|>"
 HEADER_START, HEADER_END = "<|start_header_id|>", "<|end_header_id|>"
-SPECIAL_TOKENS = [BOS, EOS, EOT, PAD, HEADER_START, HEADER_END]
+PYTHON_TAG = "<|python_tag|>"  # Llama 3.1's tool-call marker (vLLM's llama3_json tool parser looks for it)
+SPECIAL_TOKENS = [BOS, EOS, EOT, PAD, HEADER_START, HEADER_END, PYTHON_TAG]
 CHAT_TEMPLATE = (
+    # Llama-3.1-style: tools are a block in the system turn; an assistant's tool calls are JSON objects
     "{{ bos_token }}"
-    "{% for message in messages %}"
-    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}"
+    "{% set rest = messages %}{% set system = none %}"
+    "{% if tools and messages and messages[0]['role'] == 'system' %}"
+    "{% set system = messages[0]['content'] | trim %}{% set rest = messages[1:] %}{% endif %}"
+    "{% if tools %}"
+    "{{ '<|start_header_id|>system<|end_header_id|>\n\n' }}{% if system %}{{ system + '\n\n' }}{% endif %}"
+    "{{ 'To call a function, answer with {\"name\": function name, \"parameters\": arguments}. Functions:\n' }}"
+    "{% for tool in tools %}{{ tool | tojson }}{{ '\n' }}{% endfor %}{{ '<|eot_id|>' }}"
+    "{% endif %}"
+    "{% for message in rest %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] | trim }}"
+    "{% for call in message.get('tool_calls') or [] %}"
+    "{{ {'name': call['function']['name'], 'parameters': call['function']['arguments']} | tojson }}"
+    "{% endfor %}"
+    "{{ '<|eot_id|>' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
 )
@@ -87,7 +101,7 @@ def train_tokenizer(vocab_size: int = 4096, seed: int = 0) -> PreTrainedTokenize
         bos_token=BOS,
         eos_token=EOT,
         pad_token=PAD,
-        additional_special_tokens=[EOS, HEADER_START, HEADER_END],
+        additional_special_tokens=[EOS, HEADER_START, HEADER_END, PYTHON_TAG],
         chat_template=CHAT_TEMPLATE,
         model_max_length=32768,
     )

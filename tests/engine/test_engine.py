@@ -12,7 +12,7 @@ import torch
 from common.models import load_causal_lm, load_tokenizer
 from engine.engine import ReferenceEngine
 from engine.sampling import SamplingParams
-from tests.helpers import disconnects_release_the_engine, engine_app, serve
+from tests.helpers import disconnects_release_the_engine, engine_app, reference_logits, serve
 
 
 @pytest.fixture(scope="module")
@@ -36,15 +36,6 @@ def _gapped(n_total: int = 400, seed: int = 0) -> tuple[list[int], list[int]]:
     prompt = _prompt(n_total, seed)
     positions = list(range(0, 50)) + list(range(170, 230)) + list(range(n_total - 40, n_total))
     return [prompt[p] for p in positions], positions
-
-
-@torch.no_grad()
-def reference_logits(model, ids: list[int], positions: list[int]) -> torch.Tensor:
-    """Eager attention, explicit positions, an explicit full causal mask (float, additive): logits of the last token."""
-    n = len(ids)
-    mask = torch.full((n, n), torch.finfo(torch.float32).min).triu(1)[None, None]
-    out = model(torch.tensor([ids]), position_ids=torch.tensor([positions]), attention_mask=mask, use_cache=False)
-    return out.logits[0, -1].float()
 
 
 def _complete(url: str, **body) -> dict:
@@ -156,7 +147,16 @@ BAD_REQUESTS = [
     ({"prompt": [5, 6], "max_tokens": 0}, "max_tokens"),
     ({"prompt": [5, 6], "max_tokens": -3}, "max_tokens"),
     ({"prompt": [5, 6], "temperature": -1}, "temperature"),
-    ({"prompt": [5, 6], "n": 2}, "n"),
+    ({"prompt": [5, 6], "n": 0}, "n"),
+    ({"prompt": [5, 6], "suffix": "x"}, "suffix"),
+    ({"prompt": [5, 6], "logit_bias": {"999999": 1}}, "logit_bias"),
+    ({"prompt": [5, 6], "response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
+    ({"prompt": [5, 6, 7], "vllm_xargs": {"kept_token_ids": [5, 8], "position_ids": [0, 2]}},
+     "vllm_xargs.kept_token_ids"),
+    ({"prompt": [5, 6, 7], "vllm_xargs": {"kept_token_ids": [5, 6], "position_ids": [0, 1]}},
+     "vllm_xargs.kept_token_ids"),
+    ({"prompt": [5, 6, 7], "vllm_xargs": {"kept_token_ids": [5, 7], "position_ids": [0]}},
+     "vllm_xargs.kept_token_ids"),
     ({"prompt": [[5, 6], [7]]}, "prompt"),
     ({"prompt": [5, 6], "model": "nope"}, "model"),
     ({}, "prompt"),

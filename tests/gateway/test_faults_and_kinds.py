@@ -33,12 +33,24 @@ def test_tokens_kind_sends_kept_tokens_without_positions(model_pair, engine_back
         assert "position_ids" not in sent and "vllm_xargs" not in sent
 
 
-def test_vllm_kind_sends_positions_in_vllm_xargs_only(model_pair, engine_backend):
+def test_vllm_kind_sends_the_clients_body_plus_the_swap(model_pair, engine_backend):
     url, recorder = engine_backend
-    with serve(create_app(gateway_settings(model_pair, backend_url=url, backend_kind="vllm"))) as gw:
-        _client(gw).completions.create(model="tiny", prompt=LONG_DOC, max_tokens=2, extra_headers={"x-keep-rate": "0.3"})
+    with serve(create_app(gateway_settings(model_pair, backend_url=url, backend_kind="vllm"))) as gw, \
+            _client(gw) as client:
+        raw = client.completions.with_raw_response.create(model="tiny", prompt=LONG_DOC, max_tokens=2, seed=3,
+                                                          extra_headers={"x-keep-rate": "0.3"})
+        assert raw.headers["x-specprefill-status"] == "compressed"
         sent = recorder.last("/v1/completions")["body"]
-        assert "position_ids" not in sent and len(sent["vllm_xargs"]["position_ids"]) == len(sent["prompt"])
+        assert sent["prompt"] == LONG_DOC and sent["seed"] == 3 and "position_ids" not in sent
+        swap = sent["vllm_xargs"]
+        assert len(swap["kept_token_ids"]) == len(swap["position_ids"]) == int(raw.headers["x-specprefill-kept-tokens"])
+        tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+        raw = client.chat.completions.with_raw_response.create(**_body(n=2, presence_penalty=0.5, tools=tools),
+                                                               extra_headers={"x-keep-rate": "0.3"})
+        assert raw.headers["x-specprefill-status"] == "compressed" and len(raw.parse().choices) == 2
+        sent = recorder.last("/v1/chat/completions")["body"]
+        assert sent["messages"] == _messages() and sent["tools"] == tools and sent["n"] == 2
+        assert "kept_token_ids" in sent["vllm_xargs"]
 
 
 def test_text_kind_sends_kept_text_to_chat_completions(model_pair, engine_backend):
@@ -103,26 +115,27 @@ def test_an_unreachable_backend_is_a_502(model_pair):
 
 
 def _fake_backend() -> FastAPI:
+    """A chat backend that never answers (max_tokens 99), dies mid-stream, or refuses with a 400."""
+    from fastapi.responses import JSONResponse
+
     app = FastAPI()
 
-    @app.post("/v1/completions")
-    async def completions(body: dict):
+    @app.post("/v1/chat/completions")
+    async def chat(body: dict):
         if body.get("max_tokens") == 99:  # never answers
             await asyncio.sleep(3600)
+        if not body.get("stream"):
+            return JSONResponse({"error": {"message": "context too long for this backend", "code": None,
+                                           "type": "invalid_request_error", "param": "messages"}}, status_code=400)
+
         async def dying():
-            chunk = {"id": "cmpl-1", "object": "text_completion", "created": 0, "model": "m",
-                     "choices": [{"index": 0, "text": "Hel", "logprobs": None, "finish_reason": None}]}
+            chunk = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 0, "model": "m",
+                     "choices": [{"index": 0, "delta": {"role": "assistant", "content": "Hel"}, "logprobs": None,
+                                  "finish_reason": None}]}
             yield f"data: {json.dumps(chunk)}\n\n".encode()
             await asyncio.sleep(0.05)
             raise RuntimeError("backend died mid-stream")
         return StreamingResponse(dying(), media_type="text/event-stream")
-
-    @app.post("/v1/chat/completions")
-    async def chat(body: dict):
-        from fastapi.responses import JSONResponse
-
-        return JSONResponse({"error": {"message": "context too long for this backend", "type": "invalid_request_error",
-                                       "param": "messages", "code": None}}, status_code=400)
 
     return app
 

@@ -96,9 +96,9 @@ def test_engine_receives_what_compress_reports(gateway_url, engine_backend):
     assert report["position_ids"][-1] == report["original_tokens"] - 1  # the last prompt token always goes
     response = httpx.post(f"{gateway_url}/v1/chat/completions", json=body, headers=headers, timeout=60)
     assert response.status_code == 200
-    sent = recorder.last("/v1/completions")["body"]
-    assert sent["prompt"] == report["token_ids"]
-    assert sent["position_ids"] == report["position_ids"] == sent["vllm_xargs"]["position_ids"]
+    sent = recorder.last("/v1/chat/completions")["body"]  # the client's own body, plus the swap
+    assert sent["messages"] == body["messages"]
+    assert sent["vllm_xargs"] == {"kept_token_ids": report["token_ids"], "position_ids": report["position_ids"]}
 
 
 def test_short_prompts_bypass(gateway_url):
@@ -108,13 +108,23 @@ def test_short_prompts_bypass(gateway_url):
     assert raw.headers["x-specprefill-reason"] == "short_prompt"
 
 
-def test_unsupported_features_bypass_with_the_reason(gateway_url):
-    client = _client(gateway_url)
-    with pytest.raises(openai.BadRequestError, match="does not support n"):
-        client.chat.completions.create(model="tiny", messages=_messages(), max_tokens=2, n=2)
+def test_features_the_engine_renders_itself_are_compressed(gateway_url):
+    """n, penalties and logit_bias stay the engine's: the swap changes only the prompt it reads."""
+    with _client(gateway_url) as client:
+        raw = client.chat.completions.with_raw_response.create(model="tiny", messages=_messages(), max_tokens=2,
+                                                               n=2, presence_penalty=0.5, logit_bias={"7": 5})
+        assert raw.headers["x-specprefill-status"] == "compressed" and len(raw.parse().choices) == 2
     response = httpx.post(f"{gateway_url}/v1/specprefill/compress", timeout=60,
                           json={"model": "tiny", "messages": _messages(), "n": 2})
-    assert response.json()["reason"] == "unsupported_n"
+    assert response.json()["status"] == "compressed"
+
+
+def test_content_the_draft_cannot_read_goes_whole(gateway_url):
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    messages = [{"role": "user", "content": [{"type": "text", "text": "What is this?"}, image]}]
+    # forwarded whole: the answer is the engine's own (this one reads text only), not a gateway 400
+    with _client(gateway_url) as client, pytest.raises(openai.BadRequestError, match="reads text content parts only"):
+        client.chat.completions.create(model="tiny", messages=messages, max_tokens=2)
 
 
 def test_sdk_errors_carry_the_server_message(gateway_url):

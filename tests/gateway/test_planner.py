@@ -200,8 +200,10 @@ def test_no_plan_changes_an_answer(model_pair, tmp_path):
                 plans.append(raw.headers["x-specprefill-plan"])
                 sent = next(r["body"] for r in reversed(engine.requests)  # the request, not its warm
                             if r["path"] == "/v1/completions" and "priority" not in r["body"])
-                positions = sent.get("position_ids") or list(range(len(sent["prompt"])))
-                expected = asyncio.run(_oracle(oracle, sent["prompt"], positions))
+                swap = sent.get("vllm_xargs") or {}  # the client's body, plus the kept tokens when compressed
+                tokens = swap.get("kept_token_ids") or oracle.tokenizer(sent["prompt"]).input_ids
+                positions = swap.get("position_ids") or list(range(len(tokens)))
+                expected = asyncio.run(_oracle(oracle, tokens, positions))
                 answer = raw.json()["choices"][0]["logprobs"]
                 assert answer["token_logprobs"] == pytest.approx(expected, abs=1e-4)
                 assert asyncio.run(_eventually_idle(gw))  # the warm, if any, is done

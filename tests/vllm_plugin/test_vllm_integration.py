@@ -6,6 +6,7 @@ Both vLLM servers start side by side (about 1-2 minutes on 2 cores, torch.compil
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 
@@ -14,9 +15,11 @@ import openai
 import pytest
 import torch
 
+from common.models import load_causal_lm, load_tokenizer
 from gateway.app import create_app
 from specprefill.lab.vllm_server import VLLMServer
-from tests.helpers import chat_messages, gateway_settings, serve
+from tests.gateway.test_swap import SCHEMA, TOOLS
+from tests.helpers import chat_messages, gateway_settings, reference_logits, serve
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.vllm
@@ -34,7 +37,9 @@ def vllm_servers(model_pair, tmp_path_factory):
     python = _vllm_python()
     logs = tmp_path_factory.mktemp("vllm-logs")
     quiet = ("--disable-log-stats",)
-    servers = {"plugin": VLLMServer(python, model_pair / "target", logs / "plugin.log", plugin=True, extra_args=quiet),
+    tools = ("--enable-auto-tool-choice", "--tool-call-parser", "llama3_json")  # a chat with tools, as users serve
+    servers = {"plugin": VLLMServer(python, model_pair / "target", logs / "plugin.log", plugin=True,
+                                    extra_args=quiet + tools),
                "stock": VLLMServer(python, model_pair / "target", logs / "stock.log", plugin=False, extra_args=quiet)}
     try:
         for server in servers.values():
@@ -161,3 +166,52 @@ def test_tokens_kind_works_against_stock_vllm(vllm_servers, model_pair):
         short = client.completions.with_raw_response.create(model="tiny", prompt="w1 w2 w3", max_tokens=2)
         assert short.headers["x-specprefill-reason"] == "short_prompt"
         assert short.parse().choices[0].finish_reason in ("stop", "length")
+
+
+def test_every_kind_of_request_is_compressed_on_vllms_own_endpoints(vllm_servers, model_pair):
+    """Tools, a JSON schema, n=2, a presence penalty and the Responses API, through the gateway to vLLM's chat and
+    Responses endpoints with the swap; the chat with tools reads its kept tokens (tool definitions included) at
+    their positions, as a plain forward does."""
+    settings = gateway_settings(model_pair, backend_url=vllm_servers["plugin"], backend_kind="vllm")
+    keep = {"x-keep-rate": "0.3"}
+    with serve(create_app(settings)) as gw, openai.OpenAI(base_url=f"{gw}/v1", api_key="unused", max_retries=0) as client:
+        body = dict(model="tiny", messages=chat_messages("tools?"), tools=TOOLS, max_tokens=1, temperature=0)
+        raw = client.chat.completions.with_raw_response.create(**body, logprobs=True, top_logprobs=5,
+                                                               extra_headers=keep)
+        assert raw.headers["x-specprefill-status"] == "compressed"
+        report = httpx.post(f"{gw}/v1/specprefill/compress", json=body, headers=keep, timeout=60).json()
+        model = load_causal_lm(model_pair / "target", device="cpu")
+        expected = torch.log_softmax(reference_logits(model, report["token_ids"], report["position_ids"]), -1)
+        tokenizer = load_tokenizer(model_pair / "target")
+        top = {t.token: t.logprob for t in raw.parse().choices[0].logprobs.content[0].top_logprobs}
+        want = {tokenizer.decode([i]): float(expected[i]) for i in expected.topk(5).indices.tolist()}
+        _assert_close(top, want)
+
+        raw = client.chat.completions.with_raw_response.create(
+            model="tiny", messages=chat_messages("json?"), max_tokens=80, temperature=0, extra_headers=keep,
+            response_format={"type": "json_schema", "json_schema": {"name": "verdict", "schema": SCHEMA}})
+        assert raw.headers["x-specprefill-status"] == "compressed"
+        answer = json.loads(raw.parse().choices[0].message.content)
+        assert answer["answer"] in ("yes", "no") and answer["colour"] in ("red", "green", "blue")
+
+        for extra in ({"n": 2, "seed": 1}, {"presence_penalty": 1.5}):
+            raw = client.chat.completions.with_raw_response.create(
+                model="tiny", messages=chat_messages("more?"), max_tokens=3, extra_headers=keep, **extra)
+            assert raw.headers["x-specprefill-status"] == "compressed"
+            assert len(raw.parse().choices) == extra.get("n", 1)
+
+        raw = client.responses.with_raw_response.create(model="tiny", instructions="Answer briefly.",
+                                                        input=chat_messages()[1]["content"], max_output_tokens=4,
+                                                        temperature=0, extra_headers=keep)
+        assert raw.headers["x-specprefill-status"] == "compressed"
+        assert raw.parse().output_text is not None and raw.parse().model == "tiny"
+
+
+def test_a_swap_that_does_not_match_is_a_400_and_vllm_stays_up(vllm_servers):
+    body = {"model": "target", "messages": chat_messages(), "max_tokens": 1,
+            "vllm_xargs": {"kept_token_ids": [1, 2, 3], "position_ids": [0, 1, 2]}}
+    response = httpx.post(f"{vllm_servers['plugin']}/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "vllm_xargs.kept_token_ids" and "position" in error["message"]
+    assert _complete(vllm_servers["plugin"], prompt=[11, 12, 13], max_tokens=1)["finish_reason"]

@@ -1,4 +1,5 @@
-"""The patches, each small and idempotent. vLLM 0.32's V1 model runner, block hashing and input processing."""
+"""The patches, each small and idempotent: vLLM's V1 model runner, block hashing and input processing (the patch
+points are listed, and checked before anything is patched, in ``patch_points.py``)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from vllm.logger import init_logger
 
 from specprefill_vllm.positions import PositionError, block_key, check_positions, expand, requested_positions
 from specprefill_vllm.supported import SUPPORTED_ARCHITECTURES
+from specprefill_vllm.swap import KEPT_KEY, SWAP_PARAM, SwapError, requested_kept, swap_prompt
 
 logger = init_logger("vllm.specprefill")
 _MARK = "_specprefill_patched"
@@ -130,7 +132,7 @@ def _patch_block_hashes() -> None:
             module.generate_block_hash_extra_keys = patched
 
 
-# --- input processing: bad positions are a 400, never an engine crash ---
+# --- input processing: the swap, and bad positions as a 400, never an engine crash ---
 
 def _patch_input_processor() -> None:
     from vllm.exceptions import VLLMValidationError
@@ -140,8 +142,10 @@ def _patch_input_processor() -> None:
         @functools.wraps(original)
         def process_inputs(self, request_id, prompt, params, *args, **kwargs):
             request = original(self, request_id, prompt, params, *args, **kwargs)
-            positions = requested_positions(getattr(request, "sampling_params", None))
-            if positions is None:
+            sampling_params = getattr(request, "sampling_params", None)
+            positions = requested_positions(sampling_params)
+            kept = requested_kept(sampling_params)
+            if positions is None and kept is None:
                 return request
             model_config = self.vllm_config.model_config
             if not supported(model_config):
@@ -152,10 +156,19 @@ def _patch_input_processor() -> None:
                 raise VLLMValidationError(
                     "position_ids need vLLM's V1 model runner: unset VLLM_USE_V2_MODEL_RUNNER",
                     parameter="vllm_xargs.position_ids")
+            if kept is not None:  # vLLM rendered the request as usual; the target reads the kept tokens instead
+                if request.prompt_embeds is not None or request.mm_features:
+                    raise VLLMValidationError("the swap takes token prompts without images or embeddings",
+                                              parameter=SWAP_PARAM)
+                try:
+                    request.prompt_token_ids = swap_prompt(request.prompt_token_ids or [], kept, positions)
+                except SwapError as exc:
+                    raise VLLMValidationError(str(exc), parameter=SWAP_PARAM) from None
+                sampling_params.extra_args.pop(KEPT_KEY, None)  # this request's own copy; the engine needs positions
             max_positions = model_config.hf_text_config.max_position_embeddings
             n_prompt = len(request.prompt_token_ids or [])
             try:
-                check_positions(positions, n_prompt, max_positions, request.sampling_params.max_tokens)
+                check_positions(positions, n_prompt, max_positions, sampling_params.max_tokens)
             except PositionError as exc:
                 raise VLLMValidationError(str(exc), parameter="vllm_xargs.position_ids") from None
             return request

@@ -1,0 +1,133 @@
+"""Every request compressed on the backend's own endpoints (the swap), through the OpenAI SDK: tools,
+structured outputs, n, penalties and the Responses API against the reference engine; a rendering the engine
+does not share goes whole, unseen by the client."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import httpx
+import pytest
+import torch
+
+from common.models import load_causal_lm, load_tokenizer
+from gateway.app import create_app
+from tests.helpers import LONG_DOC, gateway_settings, openai_client, reference_logits, serve
+from tests.helpers import chat_messages as _messages
+
+KEEP = {"x-keep-rate": "0.3"}
+TOOLS = [{"type": "function", "function": {"name": "lookup_number", "description": "Find a number in the text",
+                                           "parameters": {"type": "object", "properties": {
+                                               "index": {"type": "integer"}}, "required": ["index"]}}}]
+SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "enum": ["yes", "no"]},
+                                           "colour": {"type": "string", "enum": ["red", "green", "blue"]}},
+          "required": ["answer", "colour"], "additionalProperties": False}
+
+
+def test_a_chat_with_tools_reads_its_kept_tokens_at_their_positions(gateway_url, engine_backend, model_pair):
+    """The first token's log-probability equals a plain forward of the kept tokens of the template-rendered prompt
+    (tools included) at their positions; the tool definitions are kept whole."""
+    _, recorder = engine_backend
+    with openai_client(gateway_url) as client:
+        raw = client.chat.completions.with_raw_response.create(
+            model="tiny", messages=_messages(), tools=TOOLS, max_tokens=1, temperature=0, logprobs=True,
+            top_logprobs=1, extra_headers=KEEP)
+        first = raw.parse().choices[0].logprobs.content[0]
+    assert raw.headers["x-specprefill-status"] == "compressed"
+    sent = recorder.last("/v1/chat/completions")["body"]
+    assert sent["tools"] == TOOLS and sent["messages"] == _messages()
+    kept, positions = sent["vllm_xargs"]["kept_token_ids"], sent["vllm_xargs"]["position_ids"]
+    tokenizer = load_tokenizer(model_pair / "target")
+    text = tokenizer.apply_chat_template(_messages(), tools=TOOLS, tokenize=False, add_generation_prompt=True)
+    rendered = tokenizer(text, add_special_tokens=False).input_ids
+    assert [rendered[p] for p in positions] == kept and positions[-1] == len(rendered) - 1
+    tools_start = len(tokenizer(text[: text.index('{"type": "function"')], add_special_tokens=False).input_ids)
+    tools_end = len(tokenizer(text[: text.index("<|eot_id|>", tools_start)], add_special_tokens=False).input_ids)
+    assert set(range(tools_start + 1, tools_end - 1)) <= set(positions)  # the tool definitions stayed whole
+    model = load_causal_lm(model_pair / "target", device="cpu")
+    expected = torch.log_softmax(reference_logits(model, kept, positions), -1)
+    token = tokenizer.convert_tokens_to_ids(first.token) if first.token in tokenizer.get_vocab() else None
+    chosen = int(expected.argmax()) if token is None else token
+    assert first.logprob == pytest.approx(float(expected[chosen]), abs=1e-4)
+
+
+def test_structured_output_n_and_penalties_are_the_engines(gateway_url):
+    with openai_client(gateway_url) as client:
+        _structured_n_and_penalties(client)
+
+
+def _structured_n_and_penalties(client):
+    raw = client.chat.completions.with_raw_response.create(
+        model="tiny", messages=_messages("Is there a third number?"), max_tokens=80, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "verdict", "schema": SCHEMA}},
+        extra_headers=KEEP)
+    assert raw.headers["x-specprefill-status"] == "compressed"
+    answer = json.loads(raw.parse().choices[0].message.content)
+    assert set(answer) == {"answer", "colour"} and answer["answer"] in ("yes", "no")
+    assert answer["colour"] in ("red", "green", "blue")
+    raw = client.chat.completions.with_raw_response.create(model="tiny", messages=_messages(), max_tokens=3, n=2,
+                                                           seed=1, presence_penalty=1.5, extra_headers=KEEP)
+    assert raw.headers["x-specprefill-status"] == "compressed"
+    assert [c.index for c in raw.parse().choices] == [0, 1]
+
+
+def test_the_responses_api_streamed_and_not(gateway_url, engine_backend):
+    with openai_client(gateway_url) as client:
+        _responses(client, engine_backend[1])
+
+
+def _responses(client, recorder):
+    raw = client.responses.with_raw_response.create(model="tiny", instructions="Answer briefly.",
+                                                    input=LONG_DOC + "\n\nWhat is the third number?",
+                                                    max_output_tokens=4, temperature=0, extra_headers=KEEP)
+    assert raw.headers["x-specprefill-status"] == "compressed"
+    response = raw.parse()
+    assert response.status in ("completed", "incomplete") and response.output_text is not None
+    assert response.model == "tiny" and response.usage.input_tokens == int(raw.headers["x-specprefill-original-tokens"])
+    sent = recorder.last("/v1/responses")["body"]
+    assert sent["instructions"] == "Answer briefly." and "kept_token_ids" in sent["vllm_xargs"]
+    items = [{"role": "system", "content": "Answer briefly."},
+             {"role": "user", "content": [{"type": "input_text", "text": LONG_DOC}]}]
+    with client.responses.with_streaming_response.create(model="tiny", input=items, max_output_tokens=4,
+                                                         temperature=0, stream=True, extra_headers=KEEP) as raw:
+        assert raw.headers["x-specprefill-status"] == "compressed"
+        events = list(raw.parse())
+    kinds = [e.type for e in events]
+    assert kinds[0] == "response.created" and kinds[-1] in ("response.completed", "response.incomplete")
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert events[-1].response.output_text == text and events[-1].response.model == "tiny"
+
+
+def test_a_swap_that_does_not_match_is_a_400_and_through_the_gateway_goes_whole(model_pair, engine_backend,
+                                                                               tmp_path):
+    url, recorder = engine_backend
+    body = {"model": "target", "messages": _messages(), "max_tokens": 1,
+            "vllm_xargs": {"kept_token_ids": [1, 2, 3], "position_ids": [0, 1, 2]}}
+    response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "vllm_xargs.kept_token_ids" and "position" in error["message"]
+    # a gateway whose chat template differs from the engine's (one word): its kept tokens are not the engine's
+    target = tmp_path / "target"
+    shutil.copytree(model_pair / "target", target)
+    config = json.loads((target / "tokenizer_config.json").read_text())
+    template = config.get("chat_template") or (target / "chat_template.jinja").read_text()
+    changed = template.replace("<|start_header_id|>' + message['role']", "<|start_header_id|>' + 'x' + message['role']")
+    assert changed != template
+    if "chat_template" in config:
+        config["chat_template"] = changed
+        (target / "tokenizer_config.json").write_text(json.dumps(config))
+    else:
+        (target / "chat_template.jinja").write_text(changed)
+    settings = gateway_settings(model_pair, backend_url=url, target_model=str(target))
+    with serve(create_app(settings)) as gw, openai_client(gw) as client:
+        for _ in range(2):
+            raw = client.chat.completions.with_raw_response.create(model="tiny", messages=_messages(), max_tokens=2,
+                                                                   extra_headers=KEEP)
+            assert raw.headers["x-specprefill-status"] == "bypassed"
+            assert raw.headers["x-specprefill-reason"] == "swap_mismatch" and raw.parse().choices[0].message.content
+            assert "vllm_xargs" not in recorder.last("/v1/chat/completions")["body"]
+        metrics = httpx.get(f"{gw}/metrics").text
+        assert any(line.startswith("specprefill_swap_mismatch_total{") and line.endswith(" 2.0")
+                   for line in metrics.splitlines())
