@@ -9,7 +9,7 @@ import pytest
 
 from gateway.app import create_app
 from specprefill.lab.demo_models import ModelShape, train_tokenizer, write_model
-from tests.helpers import RecordingApp, engine_app, gateway_settings, serve
+from tests.helpers import OPEN_CLIENTS, RecordingApp, engine_app, gateway_settings, serve
 
 
 @pytest.fixture(scope="session")
@@ -27,6 +27,13 @@ def model_pair(tmp_path_factory, tokenizer) -> Path:
     write_model(root / "draft", ModelShape(64, 128, 2, 4, 2), tokenizer, seed=1, max_positions=4096, init_std=0.2)
     write_model(root / "target", ModelShape(128, 256, 2, 4, 2), tokenizer, seed=2, max_positions=4096, init_std=0.2)
     return root
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _close_sdk_clients():
+    yield
+    while OPEN_CLIENTS:
+        OPEN_CLIENTS.pop().close()
 
 
 @pytest.fixture(scope="session")

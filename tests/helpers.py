@@ -60,9 +60,16 @@ def reference_logits(model, ids: list[int], positions: list[int]) -> torch.Tenso
     return out.logits[0, -1].float()
 
 
+OPEN_CLIENTS: list[openai.OpenAI] = []
+"""SDK clients the tests made, closed at the end of the session (``conftest``): a client dropped unclosed leaves
+its sockets to the cyclic garbage collector, whose ResourceWarning lands in whichever test runs then."""
+
+
 def openai_client(url: str, api_key: str = "unused") -> openai.OpenAI:
     """The real OpenAI SDK pointed at one of our servers (no retries: a test sees every failure)."""
-    return openai.OpenAI(base_url=f"{url}/v1", api_key=api_key, max_retries=0)
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=api_key, max_retries=0)
+    OPEN_CLIENTS.append(client)
+    return client
 
 
 def tiny_llama(*, layers: int = 2, heads: int = 4, kv_heads: int = 2, hidden: int = 64, vocab: int = 256,

@@ -19,7 +19,7 @@ from common.models import load_causal_lm, load_tokenizer
 from gateway.app import create_app
 from specprefill.lab.vllm_server import VLLMServer
 from tests.gateway.test_swap import SCHEMA, TOOLS
-from tests.helpers import chat_messages, gateway_settings, reference_logits, serve
+from tests.helpers import chat_messages, gateway_settings, openai_client, reference_logits, serve
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.vllm
@@ -141,7 +141,7 @@ def test_the_gateway_in_front_of_vllm_answers_the_openai_sdk(vllm_servers, engin
     for kind, url in (("vllm", vllm_servers["plugin"]), ("reference", engine_backend[0])):
         settings = gateway_settings(model_pair, backend_url=url, backend_kind=kind)
         with serve(create_app(settings)) as gw:
-            client = openai.OpenAI(base_url=f"{gw}/v1", api_key="unused", max_retries=0)
+            client = openai_client(gw)
             raw = client.chat.completions.with_raw_response.create(
                 model="tiny", messages=chat_messages("vllm?"), max_tokens=8, temperature=0,
                 extra_headers={"x-keep-rate": "0.3"})
@@ -157,7 +157,7 @@ def test_the_gateway_in_front_of_vllm_answers_the_openai_sdk(vllm_servers, engin
 def test_tokens_kind_works_against_stock_vllm(vllm_servers, model_pair):
     settings = gateway_settings(model_pair, backend_url=vllm_servers["stock"], backend_kind="tokens")
     with serve(create_app(settings)) as gw:
-        client = openai.OpenAI(base_url=f"{gw}/v1", api_key="unused", max_retries=0)
+        client = openai_client(gw)
         raw = client.chat.completions.with_raw_response.create(
             model="tiny", messages=chat_messages("stock?"), max_tokens=4, temperature=0,
             extra_headers={"x-keep-rate": "0.3"})
