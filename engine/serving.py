@@ -6,7 +6,6 @@ exactly as it consumes a remote backend's parsed stream.
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -150,7 +149,9 @@ class EngineServing:
 
     async def completion(self, request: EngineCompletionRequest) -> dict:
         prepared = self.prepare(request)
-        runs = await asyncio.gather(*(_collect(g) for g in self._choices(request, prepared)))
+        runs: list[list[StepOutput]] = [[] for _ in range(request.n)]
+        async for index, step in merge(self._choices(request, prepared)):
+            runs[index].append(step)
         choices = []
         for index, steps in enumerate(runs):
             choice = {
@@ -229,9 +230,6 @@ def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, flo
                                   param="logit_bias")
     return out
 
-
-async def _collect(steps: AsyncIterator[StepOutput]) -> list[StepOutput]:
-    return [step async for step in steps]
 
 
 def _check_positions(positions: list[int], n_tokens: int, max_positions: int) -> None:

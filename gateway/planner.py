@@ -202,8 +202,11 @@ class Planner:
     # --- what happened: the engine's cache, the cost models, the selections later prompts may reuse ---
 
     async def completed(self, plan: Plan, usage: dict | None, backend_s: float) -> None:
-        """A backend answered ``plan`` (its first event after ``backend_s``); ``usage`` as the backend reported it."""
+        """A backend answered ``plan`` (its first event after ``backend_s``); ``usage`` as the backend reported it.
+        A request whose prompt the gateway did not read (images, an unrenderable Responses input) teaches nothing."""
         sent = plan.kept_token_ids()
+        if not sent:
+            return
         cached = _cached_tokens(usage)
         if cached is not None:
             self.metrics.engine_cache_error.observe(cached - plan.engine_cached)

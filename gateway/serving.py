@@ -217,19 +217,19 @@ class GatewayServing:
     async def responses(self, request: ResponsesRequest, headers) -> Answer:
         """OpenAI's Responses API: rendered as the backend renders it (``ResponsesRequest.as_chat``), planned like
         a chat, and the client's own body forwarded to the backend's ``/v1/responses`` with the swap. A request
-        the gateway cannot render (reasoning items, a stored previous response) goes whole."""
-        if self.backend.kind not in SWAP_KINDS:
-            raise InvalidRequestError(f"the Responses API needs a backend that serves it (--backend-kind reference "
-                                      f"or vllm); this one is {self.backend.kind!r}", param="input")
-        body = request.model_dump(exclude_unset=True, exclude={"specprefill"})
-        body["model"] = await self.backend.model_name()
+        the gateway cannot render (reasoning items, a stored previous response), or a backend kind without the
+        swap, gets the request whole."""
+        body = _passthrough_body(request, await self.backend.model_name())
         try:
             chat = request.as_chat()
         except InvalidRequestError as exc:
-            self.check_model(request.model)
-            plan = Plan([], reason=Reason.UNSCORED_CONTENT, passthrough=True)
             logger.debug("Responses request forwarded whole: %s", exc.message)
-            return await self._swapped(plan, body, chat=False, endpoint="/v1/responses")
+            chat = None
+        if chat is None or self.backend.kind not in SWAP_KINDS:
+            self.check_model(request.model)
+            reason = Reason.UNSCORED_CONTENT if chat is None else Reason.unsupported("responses")
+            return await self._forward(Plan([], reason=reason, passthrough=True), body, chat=False,
+                                       endpoint="/v1/responses")
         chat.specprefill = request.specprefill
         plan, _ = await self._planned(chat, headers)
         return await self._swapped(plan, body, chat=False, endpoint="/v1/responses")

@@ -60,6 +60,16 @@ def reference_logits(model, ids: list[int], positions: list[int]) -> torch.Tenso
     return out.logits[0, -1].float()
 
 
+def assert_swap_mismatch_is_a_400(url: str) -> None:
+    """A swap whose kept tokens are not the rendered chat's: a 400 naming the position (before the engine)."""
+    body = {"model": "target", "messages": chat_messages(), "max_tokens": 1,
+            "vllm_xargs": {"kept_token_ids": [1, 2, 3], "position_ids": [0, 1, 2]}}
+    response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "vllm_xargs.kept_token_ids" and "at position 0 differs" in error["message"]
+
+
 OPEN_CLIENTS: list[openai.OpenAI] = []
 """SDK clients the tests made, closed at the end of the session (``conftest``): a client dropped unclosed leaves
 its sockets to the cyclic garbage collector, whose ResourceWarning lands in whichever test runs then."""

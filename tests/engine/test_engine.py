@@ -76,6 +76,33 @@ def test_vllm_xargs_positions_are_read_too(engine_url):
     assert top_level["choices"][0]["token_ids"] == xargs["choices"][0]["token_ids"]
 
 
+def test_the_swap_equals_sending_the_kept_tokens(engine_url, model_pair):
+    """A swap on the engine's own tokenisation of a text prompt runs exactly the kept tokens at their positions."""
+    text = "Bafu anbe zadubu " * 30
+    ids = load_tokenizer(model_pair / "target")(text).input_ids  # with BOS, as the engine adds it
+    positions = list(range(5)) + list(range(40, len(ids)))
+    kept = [ids[p] for p in positions]
+    swapped = _complete(engine_url, prompt=text, max_tokens=4, temperature=0, return_token_ids=True,
+                        vllm_xargs={"kept_token_ids": kept, "position_ids": positions})
+    direct = _complete(engine_url, prompt=kept, position_ids=positions, max_tokens=4, temperature=0,
+                       return_token_ids=True)
+    whole = _complete(engine_url, prompt=text, max_tokens=4, temperature=0, return_token_ids=True)
+    assert swapped["choices"][0]["token_ids"] == direct["choices"][0]["token_ids"]
+    assert swapped["usage"]["prompt_tokens"] == len(kept) < whole["usage"]["prompt_tokens"] == len(ids)
+
+
+def test_n_penalties_and_logit_bias(engine_url):
+    base = {"prompt": _prompt(40), "max_tokens": 8, "temperature": 0, "return_token_ids": True}
+    greedy = _complete(engine_url, **base)["choices"][0]["token_ids"]
+    # negative penalties reward what was generated: greedy output that did not repeat now does
+    rewarded = _complete(engine_url, **base, presence_penalty=-2.0, frequency_penalty=-2.0)["choices"][0]["token_ids"]
+    assert len(set(rewarded)) < len(set(greedy)) and rewarded[0] == greedy[0]
+    forced = _complete(engine_url, **base, logit_bias={"7": 100})["choices"][0]["token_ids"]
+    assert forced == [7] * 8
+    two = _complete(engine_url, **{**base, "temperature": 1.0, "seed": 3}, n=2)["choices"]
+    assert [c["index"] for c in two] == [0, 1] and two[0]["token_ids"] != two[1]["token_ids"]
+
+
 def test_greedy_generation_continues_after_the_last_kept_position(engine_url, target):
     ids, positions = _gapped(seed=2)
     n_new = 12

@@ -31,6 +31,11 @@ def test_tokens_kind_sends_kept_tokens_without_positions(model_pair, engine_back
         sent = recorder.last("/v1/completions")["body"]
         assert len(sent["prompt"]) == int(raw.headers["x-specprefill-kept-tokens"])
         assert "position_ids" not in sent and "vllm_xargs" not in sent
+        # the Responses API has no token-ID form: it goes whole to the backend's own endpoint
+        raw = _client(gw).responses.with_raw_response.create(model="tiny", input=LONG_DOC, max_output_tokens=2,
+                                                             extra_headers={"x-keep-rate": "0.3"})
+        assert raw.headers["x-specprefill-reason"] == "unsupported_responses" and raw.parse().output_text is not None
+        assert recorder.last("/v1/responses")["body"]["input"] == LONG_DOC
 
 
 def test_vllm_kind_sends_the_clients_body_plus_the_swap(model_pair, engine_backend):

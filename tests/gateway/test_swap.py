@@ -13,7 +13,14 @@ import torch
 
 from common.models import load_causal_lm, load_tokenizer
 from gateway.app import create_app
-from tests.helpers import LONG_DOC, gateway_settings, openai_client, reference_logits, serve
+from tests.helpers import (
+    LONG_DOC,
+    assert_swap_mismatch_is_a_400,
+    gateway_settings,
+    openai_client,
+    reference_logits,
+    serve,
+)
 from tests.helpers import chat_messages as _messages
 
 KEEP = {"x-keep-rate": "0.3"}
@@ -32,7 +39,7 @@ def test_a_chat_with_tools_reads_its_kept_tokens_at_their_positions(gateway_url,
     with openai_client(gateway_url) as client:
         raw = client.chat.completions.with_raw_response.create(
             model="tiny", messages=_messages(), tools=TOOLS, max_tokens=1, temperature=0, logprobs=True,
-            top_logprobs=1, extra_headers=KEEP)
+            extra_headers=KEEP)
         first = raw.parse().choices[0].logprobs.content[0]
     assert raw.headers["x-specprefill-status"] == "compressed"
     sent = recorder.last("/v1/chat/completions")["body"]
@@ -42,14 +49,17 @@ def test_a_chat_with_tools_reads_its_kept_tokens_at_their_positions(gateway_url,
     text = tokenizer.apply_chat_template(_messages(), tools=TOOLS, tokenize=False, add_generation_prompt=True)
     rendered = tokenizer(text, add_special_tokens=False).input_ids
     assert [rendered[p] for p in positions] == kept and positions[-1] == len(rendered) - 1
-    tools_start = len(tokenizer(text[: text.index('{"type": "function"')], add_special_tokens=False).input_ids)
-    tools_end = len(tokenizer(text[: text.index("<|eot_id|>", tools_start)], add_special_tokens=False).input_ids)
-    assert set(range(tools_start + 1, tools_end - 1)) <= set(positions)  # the tool definitions stayed whole
+    start = text.index('{"type": "function"')
+    end = text.index("<|eot_id|>", start)
+
+    def n_tokens(chars: int) -> int:
+        return len(tokenizer(text[:chars], add_special_tokens=False).input_ids)
+
+    tools = set(range(n_tokens(start) + 1, n_tokens(end) - 1))  # inner tokens (a boundary may merge)
+    assert len(tools) > 40 and tools <= set(positions)  # the tool definitions stayed whole
     model = load_causal_lm(model_pair / "target", device="cpu")
     expected = torch.log_softmax(reference_logits(model, kept, positions), -1)
-    token = tokenizer.convert_tokens_to_ids(first.token) if first.token in tokenizer.get_vocab() else None
-    chosen = int(expected.argmax()) if token is None else token
-    assert first.logprob == pytest.approx(float(expected[chosen]), abs=1e-4)
+    assert first.logprob == pytest.approx(float(expected.max()), abs=1e-4)  # greedy: the most likely token
 
 
 def test_structured_output_n_and_penalties_are_the_engines(gateway_url):
@@ -102,12 +112,7 @@ def _responses(client, recorder):
 def test_a_swap_that_does_not_match_is_a_400_and_through_the_gateway_goes_whole(model_pair, engine_backend,
                                                                                tmp_path):
     url, recorder = engine_backend
-    body = {"model": "target", "messages": _messages(), "max_tokens": 1,
-            "vllm_xargs": {"kept_token_ids": [1, 2, 3], "position_ids": [0, 1, 2]}}
-    response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
-    assert response.status_code == 400, response.text
-    error = response.json()["error"]
-    assert error["param"] == "vllm_xargs.kept_token_ids" and "position" in error["message"]
+    assert_swap_mismatch_is_a_400(url)
     # a gateway whose chat template differs from the engine's (one word): its kept tokens are not the engine's
     target = tmp_path / "target"
     shutil.copytree(model_pair / "target", target)

@@ -19,7 +19,14 @@ from common.models import load_causal_lm, load_tokenizer
 from gateway.app import create_app
 from specprefill.lab.vllm_server import VLLMServer
 from tests.gateway.test_swap import SCHEMA, TOOLS
-from tests.helpers import chat_messages, gateway_settings, openai_client, reference_logits, serve
+from tests.helpers import (
+    assert_swap_mismatch_is_a_400,
+    chat_messages,
+    gateway_settings,
+    openai_client,
+    reference_logits,
+    serve,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.vllm
@@ -208,10 +215,5 @@ def test_every_kind_of_request_is_compressed_on_vllms_own_endpoints(vllm_servers
 
 
 def test_a_swap_that_does_not_match_is_a_400_and_vllm_stays_up(vllm_servers):
-    body = {"model": "target", "messages": chat_messages(), "max_tokens": 1,
-            "vllm_xargs": {"kept_token_ids": [1, 2, 3], "position_ids": [0, 1, 2]}}
-    response = httpx.post(f"{vllm_servers['plugin']}/v1/chat/completions", json=body, timeout=60)
-    assert response.status_code == 400, response.text
-    error = response.json()["error"]
-    assert error["param"] == "vllm_xargs.kept_token_ids" and "position" in error["message"]
+    assert_swap_mismatch_is_a_400(vllm_servers["plugin"])
     assert _complete(vllm_servers["plugin"], prompt=[11, 12, 13], max_tokens=1)["finish_reason"]
