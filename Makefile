@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 REDIS_URL  ?= redis://127.0.0.1:6379/0
 
-.PHONY: serve test install redis bench loadtest clean
+.PHONY: serve test install redis browser bench loadtest clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -25,7 +25,10 @@ serve: $(VENV)/.installed
 redis:
 	@bash scripts/ensure-redis.sh "$(REDIS_URL)"
 
-test: $(VENV)/.installed redis
+browser:
+	@bash scripts/ensure-chromium.sh
+
+test: $(VENV)/.installed redis browser
 	SPECPREFILL_TEST_REDIS_URL="$(REDIS_URL)" $(BIN)/python -m pytest
 
 bench: $(VENV)/.installed

@@ -28,14 +28,21 @@ def select_tokens(token_ids: Sequence[int], scores: torch.Tensor, keep_rate: flo
     """
     keep_rate = validate_keep_rate(keep_rate)
     assert scores.dim() == 1 and scores.numel() == len(token_ids), "one score per token"
-    length = len(token_ids)
     if keep_rate >= 1.0:
-        return list(range(length))
+        return list(range(len(token_ids)))
+    protected = always_kept(token_ids, config, special_ids, keep)
+    return select_chunks(scores, keep_rate, config.chunk_size, protected).tolist()
+
+
+def always_kept(token_ids: Sequence[int], config: ScoringConfig, special_ids: Collection[int] = (),
+                keep: torch.Tensor | None = None) -> torch.Tensor:
+    """Boolean [S] mask of the tokens ``select_tokens`` keeps at any keep rate: the protected ends, the
+    template's special tokens and ``keep``. Their chunks are kept whole."""
+    length = len(token_ids)
     extra = keep.clone() if keep is not None else torch.zeros(length, dtype=torch.bool)
     if special_ids:
         extra |= torch.isin(torch.as_tensor(list(token_ids)), torch.as_tensor(sorted(special_ids)))
-    protected = protected_mask(length, config.protect_first, max(config.protect_last, 1), extra)
-    return select_chunks(scores, keep_rate, config.chunk_size, protected).tolist()
+    return protected_mask(length, config.protect_first, max(config.protect_last, 1), extra)
 
 
 def extend_selection(token_ids: Sequence[int], scores: torch.Tensor, keep_rate: float, config: ScoringConfig,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import hmac
 import logging
 import time
@@ -9,7 +10,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -20,6 +21,7 @@ from common.responses import ResponsesRequest
 from common.streams import sse_body
 from gateway.backends import Backend
 from gateway.draft import DraftClient
+from gateway.inspector import page
 from gateway.metrics import GatewayMetrics
 from gateway.serving import Answer, GatewayServing
 from gateway.settings import GatewaySettings
@@ -64,8 +66,16 @@ def create_app(settings: GatewaySettings | None = None, *, draft: DraftClient | 
         return await _respond("responses", raw_request, lambda s: s.responses(request, raw_request.headers))
 
     @app.post("/v1/specprefill/compress", dependencies=auth)
-    async def compress(body: dict, raw_request: Request) -> JSONResponse:
-        return JSONResponse(await raw_request.app.state.serving.compress(body, raw_request.headers))
+    async def compress(body: dict, raw_request: Request, return_scores: bool = False) -> JSONResponse:
+        return JSONResponse(await raw_request.app.state.serving.compress(body, raw_request.headers, return_scores))
+
+    @app.post("/v1/specprefill/inspect", dependencies=auth)
+    async def inspect_data(body: dict, raw_request: Request) -> JSONResponse:
+        return JSONResponse(await raw_request.app.state.serving.inspect(body, raw_request.headers))
+
+    @app.get("/specprefill/inspect", dependencies=[Depends(_api_key_checker(settings, browser=True))])
+    async def inspect_page() -> HTMLResponse:
+        return HTMLResponse(page(), headers={"cache-control": "no-store"})
 
     @app.get("/v1/models", dependencies=auth)
     async def models(raw_request: Request) -> JSONResponse:
@@ -118,16 +128,26 @@ async def _respond(endpoint: str, raw_request: Request, work: Callable) -> Respo
     return JSONResponse(answer.body, headers=plan.headers())
 
 
-def _api_key_checker(settings: GatewaySettings):
+def _api_key_checker(settings: GatewaySettings, *, browser: bool = False):
+    """The API key as a bearer token, or as the password of HTTP Basic credentials (any user name): a browser
+    asks for those on the inspector page and sends them again with the page's own requests."""
     expected = settings.api_key.get_secret_value().encode() if settings.api_key else None
 
     async def check(request: Request) -> None:
         if expected is None:
             return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected):
-            raise AuthenticationError("a valid API key is required: send 'Authorization: Bearer <key>'",
-                                      code="invalid_api_key")
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        scheme, token = scheme.lower(), token.strip()
+        if scheme == "basic":
+            try:
+                token = base64.b64decode(token, validate=True).decode().partition(":")[2]
+            except (ValueError, UnicodeDecodeError):
+                token = ""
+        if scheme not in ("bearer", "basic") or not hmac.compare_digest(token.encode(), expected):
+            raise AuthenticationError(
+                "a valid API key is required: send 'Authorization: Bearer <key>'"
+                + (" (in a browser: any user name, the key as password)" if browser else ""),
+                code="invalid_api_key",
+                headers={"www-authenticate": 'Basic realm="specprefill", charset="UTF-8"'} if browser else None)
 
     return check

@@ -64,8 +64,10 @@ class Planner:
         self.selections: RecentPrompts[Selection] = RecentPrompts(capacity=64)
 
     async def plan(self, token_ids: list[int], options: RequestOptions, unsupported: list[str],
-                   keep: torch.Tensor | None = None, *, dry_run: bool = False) -> Plan:
-        """The plan for this prompt. ``keep`` marks tokens to keep whole if affordable (a system prompt)."""
+                   keep: torch.Tensor | None = None, *, dry_run: bool = False,
+                   scored: tuple[torch.Tensor, str] | None = None) -> Plan:
+        """The plan for this prompt. ``keep`` marks tokens to keep whole if affordable (a system prompt);
+        ``scored``: the prompt's scores and their cache status when already at hand (the inspector's keep rates)."""
         n = len(token_ids)
         if not dry_run:
             self.metrics.original_tokens.observe(n)
@@ -88,7 +90,7 @@ class Planner:
             return self._as_plan(whole, token_ids, options, reason=Reason.CHEAPER_WHOLE)
         start = time.perf_counter()
         try:
-            scores, cache = await asyncio.wait_for(self.scores.scores(token_ids), self.settings.draft_timeout)
+            scores, cache = scored or await asyncio.wait_for(self.scores.scores(token_ids), self.settings.draft_timeout)
         except Exception as exc:  # any draft fault: the full prompt goes through instead
             draft_ms = (time.perf_counter() - start) * 1e3
             self.metrics.draft_latency.labels("error").observe(draft_ms / 1e3)
@@ -97,7 +99,7 @@ class Planner:
             return Plan(token_ids, reason=Reason.DRAFT_ERROR, draft_ms=draft_ms, engine_cached=whole.cached,
                         predicted_ms=whole.seconds * 1e3)
         draft_ms = (time.perf_counter() - start) * 1e3
-        if cache != "hit":
+        if cache != "hit" and scored is None:
             self.metrics.draft_latency.labels("ok").observe(draft_ms / 1e3)
             self.draft_cost.observe(draft_new, n - draft_new, draft_ms / 1e3)
         start = time.perf_counter()

@@ -16,17 +16,19 @@ from dataclasses import dataclass
 import torch
 
 from common.chat import ChatChunkConverter, RenderedChat, as_chat_chunks, completion_to_chat, render_chat
-from common.errors import APIError, InvalidRequestError, NotFoundError, parse_body
+from common.errors import APIError, InvalidRequestError, NotFoundError, OverloadedError, parse_body
 from common.protocol import ChatCompletionRequest, CompletionRequest
 from common.responses import ResponsesRequest
 from common.swap import KEPT_KEY, POSITIONS_KEY, SWAP_PARAM
 from common.tokenize import PieceCache
+from draft_worker.selector import always_kept, select_tokens
 from gateway.backends import Backend, token_body
 from gateway.draft import DraftClient
+from gateway.inspector import KEEP_RATES, inspection, runs, token_pieces
 from gateway.metrics import GatewayMetrics
 from gateway.plan import Plan
 from gateway.planner import Planner
-from gateway.policy import Reason, request_options
+from gateway.policy import Reason, RequestOptions, request_options
 from gateway.settings import GatewaySettings
 from gateway.text_kind import kept_messages, kept_text
 from gateway.warming import Warmer
@@ -234,22 +236,70 @@ class GatewayServing:
         plan, _ = await self._planned(chat, headers)
         return await self._swapped(plan, body, chat=False, endpoint="/v1/responses")
 
-    async def compress(self, body: dict, headers) -> dict:
-        """What would be sent to the backend for this chat or completion body, without sending it."""
-        request = parse_body(ChatCompletionRequest if "messages" in body else CompletionRequest, body)
-        options = request_options(headers, request.specprefill, self.settings.keep_rate)
-        prompt = self.prompt(request)
+    async def compress(self, body: dict, headers, return_scores: bool = False) -> dict:
+        """What would be sent to the backend for this chat or completion body, without sending it; with
+        ``return_scores`` (or ``"return_scores": true`` in the body) also the draft's score of every prompt token."""
+        return_scores = bool(body.pop("return_scores", False)) or return_scores
+        request, options, prompt = self._dry_request(body, headers)
+        scored = await self._scores(prompt.token_ids) if return_scores else None
         plan = await self.planner.plan(prompt.token_ids, options, self._unsupported(request), prompt.keep,
-                                       dry_run=True)
-        return {
+                                       dry_run=True, scored=scored)
+        answer = {
             "original_tokens": plan.original_tokens,
             "kept_tokens": plan.kept_tokens,
             "keep_rate": plan.keep_rate,
             "status": plan.status,
             "reason": plan.reason,
+            "plan": plan.kind,
             "token_ids": plan.kept_token_ids(),
             "position_ids": plan.position_ids(),
         }
+        if scored is not None:
+            answer["scores"] = [float(s) for s in scored[0].tolist()]
+        return answer
+
+    async def inspect(self, body: dict, headers) -> dict:
+        """The inspector's data: the prompt's tokens and scores, and the dry-run plan at every keep rate of
+        the slider's grid, all from one draft call (``gateway.inspector``)."""
+        request, options, prompt = self._dry_request(body, headers)
+        unsupported = self._unsupported(request)
+        start = time.perf_counter()
+        scores, cache = await self._scores(prompt.token_ids)
+        draft_ms = (time.perf_counter() - start) * 1e3
+        config = self.draft.config
+        plans = {}
+        for rate in KEEP_RATES:
+            plan = await self.planner.plan(prompt.token_ids, RequestOptions(rate, options.enabled), unsupported,
+                                           prompt.keep, dry_run=True, scored=(scores, cache))
+            entry = {"status": plan.status, "reason": plan.reason, "plan": plan.kind,
+                     "kept": runs(plan.position_ids())}
+            if plan.status != "compressed" and rate < 1:  # sent whole: what the rule would have dropped
+                entry["selected"] = runs(select_tokens(prompt.token_ids, scores, rate, config,
+                                                       self.planner.special_ids, prompt.keep))
+            plans[rate] = entry
+        protected = always_kept(prompt.token_ids, config, self.planner.special_ids, prompt.keep)
+        return inspection(token_pieces(self.tokenizer, prompt.token_ids), scores, protected, config.chunk_size,
+                          options.keep_rate, plans, draft_ms=draft_ms, cache=cache, model=self.model_name)
+
+    async def _scores(self, token_ids: list[int]) -> tuple[torch.Tensor, str]:
+        """The prompt's scores for a caller that asked for them: a draft fault is a 503 that says so."""
+        try:
+            return await asyncio.wait_for(self.planner.scores.scores(token_ids), self.settings.draft_timeout)
+        except Exception as exc:
+            raise OverloadedError(f"the draft model could not score this prompt ({type(exc).__name__}); "
+                                  "try again later", code="draft_unavailable") from None
+
+    def _dry_request(self, body: dict, headers):
+        """A chat or completion body checked as for a real request (the model name may be left out)."""
+        if not isinstance(body, dict):
+            raise InvalidRequestError("the body must be a JSON object: a chat body with messages, or a completion "
+                                      "body with a prompt")
+        body = {"model": self.model_name, **body}
+        request = parse_body(ChatCompletionRequest if "messages" in body else CompletionRequest, body)
+        options = request_options(headers, request.specprefill, self.settings.keep_rate)
+        prompt = self.prompt(request)
+        self.check_limits(request, prompt.token_ids)
+        return request, options, prompt
 
     async def _forward(self, plan: Plan, body: dict, *, chat: bool, converter: ChatChunkConverter | None = None,
                        endpoint: str | None = None) -> Answer:

@@ -25,6 +25,8 @@ class Score(DeviceOptions, ScoringOptions):
     json_output: bool = Field(
         False, validation_alias=AliasChoices("json", "json_output"), description="print the numbers as JSON"
     )
+    html: str | None = Field(None, description="also write the inspector's view to this file: one self-contained "
+                             "HTML page, with a keep-rate slider over the same selections")
 
     @field_validator("keep_rate")
     @classmethod
@@ -49,7 +51,11 @@ def run_score(options: Score) -> int:
     except (ValueError, OSError) as exc:
         print(f"specprefill score: error: {exc}", file=sys.stderr)
         return 2
-    kept = select_tokens(token_ids, scores, options.keep_rate, config, worker.tokenizer.all_special_ids)
+    special = worker.tokenizer.all_special_ids
+    kept = select_tokens(token_ids, scores, options.keep_rate, config, special)
+    if options.html:
+        write_html(options.html, worker.tokenizer, token_ids, scores, config, special, options.keep_rate,
+                   options.model)
     if options.json_output:
         print(json.dumps({"original_tokens": len(token_ids), "kept_tokens": len(kept), "kept_indices": kept,
                           "scores": [round(s, 8) for s in scores.tolist()]}))
@@ -58,6 +64,20 @@ def run_score(options: Score) -> int:
     print(f"\nkept {len(kept)} of {len(token_ids)} tokens ({len(kept) / len(token_ids):.1%}; "
           f"keep rate {options.keep_rate}, chunks of {config.chunk_size})", file=sys.stderr)
     return 0
+
+
+def write_html(path: str, tokenizer, token_ids: list[int], scores, config, special: list[int], keep_rate: float,
+               model: str) -> None:
+    """The inspector's page with this prompt's scores and selections inlined (``gateway.inspector``)."""
+    from draft_worker.selector import always_kept, select_tokens
+    from gateway.inspector import inspection, page, selections, token_pieces
+
+    plans = selections(lambda rate: select_tokens(token_ids, scores, rate, config, special))
+    data = inspection(token_pieces(tokenizer, token_ids), scores, always_kept(token_ids, config, special),
+                      config.chunk_size, round(keep_rate, 2), plans, model=model)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(page(data))
+    print(f"wrote {path}", file=sys.stderr)
 
 
 def _read_input(path: str) -> str:
