@@ -14,6 +14,7 @@ import collections
 import logging
 import re
 import threading
+from collections.abc import Sequence
 
 logger = logging.getLogger("specprefill")
 
@@ -81,3 +82,31 @@ class PieceCache:
         if not agrees:
             logger.info("this tokenizer does not split at its added tokens alone: chats are tokenized whole")
         return agrees
+
+
+CONTEXT_TOKENS = 4  # tokens decoded before each one, so its text is what it adds (leading spaces, bytes)
+
+
+def token_pieces(tokenizer, token_ids: Sequence[int]) -> list[str]:
+    """Each token's text, such that the pieces joined read as the decoded prompt.
+
+    A token's piece is what decoding it adds after a few tokens before it (a word-start marker's space
+    included). A token that ends in the middle of a character gets ``""`` and the token that completes the
+    character gets the whole character.
+    """
+    def decode(ids: Sequence[int]) -> str:
+        return tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    pieces: list[str] = []
+    pending = 0  # tokens before this one whose text is not out yet
+    for i in range(len(token_ids)):
+        first = i - pending  # the first token of this piece
+        lo = max(0, first - CONTEXT_TOKENS)
+        before, after = decode(token_ids[lo:first]), decode(token_ids[lo : i + 1])
+        if after.endswith("\ufffd") and pending < CONTEXT_TOKENS and i + 1 < len(token_ids):
+            pieces.append("")
+            pending += 1
+            continue
+        pieces.append(after[len(before):] if after.startswith(before) else decode(token_ids[first : i + 1]))
+        pending = 0
+    return pieces

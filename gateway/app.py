@@ -89,7 +89,7 @@ def create_app(settings: GatewaySettings | None = None, *, draft: DraftClient | 
         draft_ready, backend_ready = await serving.draft.ready(), await serving.backend.ready()
         return JSONResponse({
             "status": "ok" if draft_ready and backend_ready else "degraded",
-            "draft": {"ready": draft_ready},
+            "draft": {"ready": draft_ready, "tokenizer": getattr(serving.draft, "kind", "shared")},
             "backend": {"ready": backend_ready, "kind": serving.backend.kind},
         })
 

@@ -18,32 +18,6 @@ import torch
 
 KEEP_RATES = tuple(round(0.01 * i, 2) for i in range(1, 101))  # the slider's grid
 PAGE_TITLE = "SpecPrefill inspector"
-CONTEXT_TOKENS = 4  # tokens decoded before each one, so its text is what it adds (leading spaces, bytes)
-
-
-def token_pieces(tokenizer, token_ids: Sequence[int]) -> list[str]:
-    """Each token's text, such that the pieces joined read as the decoded prompt.
-
-    A token's piece is what decoding it adds after a few tokens before it (a word-start marker's space
-    included). A token that ends in the middle of a character gets ``""`` and the token that completes the
-    character gets the whole character.
-    """
-    def decode(ids: Sequence[int]) -> str:
-        return tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
-
-    pieces: list[str] = []
-    pending = 0  # tokens before this one whose text is not out yet
-    for i in range(len(token_ids)):
-        first = i - pending  # the first token of this piece
-        lo = max(0, first - CONTEXT_TOKENS)
-        before, after = decode(token_ids[lo:first]), decode(token_ids[lo : i + 1])
-        if after.endswith("\ufffd") and pending < CONTEXT_TOKENS and i + 1 < len(token_ids):
-            pieces.append("")
-            pending += 1
-            continue
-        pieces.append(after[len(before):] if after.startswith(before) else decode(token_ids[first : i + 1]))
-        pending = 0
-    return pieces
 
 
 def runs(indices: Sequence[int]) -> list[list[int]]:

@@ -19,6 +19,8 @@ class GatewayMetrics:
                               ["endpoint", "status"], buckets=LATENCY_BUCKETS, registry=r)
         self.draft_latency = Histogram("specprefill_draft_seconds", "Draft scoring time", ["outcome"],
                                        buckets=LATENCY_BUCKETS, registry=r)
+        self.mapping_latency = Histogram("specprefill_draft_mapping_seconds", "Mapping a prompt onto a draft "
+                                         "with another tokenizer", buckets=LATENCY_BUCKETS, registry=r)
         self.original_tokens = Histogram("specprefill_original_prompt_tokens", "Prompt tokens received",
                                          buckets=TOKEN_BUCKETS, registry=r)
         self.kept_tokens = Histogram("specprefill_kept_prompt_tokens", "Prompt tokens forwarded",

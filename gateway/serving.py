@@ -20,11 +20,11 @@ from common.errors import APIError, InvalidRequestError, NotFoundError, Overload
 from common.protocol import ChatCompletionRequest, CompletionRequest
 from common.responses import ResponsesRequest
 from common.swap import KEPT_KEY, POSITIONS_KEY, SWAP_PARAM
-from common.tokenize import PieceCache
+from common.tokenize import PieceCache, token_pieces
 from draft_worker.selector import always_kept, select_tokens
 from gateway.backends import Backend, token_body
 from gateway.draft import DraftClient
-from gateway.inspector import KEEP_RATES, inspection, runs, token_pieces
+from gateway.inspector import KEEP_RATES, inspection, runs
 from gateway.metrics import GatewayMetrics
 from gateway.plan import Plan
 from gateway.planner import Planner

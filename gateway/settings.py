@@ -29,8 +29,15 @@ class GatewaySettings(ServerOptions, DeviceOptions, ScoringOptions):
     backend_api_key: SecretStr | None = Field(None, description="Bearer token the gateway sends to the backend")
     target_model: str | None = Field(None, description="the target model (its tokenizer and chat template); "
                                      "without it and --draft-model, `specprefill serve` runs the demo pair")
-    draft_model: str | None = Field(None, description="the draft model (same tokenizer as the target)")
+    draft_model: str | None = Field(None, description="the draft model (ideally with the target's tokenizer; "
+                                    "see --draft-tokenizer-mapping)")
     draft_worker_url: list[str] = Field(default_factory=list, description="remote draft workers (repeatable)")
+    draft_tokenizer_mapping: Literal["auto", "off"] = Field(
+        "auto", description="auto: a draft whose tokenizer differs from the target's is scored on its own tokens "
+        "of the prompt's text and its scores mapped onto the target's tokens by character overlap; off: refuse "
+        "to start with such a draft")
+    draft_tokenizer: str | None = Field(None, description="the draft's tokenizer, for remote draft workers whose "
+                                        "tokenizer differs from the target's (default: --draft-model)")
     served_model_name: str | None = Field(None, description="the model name clients use (default: the target's)")
     redis_url: str | None = Field(None, description="Redis for the shared score cache (default: in-memory)")
     redis_key_prefix: str = Field("specprefill:", description="prefix of every Redis key")

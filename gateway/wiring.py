@@ -16,6 +16,7 @@ from gateway.planner import Planner
 from gateway.scores import ScoreProvider
 from gateway.serving import GatewayServing
 from gateway.settings import GatewaySettings
+from gateway.token_mapping import MappedDraft, TokenMapping
 from gateway.warming import Warmer
 
 logger = logging.getLogger("specprefill.gateway")
@@ -33,7 +34,7 @@ async def build_serving(settings: GatewaySettings, metrics: GatewayMetrics, draf
         raise MissingModelError("set --target-model and --draft-model (or --draft-worker-url); "
                                 "`specprefill serve` without either serves the demo pair")
     tokenizer = load_tokenizer(settings.target_model)
-    draft = draft or await _draft(settings, tokenizer)
+    draft = draft or await _draft(settings, tokenizer, metrics)
     served = settings.served_model_name or settings.target_model
     backend = backend or _backend(settings, served)
     names = list(dict.fromkeys(n for n in (served, settings.target_model, settings.backend_model) if n))
@@ -74,15 +75,36 @@ async def _engine_cache(settings: GatewaySettings, backend: Backend) -> EngineCa
     return MemoryEngineCache(block_size, capacity)
 
 
-async def _draft(settings: GatewaySettings, tokenizer) -> DraftClient:
+async def _draft(settings: GatewaySettings, tokenizer, metrics: GatewayMetrics) -> DraftClient:
     if settings.draft_worker_url:
         draft = RemoteDraft(settings.draft_worker_url, settings.scoring_config(), timeout=settings.draft_timeout)
-        await _check_remote_tokenizer(draft, tokenizer)
-        return draft
+        if await _remote_tokenizer_matches(draft, tokenizer):
+            return draft
+        source = settings.draft_tokenizer or settings.draft_model
+        if settings.draft_tokenizer_mapping == "off" or source is None:
+            await draft.close()
+            raise TokenizerMismatchError(
+                "the draft workers use another tokenizer than the target: "
+                + ("set --draft-tokenizer-mapping auto to map their scores onto the target's tokens"
+                   if source is not None else "set --draft-tokenizer (the workers' tokenizer) to map their scores "
+                   "onto the target's tokens, or use a draft from the target's model family"))
+        return _mapped(draft, tokenizer, load_tokenizer(source), metrics)
     worker = DraftWorker.from_pretrained(settings.draft_model, settings.scoring_config(), device=settings.device,
                                          dtype=settings.dtype, prefix_cache_bytes=settings.draft_prefix_cache_mb << 20)
-    check_same_tokenizer(worker.tokenizer, tokenizer)
+    try:
+        check_same_tokenizer(worker.tokenizer, tokenizer)
+    except TokenizerMismatchError as exc:
+        if settings.draft_tokenizer_mapping == "off":
+            raise TokenizerMismatchError(f"{exc} (or set --draft-tokenizer-mapping auto)") from None
+        return _mapped(LocalDraft(worker), tokenizer, worker.tokenizer, metrics)
     return LocalDraft(worker)
+
+
+def _mapped(draft: DraftClient, target_tokenizer, draft_tokenizer, metrics: GatewayMetrics) -> MappedDraft:
+    mapping = TokenMapping(target_tokenizer, draft_tokenizer)
+    logger.info("the draft's tokenizer differs from the target's: it scores its own tokens of the prompt's text, "
+                "and each target token takes the highest score of the draft tokens it overlaps (%s)", mapping.identity)
+    return MappedDraft(draft, mapping, on_mapped=metrics.mapping_latency.observe)
 
 
 def _backend(settings: GatewaySettings, served_name: str) -> Backend:
@@ -107,11 +129,11 @@ def score_cache(settings: GatewaySettings) -> ScoreCache | None:
     return None
 
 
-async def _check_remote_tokenizer(draft: RemoteDraft, tokenizer) -> None:
-    """Refuses to start when a draft worker that answers has another tokenizer than the target."""
+async def _remote_tokenizer_matches(draft: RemoteDraft, tokenizer) -> bool:
+    """Whether the draft workers that answer share the target's tokenizer (they must all share one)."""
     expected = tokenizer_fingerprint(tokenizer)
-    for url, info in (await draft.infos()).items():
-        if info.get("tokenizer_fingerprint") not in (None, expected):
-            raise TokenizerMismatchError(
-                f"the draft worker at {url} uses another tokenizer than the target: SpecPrefill needs a draft "
-                "from the target's model family (same tokenizer)")
+    found = {info.get("tokenizer_fingerprint") for info in (await draft.infos()).values()} - {None}
+    if len(found) > 1:
+        await draft.close()
+        raise TokenizerMismatchError(f"the draft workers use {len(found)} different tokenizers: give them one draft")
+    return not found or found == {expected}

@@ -36,6 +36,10 @@ class Eval(BaseSettings):
     questions: int = Field(4, description="sessions: questions per document")
     session_samples: int = Field(40, description="sessions: documents")
     session_keep_rate: float = Field(0.1, description="sessions: keep rate through the gateway")
+    cross_tokenizer: bool = Field(False, description="retrieval through live gateways with the pair's own draft and "
+                                  "with --cross-draft (another tokenizer, mapped), and the mapping's cost")
+    cross_draft: str | None = Field(None, description="cross-tokenizer: the other draft (default: the shipped "
+                                    "retrieval draft with a SentencePiece-style BPE, retrieval-pair/draft-bpe)")
 
     def cli_cmd(self) -> None:
         raise SystemExit(run_eval(self))
@@ -81,6 +85,8 @@ def run_eval(options: Eval) -> int:
         return 2
     if options.sessions:
         return _sessions(options, pair, out)
+    if options.cross_tokenizer:
+        return _cross_tokenizer(options, pair, out)
     result = evaluate_retrieval(pair, samples=options.samples, words=options.words, keep_rates=options.keep_rates)
     print(format_retrieval(result))
     payload = asdict(result) | {"pair": str(pair), "words": options.words}
@@ -100,4 +106,22 @@ def _sessions(options: Eval, pair: Path, out: Path) -> int:
                                                    "words": options.words, "results": [asdict(r) for r in results]},
                                                   indent=2))
     print(f"wrote {out / 'sessions.json'}")
+    return 0
+
+
+def _cross_tokenizer(options: Eval, pair: Path, out: Path) -> int:
+    from specprefill.lab.draft_eval import evaluate_drafts, format_drafts, mapping_cost
+    from specprefill.lab.retrieval import SHIPPED_PAIR
+
+    other = Path(options.cross_draft) if options.cross_draft else SHIPPED_PAIR / "draft-bpe"
+    results = evaluate_drafts(pair / "target", [pair / "draft", other], samples=options.samples,
+                              words=options.words, keep_rates=[k for k in options.keep_rates if k < 1])
+    print(format_drafts(results))
+    cost = mapping_cost(pair / "target", other)
+    print(f"mapping a {cost['target_tokens']}-token prompt onto the draft's {cost['draft_tokens']} tokens and back: "
+          f"{cost['mapping_ms']:.1f} ms, {cost['ratio']:.1%} of the draft's scoring ({cost['draft_ms']:.1f} ms)")
+    (out / "cross-tokenizer.json").write_text(json.dumps(
+        {"pair": str(pair), "samples": options.samples, "words": options.words,
+         "results": [asdict(r) for r in results], "mapping_cost": cost}, indent=2))
+    print(f"wrote {out / 'cross-tokenizer.json'}")
     return 0

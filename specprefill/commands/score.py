@@ -69,8 +69,9 @@ def run_score(options: Score) -> int:
 def write_html(path: str, tokenizer, token_ids: list[int], scores, config, special: list[int], keep_rate: float,
                model: str) -> None:
     """The inspector's page with this prompt's scores and selections inlined (``gateway.inspector``)."""
+    from common.tokenize import token_pieces
     from draft_worker.selector import always_kept, select_tokens
-    from gateway.inspector import inspection, page, selections, token_pieces
+    from gateway.inspector import inspection, page, selections
 
     plans = selections(lambda rate: select_tokens(token_ids, scores, rate, config, special))
     data = inspection(token_pieces(tokenizer, token_ids), scores, always_kept(token_ids, config, special),

@@ -16,7 +16,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from tokenizers import Tokenizer, models, pre_tokenizers, processors
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
 TASK_VERSION = "v2"
@@ -25,6 +25,7 @@ N_FILLER, N_KEYS, N_VALUES = 256, 256, 128
 TEMPLATE_WORDS = ["the", "code", "for", ".", "question", ":"]
 RECORD_LEN, QUESTION_LEN = 6, 6
 SPECIALS = ["<pad>", "<bos>", "<eos>"]
+BPE_SPECIALS = ["<unk>", "<s>", "</s>"]
 
 
 def vocabulary() -> list[str]:
@@ -41,6 +42,24 @@ def make_tokenizer() -> PreTrainedTokenizerFast:
     tokenizer.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<bos>", eos_token="<eos>",
                                    pad_token="<pad>", model_max_length=8192)
+
+
+def make_bpe_tokenizer(seed: int = 0) -> PreTrainedTokenizerFast:
+    """A second tokenizer for the same task, for a draft from another "family": a BPE with SentencePiece-style
+    word starts (``▁k12``, the space inside the token, as Llama-2 or Mistral tokenizers have), other special
+    tokens (``<s>``, ``</s>``, ``<unk>``) and other IDs, trained here on the task's text (fixed seed). It
+    learns every task word whole, so its tokens line up with the word-level ones but their character spans
+    start one space earlier; unlike the word-level tokenizer it can spell any text."""
+    rng = random.Random(seed)
+    texts = [make_sample(rng, 1536, 37).text for _ in range(400)]
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+    tokenizer.decoder = decoders.Metaspace()
+    tokenizer.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=1024, special_tokens=BPE_SPECIALS,
+                                                             show_progress=False))
+    tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>", pad_token="<unk>", model_max_length=16384)
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,7 +19,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from specprefill.lab.demo_models import default_cache_dir
-from specprefill.lab.retrieval import QUESTION_LEN, TASK_VERSION, make_sample, make_tokenizer
+from specprefill.lab.retrieval import QUESTION_LEN, TASK_VERSION, make_bpe_tokenizer, make_sample, make_tokenizer
 
 TRAIN_ATTENTION = "specprefill_train_sdpa"
 
@@ -68,9 +68,12 @@ def _training_batch(rng: random.Random, tokenizer, batch: int, n_words: int, n_q
         for key, value in rng.sample(records, min(len(records), n_questions)):
             words += ["question", ":", "the", "code", "for", key]
             answer_word_pos.append(len(words))
-            words += [value, "<eos>"]  # an answer ends the turn: the draft's look-ahead stops there
-        rows.append(tokenizer(" ".join(words)).input_ids)
-        targets.append([p + 1 for p in answer_word_pos])  # +1: the BOS token
+            words.append(value + tokenizer.eos_token)  # an answer ends the turn: the draft's look-ahead stops there
+        text = " ".join(words)
+        encoded = tokenizer(text, return_offsets_mapping=True)
+        starts = [sum(len(w) + 1 for w in words[:p]) for p in answer_word_pos]  # the answers' first characters
+        rows.append(encoded.input_ids)
+        targets.append([_token_at(encoded.offset_mapping, c) for c in starts])
     width = max(len(r) for r in rows)
     ids = torch.full((batch, width), tokenizer.pad_token_id)
     for row, r in enumerate(rows):
@@ -78,6 +81,12 @@ def _training_batch(rng: random.Random, tokenizer, batch: int, n_words: int, n_q
     row_index = torch.tensor([row for row, t in enumerate(targets) for _ in t])
     answer_pos = torch.tensor([p for t in targets for p in t])
     return ids, row_index, answer_pos
+
+
+def _token_at(offsets: list[tuple[int, int]], char: int) -> int:
+    """The index of the first token whose span ends past ``char`` (the answer's first token, whatever the
+    tokenizer: a word-level token, or a SentencePiece-style one that starts with the space before it)."""
+    return next(i for i, (a, b) in enumerate(offsets) if b > char and b > a)
 
 
 def _head_zero_attention(inner):
@@ -210,6 +219,17 @@ def train_pair(out_dir: Path, *, draft_steps: int = DRAFT_STEPS, target_steps: i
         model = train(shape, tokenizer, steps=steps, seed=model_seed, lr=lr)
         save(model, tokenizer, out_dir / name)
     (out_dir / "retrieval.json").write_text(json.dumps(provenance(seed, draft_steps, target_steps), indent=2))
+    return out_dir
+
+
+def train_cross_tokenizer_draft(out_dir: Path, *, steps: int = DRAFT_STEPS, seed: int = 0) -> Path:
+    """The retrieval draft again, with ``make_bpe_tokenizer`` (another tokenizer than the target's): same shape,
+    steps, learning rate and seed as the pair's draft. Writes ``out_dir`` (model and tokenizer)."""
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    tokenizer = make_bpe_tokenizer(seed)
+    print(f"training the cross-tokenizer draft ({DRAFT}) for {steps} steps", flush=True)
+    model = train(DRAFT, tokenizer, steps=steps, seed=seed + 1, lr=DRAFT_LR)
+    save(model, tokenizer, out_dir)
     return out_dir
 
 

@@ -15,8 +15,9 @@ import httpx
 import pytest
 
 from common.models import load_tokenizer
+from common.tokenize import token_pieces
 from gateway.app import create_app
-from gateway.inspector import page, runs, token_pieces
+from gateway.inspector import page, runs
 from tests.browser import Browser, find_chromium
 from tests.helpers import LONG_DOC, gateway_settings, serve
 

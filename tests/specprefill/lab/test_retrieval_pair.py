@@ -41,3 +41,17 @@ def test_answers_survive_ten_x_compression(client):
         assert int(headers["x-specprefill-kept-tokens"]) <= 0.15 * int(headers["x-specprefill-original-tokens"])
         assert answer == answer_full, (sample.answer, answer_full, answer)
     assert sum(a == s.answer for s, a in zip(samples, full)) >= 5
+
+
+def test_a_draft_with_another_tokenizer_finds_the_answers_too():
+    """The shipped draft-bpe (a SentencePiece-style BPE, other IDs and spans) in front of the word-level target:
+    the gateway maps its scores, and the answers survive 10x compression as with the pair's own draft."""
+    settings = GatewaySettings(target_model=str(SHIPPED_PAIR / "target"), draft_model=str(SHIPPED_PAIR / "draft-bpe"),
+                               device="cpu", served_model_name="retrieval", planner="fresh")
+    with serve(create_app(settings)) as url, openai.OpenAI(base_url=f"{url}/v1", api_key="unused",
+                                                           max_retries=0) as client:
+        rng = random.Random(2024)
+        samples = [make_sample(rng, 1500, 37) for _ in range(6)]
+        answers = [_ask(client, s.text, **{"x-keep-rate": "0.1"}) for s in samples]
+        assert all(headers["x-specprefill-status"] == "compressed" for _, headers in answers)
+        assert sum(answer == s.answer for s, (answer, _) in zip(samples, answers)) >= 5
