@@ -192,7 +192,7 @@ def test_bad_mode_header(gateway_url):
 
 def test_health_and_metrics(gateway_url):
     assert httpx.get(f"{gateway_url}/health").json() == {
-        "status": "ok", "draft": {"ready": True}, "backend": {"ready": True, "kind": "reference"}}
+        "status": "ok", "draft": {"ready": True, "tokenizer": "shared"}, "backend": {"ready": True, "kind": "reference"}}
     client = _client(gateway_url)
     client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=1)
     client.chat.completions.create(model="tiny", messages=_messages("metrics?"), max_tokens=1,
