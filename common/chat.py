@@ -9,10 +9,11 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jinja2
+import numpy as np
 
 from common.errors import InvalidRequestError
 from common.protocol import ChatMessage
@@ -25,6 +26,7 @@ class RenderedChat:
     text: str
     token_ids: list[int]
     offsets: list[tuple[int, int]]
+    _spans: np.ndarray | None = field(default=None, repr=False, compare=False)  # offsets as an array, made once
 
     def content_spans(self, messages: list[ChatMessage]) -> list[tuple[int, int] | None]:
         """Each message's content as a character span of the text (None where the template changed it)."""
@@ -41,7 +43,15 @@ class RenderedChat:
 
     def tokens_in(self, span: tuple[int, int]) -> list[int]:
         """Indices of the tokens that start inside a character span."""
-        return [i for i, (a, b) in enumerate(self.offsets) if b > a and span[0] <= a < span[1]]
+        return np.flatnonzero(self.token_mask(span)).tolist()
+
+    def token_mask(self, span: tuple[int, int]) -> np.ndarray:
+        """Boolean [S]: the tokens that start inside a character span (vectorised: a long system prompt's
+        12,000 tokens take microseconds, not a Python loop's milliseconds)."""
+        if self._spans is None:
+            self._spans = np.asarray(self.offsets, dtype=np.int64).reshape(-1, 2)
+        starts, ends = self._spans[:, 0], self._spans[:, 1]
+        return (ends > starts) & (starts >= span[0]) & (starts < span[1])
 
 
 def render_chat(tokenizer, messages: list[ChatMessage], encode=None, tools: list[dict] | None = None,

@@ -13,6 +13,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from common.chat import ChatChunkConverter, RenderedChat, as_chat_chunks, completion_to_chat, render_chat
@@ -102,18 +103,18 @@ class GatewayServing:
         has_system = any(m.role in SYSTEM_ROLES for m in request.messages)
         if not self.settings.keep_system_whole or not (has_system or request.tools):
             return None
-        keep = torch.zeros(len(rendered.token_ids), dtype=torch.bool)
+        keep = np.zeros(len(rendered.token_ids), dtype=bool)
         spans = rendered.content_spans(request.messages)
         for message, span in zip(request.messages, spans):
             if message.role in SYSTEM_ROLES and span is not None:
-                keep[rendered.tokens_in(span)] = True
+                keep |= rendered.token_mask(span)
         if request.tools:  # tool definitions are the template's own text, between the message contents
-            inside = torch.zeros_like(keep)
+            inside = np.zeros_like(keep)
             for span in spans:
                 if span is not None:
-                    inside[rendered.tokens_in(span)] = True
+                    inside |= rendered.token_mask(span)
             keep |= ~inside
-        return keep
+        return torch.from_numpy(keep)
 
     def check_limits(self, request: ChatCompletionRequest | CompletionRequest, token_ids: list[int]) -> None:
         """The gateway's own limits, before any draft or backend work."""
@@ -283,6 +284,9 @@ class GatewayServing:
 
     async def _scores(self, token_ids: list[int]) -> tuple[torch.Tensor, str]:
         """The prompt's scores for a caller that asked for them: a draft fault is a 503 that says so."""
+        if len(token_ids) > self.draft.max_prompt_tokens:
+            raise InvalidRequestError(f"the prompt has {len(token_ids)} tokens; the draft model scores at most "
+                                      f"{self.draft.max_prompt_tokens}", param="prompt", code="prompt_too_long")
         try:
             return await asyncio.wait_for(self.planner.scores.scores(token_ids), self.settings.draft_timeout)
         except Exception as exc:

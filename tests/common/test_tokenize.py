@@ -28,3 +28,12 @@ def test_a_tokenizer_that_strips_beside_special_tokens_is_tokenized_whole():
     assert not cache.enabled
     text = "Hello <|x|> there"
     assert cache.encode(text)[0] == tokenizer(text, add_special_tokens=False).input_ids
+
+
+def test_tokens_in_a_span_are_those_that_start_inside_it(tokenizer):
+    messages = [ChatMessage(role="system", content=LONG_DOC), ChatMessage(role="user", content="Which one?")]
+    rendered = render_chat(tokenizer, messages)
+    for span in [s for s in rendered.content_spans(messages) if s] + [(0, 0), (5, 40), (0, len(rendered.text))]:
+        expected = [i for i, (a, b) in enumerate(rendered.offsets) if b > a and span[0] <= a < span[1]]
+        assert rendered.tokens_in(span) == expected
+        assert rendered.token_mask(span).nonzero()[0].tolist() == expected
