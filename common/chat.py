@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import jinja2
@@ -25,8 +25,7 @@ class RenderedChat:
 
     text: str
     token_ids: list[int]
-    offsets: list[tuple[int, int]]
-    _spans: np.ndarray | None = field(default=None, repr=False, compare=False)  # offsets as an array, made once
+    offsets: np.ndarray  # int64 [N, 2]: each token's character span in ``text``
 
     def content_spans(self, messages: list[ChatMessage]) -> list[tuple[int, int] | None]:
         """Each message's content as a character span of the text (None where the template changed it)."""
@@ -48,9 +47,7 @@ class RenderedChat:
     def token_mask(self, span: tuple[int, int]) -> np.ndarray:
         """Boolean [S]: the tokens that start inside a character span (vectorised: a long system prompt's
         12,000 tokens take microseconds, not a Python loop's milliseconds)."""
-        if self._spans is None:
-            self._spans = np.asarray(self.offsets, dtype=np.int64).reshape(-1, 2)
-        starts, ends = self._spans[:, 0], self._spans[:, 1]
+        starts, ends = self.offsets[:, 0], self.offsets[:, 1]
         return (ends > starts) & (starts >= span[0]) & (starts < span[1])
 
 
@@ -69,7 +66,8 @@ def render_chat(tokenizer, messages: list[ChatMessage], encode=None, tools: list
     if encode is not None and not add_special_tokens:
         return RenderedChat(text, *encode(text))
     encoding = tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
-    return RenderedChat(text, encoding.input_ids, [tuple(o) for o in encoding["offset_mapping"]])
+    return RenderedChat(text, encoding.input_ids,
+                        np.asarray(encoding["offset_mapping"], dtype=np.int64).reshape(-1, 2))
 
 
 def completion_to_chat(body: dict, model: str) -> dict:

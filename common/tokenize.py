@@ -16,6 +16,8 @@ import re
 import threading
 from collections.abc import Sequence
 
+import numpy as np
+
 logger = logging.getLogger("specprefill")
 
 SAMPLE_CHAT = [{"role": "system", "content": "You answer briefly.\n  Be precise. "},
@@ -24,7 +26,8 @@ SAMPLE_CHAT = [{"role": "system", "content": "You answer briefly.\n  Be precise.
 
 
 class PieceCache:
-    """``encode(text) -> (ids, offsets)`` as ``tokenizer(text, add_special_tokens=False)`` gives them."""
+    """``encode(text) -> (ids, offsets)`` as ``tokenizer(text, add_special_tokens=False)`` gives them (offsets as an
+    int64 array [N, 2])."""
 
     def __init__(self, tokenizer, capacity_chars: int = 16 << 20) -> None:
         self.tokenizer = tokenizer
@@ -36,7 +39,8 @@ class PieceCache:
         self._split = re.compile("(" + "|".join(map(re.escape, added)) + ")") if added else None
         self.enabled = self._split is not None and capacity_chars > 0 and self._agrees()
 
-    def encode(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+    def encode(self, text: str) -> tuple[list[int], np.ndarray]:
+        """Token IDs, and each token's character span as an int64 array [N, 2]."""
         if not self.enabled:
             return self._whole(text)
         ids, offsets, start = [], [], 0
@@ -44,11 +48,11 @@ class PieceCache:
             if piece:
                 piece_ids, piece_offsets = self._piece(piece)
                 ids += piece_ids
-                offsets += [(a + start, b + start) for a, b in piece_offsets]
+                offsets.append(piece_offsets + start)
             start += len(piece)
-        return ids, offsets
+        return ids, np.concatenate(offsets) if offsets else np.zeros((0, 2), dtype=np.int64)
 
-    def _piece(self, piece: str) -> tuple[list[int], list[tuple[int, int]]]:
+    def _piece(self, piece: str) -> tuple[list[int], np.ndarray]:
         with self._lock:
             found = self._pieces.get(piece)
             if found is not None:
@@ -64,9 +68,9 @@ class PieceCache:
                     self._chars -= len(evicted)
         return found
 
-    def _whole(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+    def _whole(self, text: str) -> tuple[list[int], np.ndarray]:
         encoding = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        return encoding.input_ids, [tuple(o) for o in encoding["offset_mapping"]]
+        return encoding.input_ids, np.asarray(encoding["offset_mapping"], dtype=np.int64).reshape(-1, 2)
 
     def _agrees(self) -> bool:
         """A sample chat, then every added token between whitespace: split and whole must give one result."""
@@ -76,7 +80,8 @@ class PieceCache:
             text = ""
         text += "".join(f" word {token}  word\n{token}\n " for token in self.tokenizer.get_added_vocab())
         self.enabled = True
-        agrees = self.encode(text) == self._whole(text)
+        (split_ids, split_offsets), (whole_ids, whole_offsets) = self.encode(text), self._whole(text)
+        agrees = split_ids == whole_ids and np.array_equal(split_offsets, whole_offsets)
         self._pieces.clear()
         self._chars = 0
         if not agrees:
