@@ -17,7 +17,10 @@ class VLLMServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
         env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
-               "VLLM_CACHE_ROOT": str(Path(python).parents[1] / "compile-cache"), "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+               "VLLM_CACHE_ROOT": str(Path(python).parents[1] / "compile-cache"), "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+               # OpenMP threads sleep between requests instead of spinning: two servers on one small machine (the
+               # bench's gateway and direct paths) would otherwise slow each other's next request down
+               "OMP_WAIT_POLICY": "PASSIVE"}
         if not plugin:
             env["VLLM_PLUGINS"] = ""  # an allowlist naming no plugin: stock vLLM
         self._log_file = log.open("w")

@@ -91,3 +91,15 @@ def test_the_session_eval_runs_through_a_live_gateway_and_reports_plans(tiny_ret
     assert "whole" not in warm.plans[1]  # the document came back: compressed, and warmed
     assert warm.plans[2] == {"whole": 2}  # so the third question reads it whole
     assert "turn 2" in format_sessions(results)
+
+
+def test_the_cross_tokenizer_eval_command(tmp_path):
+    """Its logic on a few samples (two live gateways, the mapping's cost); its numbers are in the README."""
+    with pytest.raises(SystemExit) as excinfo:
+        main(["eval", "--cross-tokenizer", "--samples", "3", "--words", "300", "--keep-rates", "0.3",
+              "--out", str(tmp_path)])
+    assert excinfo.value.code == 0
+    payload = json.loads((tmp_path / "cross-tokenizer.json").read_text())
+    assert [r["tokenizer"] for r in payload["results"]] == ["shared", "mapped"]
+    assert set(payload["results"][1]["accuracy"]) == {"full", "0.3"}
+    assert payload["mapping_cost"]["target_tokens"] > 3000 and payload["mapping_cost"]["ratio"] > 0

@@ -6,7 +6,7 @@ import random
 
 import torch
 
-from specprefill.lab.retrieval import N_VALUES, make_tokenizer
+from specprefill.lab.retrieval import N_VALUES, make_bpe_tokenizer, make_tokenizer
 from specprefill.lab.training import _training_batch, circuit_losses
 
 
@@ -33,3 +33,15 @@ def test_circuit_losses_reward_exactly_the_previous_token_and_induction_patterns
     assert previous.item() < 1e-6 and induction.item() < 1e-6
     shifted, wrong = circuit_losses(induction_pattern, previous_pattern, ids)
     assert shifted.item() > 10 and wrong.item() > 10
+
+
+def test_training_batches_point_at_the_answers_with_another_tokenizer():
+    """The SentencePiece-style BPE (``▁v12``: the space inside the token): answers found by character offsets,
+    each followed by that tokenizer's own EOS."""
+    tokenizer = make_bpe_tokenizer()
+    ids, rows, positions = _training_batch(random.Random(0), tokenizer, 4, 200)
+    answers = [tokenizer.convert_ids_to_tokens(int(a)) for a in ids[rows, positions]]
+    assert all(a.startswith("▁v") and int(a[2:]) < N_VALUES for a in answers)
+    assert all(tokenizer.convert_ids_to_tokens(int(k)).startswith("▁k") for k in ids[rows, positions - 1])
+    assert (ids[rows, positions + 1] == tokenizer.eos_token_id).all()
+    assert tokenizer("w3 k5 v7 .").input_ids[0] == tokenizer.bos_token_id
