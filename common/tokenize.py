@@ -6,6 +6,10 @@ long system prompt, a shared document or a conversation's earlier turns need tok
 requests look their pieces up (LRU, bounded by characters). Whether a tokenizer really behaves so (some
 add a prefix space to every piece, or strip whitespace beside special tokens) is checked once, on a sample
 chat, against a plain tokenization; where the two differ, every text is tokenized whole.
+
+A long piece that begins like an earlier one (the same document with another question after it) is tokenized
+from the earlier piece's tokens: only the text from a few tokens before the point where the two part is
+tokenized again, and that is kept only where it reproduces the earlier tokens it overlaps.
 """
 
 from __future__ import annotations
@@ -25,6 +29,11 @@ SAMPLE_CHAT = [{"role": "system", "content": "You answer briefly.\n  Be precise.
                {"role": "assistant", "content": "4."}, {"role": "user", "content": "And 3 + 3 ?"}]
 
 
+LONG_PIECE = 4096  # characters: a piece this long may be tokenized from an earlier one it begins with
+HEAD_CHARS = 256  # characters that find that earlier piece
+OVERLAP = 16  # tokens before the earlier piece's end tokenized again, and required to come out the same
+
+
 class PieceCache:
     """``encode(text) -> (ids, offsets)`` as ``tokenizer(text, add_special_tokens=False)`` gives them (offsets as an
     int64 array [N, 2])."""
@@ -32,8 +41,10 @@ class PieceCache:
     def __init__(self, tokenizer, capacity_chars: int = 16 << 20) -> None:
         self.tokenizer = tokenizer
         self.capacity_chars = capacity_chars
-        self._pieces: collections.OrderedDict[str, tuple[list[int], list[tuple[int, int]]]] = collections.OrderedDict()
+        self._pieces: collections.OrderedDict[str, tuple[list[int], np.ndarray]] = collections.OrderedDict()
         self._chars = 0
+        self._heads: dict[str, str] = {}  # a long piece's first characters -> that piece (the latest)
+        self.extended = 0  # long pieces tokenized from an earlier piece they begin with
         self._lock = threading.Lock()
         added = sorted(tokenizer.get_added_vocab(), key=len, reverse=True)
         self._split = re.compile("(" + "|".join(map(re.escape, added)) + ")") if added else None
@@ -58,15 +69,40 @@ class PieceCache:
             if found is not None:
                 self._pieces.move_to_end(piece)
                 return found
-        found = self._whole(piece)
+            head = self._heads.get(piece[:HEAD_CHARS]) if len(piece) > LONG_PIECE else None
+            earlier = self._pieces.get(head) if head is not None else None
+        found = (earlier is not None and self._extended(piece, head, *earlier)) or self._whole(piece)
         if len(piece) <= self.capacity_chars:
             with self._lock:
                 self._pieces[piece] = found
                 self._chars += len(piece)
+                if len(piece) > LONG_PIECE:
+                    self._heads[piece[:HEAD_CHARS]] = piece
                 while self._chars > self.capacity_chars:
                     evicted, _ = self._pieces.popitem(last=False)
                     self._chars -= len(evicted)
+                    if self._heads.get(evicted[:HEAD_CHARS]) == evicted:
+                        del self._heads[evicted[:HEAD_CHARS]]
         return found
+
+    def _extended(self, text: str, earlier: str, ids: list[int], offsets: np.ndarray):
+        """``text``'s tokens from those of an ``earlier`` piece it begins like (the same document, then another
+        question): the earlier tokens up to ``OVERLAP`` tokens before the point where the two texts part are
+        kept, and the rest is tokenized again. Kept only where the new tokenization reproduces those
+        ``OVERLAP`` earlier tokens exactly (the two realign there, so every later token is the new text's
+        own); else None, and the text is tokenized whole."""
+        shared = _common_prefix(text, earlier)
+        inside = int(np.searchsorted(offsets[:, 1], shared, side="right"))  # earlier tokens ending by then
+        cut = inside - OVERLAP
+        if cut <= OVERLAP:
+            return None
+        start = int(offsets[cut, 0])
+        tail_ids, tail_offsets = self._whole(text[start:])
+        if tail_ids[:OVERLAP - 1] != ids[cut:inside - 1] or not np.array_equal(
+                tail_offsets[:OVERLAP - 1] + start, offsets[cut:inside - 1]):
+            return None
+        self.extended += 1
+        return ids[:cut] + tail_ids, np.concatenate([offsets[:cut], tail_offsets + start])
 
     def _whole(self, text: str) -> tuple[list[int], np.ndarray]:
         encoding = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
@@ -87,6 +123,18 @@ class PieceCache:
         if not agrees:
             logger.info("this tokenizer does not split at its added tokens alone: chats are tokenized whole")
         return agrees
+
+
+def _common_prefix(a: str, b: str) -> int:
+    """The length of the longest common prefix of two strings (bisection over slice comparisons)."""
+    low, high = 0, min(len(a), len(b))
+    while low < high:
+        middle = (low + high + 1) // 2
+        if a[:middle] == b[:middle]:
+            low = middle
+        else:
+            high = middle - 1
+    return low
 
 
 CONTEXT_TOKENS = 4  # tokens decoded before each one, so its text is what it adds (leading spaces, bytes)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from tokenizers import AddedToken
 
 from common.chat import render_chat
@@ -38,3 +39,30 @@ def test_tokens_in_a_span_are_those_that_start_inside_it(tokenizer):
         expected = [i for i, (a, b) in enumerate(rendered.offsets) if b > a and span[0] <= a < span[1]]
         assert rendered.tokens_in(span) == expected
         assert rendered.token_mask(span).nonzero()[0].tolist() == expected
+
+
+@pytest.mark.parametrize("suffix", ["\n\nWhat is the third number?", "ber and more", " ", "  \n  ", "日本語 🙂 x",
+                                    "?", "0123456789", "-" * 40, "\t\tword"])
+def test_a_long_piece_that_begins_with_an_earlier_one_tokenizes_exactly_as_a_whole(tokenizer, suffix):
+    """A document, then the document and a question: only the tail is tokenized again, the result identical
+    to a plain tokenization (whatever the suffix does at the boundary: continue a word, add whitespace)."""
+    cache = PieceCache(tokenizer)
+    document = (LONG_DOC + " ") * 4 + "the last words of the docu"
+    cache.encode(document)
+    for text in (document + suffix, document + suffix + " and again " + suffix):
+        ids, offsets = cache.encode(text)
+        plain = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        assert ids == plain.input_ids and offsets.tolist() == [list(o) for o in plain.offset_mapping]
+    assert cache.extended >= 1
+
+
+
+def test_the_same_document_with_another_question_reuses_the_documents_tokens(tokenizer):
+    cache = PieceCache(tokenizer)
+    document = (LONG_DOC + " ") * 4
+    for question in ("What is the third number?", "And the fourth one?", "What is the thi", "W"):
+        text = document + "\n\n" + question
+        ids, offsets = cache.encode(text)
+        plain = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        assert ids == plain.input_ids and offsets.tolist() == [list(o) for o in plain.offset_mapping]
+    assert cache.extended == 3
