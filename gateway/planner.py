@@ -85,7 +85,8 @@ class Planner:
         if held and earlier is not None and not earlier[0].protected:
             earlier = None  # it compressed the system prompt, which is to stay whole now
         draft_new = n - self.draft.reusable_prefix(token_ids)
-        least = self.draft_cost.predict(draft_new, n - draft_new) + self._least_target(n, options, earlier, held)
+        least = self.draft_cost.predict(draft_new, n - draft_new) + self._least_target(n, options, earlier, held,
+                                                                                         whole.cached)
         if priced and whole.seconds <= (1 + self.settings.plan_slack) * least:
             return self._as_plan(whole, token_ids, options, reason=Reason.CHEAPER_WHOLE)
         start = time.perf_counter()
@@ -144,12 +145,14 @@ class Planner:
         return end if cached + block > end else 0
 
     def _least_target(self, n: int, options: RequestOptions, earlier: tuple[Selection, int] | None,
-                      held: int) -> float:
+                      held: int, cached: int) -> float:
         """The least target time a compressed plan could take, before the draft says which tokens it keeps;
-        ``held``: leading tokens kept whole and already in the engine's cache."""
+        ``held``: leading tokens kept whole (a system prompt); ``cached``: the prompt's leading tokens the
+        engine holds. Held tokens past the cached ones are read anew, as the whole prompt reads them."""
         chunk = self.draft.config.chunk_size
-        kept = held + math.ceil(math.ceil((n - held) / chunk) * options.keep_rate) * chunk
-        least = self.target_cost.predict(kept - held, held)
+        kept = min(n, held + math.ceil(math.ceil((n - held) / chunk) * options.keep_rate) * chunk)
+        served = min(held, cached)
+        least = self.target_cost.predict(kept - served, served)
         if earlier is not None and earlier[0].keep_rate >= options.keep_rate:
             start = (min(earlier[1], n - 1) // chunk) * chunk
             head = sum(1 for i in earlier[0].kept if i < start)

@@ -270,3 +270,17 @@ async def test_a_system_prompt_the_engine_holds_stays_whole_and_the_draft_is_ski
     calls = draft.calls
     second = await planner.plan(prompt[:4000] + _ids(30, 11), OPTIONS, [], system)
     assert second.kind == "whole" and second.reason == "cheaper_whole" and draft.calls == calls
+
+
+async def test_a_held_system_prompt_that_ends_inside_a_block_does_not_wake_the_draft():
+    """The engine caches whole blocks, so the system prompt's last few tokens are read anew whatever the plan:
+    the lower bound of a compressed plan counts them too, and a short question goes whole without the draft
+    even where new tokens are dear (here 10 ms each)."""
+    planner, draft = _planner(cost_coefficients={"target": [0.0, 1e-2, 0.0, 0.0], "draft": COSTS["draft"]})
+    system = torch.zeros(4037, dtype=torch.bool)
+    system[:4007] = True  # ends 7 tokens into a 16-token block
+    prompt = _ids(4007, 12)
+    await planner.engine_cache.record(prompt, None)  # the warm
+    plan = await planner.plan(prompt + _ids(30, 13), OPTIONS, [], system)
+    assert plan.engine_cached == 4000
+    assert (plan.kind, plan.reason, draft.calls) == ("whole", "cheaper_whole", 0)
