@@ -9,7 +9,9 @@ these hashes, and the gateway models an engine's cache with the same rule.
 
 from __future__ import annotations
 
+import collections
 import hashlib
+import threading
 from collections.abc import Sequence
 
 import numpy as np
@@ -37,3 +39,35 @@ def reusable_blocks(n_cached_blocks: int, n_tokens: int, block_size: int) -> int
     """How many cached leading blocks a prompt of ``n_tokens`` may reuse: at least its last token is always
     computed (its logits are the first generated token's), as vLLM does."""
     return min(n_cached_blocks, (n_tokens - 1) // block_size)
+
+
+class BlockHasher:
+    """``block_hashes`` that keeps the chains of the last ``capacity`` prompts: a prompt that begins like one of
+    them (a chat's next turn, the same system prompt or document again) hashes only the blocks after the part
+    they share. The hashes are exactly ``block_hashes``'s. Thread-safe."""
+
+    def __init__(self, block_size: int, capacity: int = 16) -> None:
+        self.block_size = block_size
+        self.capacity = capacity
+        self._recent: collections.deque[tuple[np.ndarray, np.ndarray, list[bytes]]] = collections.deque(
+            maxlen=capacity)
+        self._lock = threading.Lock()
+
+    def __call__(self, token_ids: Sequence[int], position_ids: Sequence[int] | None) -> list[bytes]:
+        tokens = np.asarray(token_ids, dtype=np.int64)
+        positions = (np.arange(len(tokens), dtype=np.int64) if position_ids is None
+                     else np.asarray(position_ids, dtype=np.int64))
+        reused: list[bytes] = []
+        with self._lock:
+            for old_tokens, old_positions, old_hashes in self._recent:
+                n = min(len(tokens), len(old_tokens))
+                differ = np.flatnonzero((tokens[:n] != old_tokens[:n]) | (positions[:n] != old_positions[:n]))
+                shared = (int(differ[0]) if differ.size else n) // self.block_size
+                if shared > len(reused):
+                    reused = old_hashes[:shared]
+        start = len(reused) * self.block_size
+        hashes = reused + block_hashes(tokens[start:], positions[start:], self.block_size,
+                                       parent=reused[-1] if reused else b"")
+        with self._lock:
+            self._recent.appendleft((tokens, positions, hashes))
+        return hashes

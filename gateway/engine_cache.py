@@ -14,7 +14,7 @@ import time
 from collections.abc import Sequence
 from typing import Protocol
 
-from engine.blocks import block_hashes, reusable_blocks
+from engine.blocks import BlockHasher, reusable_blocks
 
 logger = logging.getLogger("specprefill.gateway")
 
@@ -34,16 +34,17 @@ class MemoryEngineCache:
     def __init__(self, block_size: int, capacity_tokens: int) -> None:
         self.block_size = block_size
         self.max_blocks = max(0, capacity_tokens // block_size)
+        self._hashes = BlockHasher(block_size)  # a prompt is hashed when planned and again when recorded
         self._blocks: collections.OrderedDict[bytes, None] = collections.OrderedDict()
 
     async def cached_tokens(self, token_ids: Sequence[int], position_ids: Sequence[int] | None) -> int:
-        hashes = block_hashes(token_ids, position_ids, self.block_size)
+        hashes = self._hashes(token_ids, position_ids)
         hits = next((i for i, h in enumerate(hashes) if h not in self._blocks), len(hashes))
         return reusable_blocks(hits, len(token_ids), self.block_size) * self.block_size
 
     async def record(self, token_ids: Sequence[int], position_ids: Sequence[int] | None) -> None:
         """The engine has read ``token_ids`` at ``position_ids``: their full blocks are in its cache now."""
-        hashes = block_hashes(token_ids, position_ids, self.block_size)
+        hashes = self._hashes(token_ids, position_ids)
         for h in reversed(hashes):  # the head ends up the most recently used, as in the engine
             self._blocks[h] = None
             self._blocks.move_to_end(h)
@@ -65,6 +66,7 @@ class RedisEngineCache:
 
         self.block_size = block_size
         self.max_blocks = max(0, capacity_tokens // block_size)
+        self._hashes = BlockHasher(block_size)
         self.key = key
         self.retry_after = retry_after
         self._client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout,
@@ -72,7 +74,7 @@ class RedisEngineCache:
         self._down_until = 0.0
 
     async def cached_tokens(self, token_ids: Sequence[int], position_ids: Sequence[int] | None) -> int:
-        hashes = block_hashes(token_ids, position_ids, self.block_size)
+        hashes = self._hashes(token_ids, position_ids)
         if not hashes or time.monotonic() < self._down_until:
             return 0
         try:
@@ -84,7 +86,7 @@ class RedisEngineCache:
         return reusable_blocks(hits, len(token_ids), self.block_size) * self.block_size
 
     async def record(self, token_ids: Sequence[int], position_ids: Sequence[int] | None) -> None:
-        hashes = block_hashes(token_ids, position_ids, self.block_size)
+        hashes = self._hashes(token_ids, position_ids)
         if not hashes or time.monotonic() < self._down_until:
             return
         now = time.time()

@@ -120,3 +120,19 @@ async def test_a_warm_counts_as_in_flight_from_the_moment_it_is_scheduled():
     assert in_flight.get() == 1
     await warmer.close()
     assert in_flight.get() == 0
+
+
+def test_the_block_hasher_reuses_chains_and_gives_exactly_the_block_hashes():
+    """Prompts that share a prefix, the same tokens at other positions, a shorter prompt, gapped positions."""
+    import random
+
+    from engine.blocks import BlockHasher, block_hashes
+
+    rng = random.Random(0)
+    base = [rng.randrange(1000) for _ in range(1000)]
+    gapped = sorted(rng.sample(range(5000), 1000))
+    hasher = BlockHasher(16, capacity=4)
+    cases = [(base, None), (base + [1, 2, 3] * 20, None), (base[:500], None), (base, gapped), (base[:900], gapped),
+             (base[:300] + [7] * 700, None), (base, [p + 1 for p in range(1000)]), ([5] * 10, None)]
+    for tokens, positions in cases * 2:
+        assert hasher(tokens, positions) == block_hashes(tokens, positions, 16)
