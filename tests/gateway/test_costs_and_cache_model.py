@@ -122,11 +122,21 @@ async def test_a_warm_counts_as_in_flight_from_the_moment_it_is_scheduled():
     assert in_flight.get() == 0
 
 
-def test_the_block_hasher_reuses_chains_and_gives_exactly_the_block_hashes():
-    """Prompts that share a prefix, the same tokens at other positions, a shorter prompt, gapped positions."""
+def test_the_block_hasher_reuses_chains_and_gives_exactly_the_block_hashes(monkeypatch):
+    """Prompts that share a prefix, the same tokens at other positions, a shorter prompt, gapped positions:
+    the hashes are always ``block_hashes``'s, and a prompt that begins like a recent one hashes only its tail."""
     import random
 
+    import engine.blocks
     from engine.blocks import BlockHasher, block_hashes
+
+    hashed: list[int] = []
+
+    def counting(token_ids, *args, **kwargs):
+        hashed.append(len(token_ids))
+        return block_hashes(token_ids, *args, **kwargs)
+
+    monkeypatch.setattr(engine.blocks, "block_hashes", counting)
 
     rng = random.Random(0)
     base = [rng.randrange(1000) for _ in range(1000)]
@@ -136,3 +146,7 @@ def test_the_block_hasher_reuses_chains_and_gives_exactly_the_block_hashes():
              (base[:300] + [7] * 700, None), (base, [p + 1 for p in range(1000)]), ([5] * 10, None)]
     for tokens, positions in cases * 2:
         assert hasher(tokens, positions) == block_hashes(tokens, positions, 16)
+    hasher(base, None)
+    hashed.clear()
+    hasher(base + [9] * 40, None)  # base (1,000 tokens: 62 full blocks) was hashed just before
+    assert hashed == [1040 - 62 * 16]
