@@ -30,7 +30,8 @@ class GatewaySettings(ServerOptions, DeviceOptions, ScoringOptions):
     target_model: str | None = Field(None, description="the target model (its tokenizer and chat template); "
                                      "without it and --draft-model, `specprefill serve` runs the demo pair")
     draft_model: str | None = Field(None, description="the draft model (ideally with the target's tokenizer; "
-                                    "see --draft-tokenizer-mapping)")
+                                    "see --draft-tokenizer-mapping), or baseline:random|head|tail (scores "
+                                    "without a model, to compare against in evals)")
     draft_worker_url: list[str] = Field(default_factory=list, description="remote draft workers (repeatable)")
     draft_tokenizer_mapping: Literal["auto", "off"] = Field(
         "auto", description="auto: a draft whose tokenizer differs from the target's is scored on its own tokens "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 from common.models import TokenizerMismatchError, check_same_tokenizer, load_tokenizer, tokenizer_fingerprint
+from draft_worker.baselines import BaselineScorer, baseline_kind
 from draft_worker.worker import DraftWorker
 from gateway.backends import Backend, HTTPBackend, InProcessBackend, token_body
 from gateway.cache import MemoryScoreCache, RedisScoreCache, ScoreCache
@@ -89,6 +90,9 @@ async def _draft(settings: GatewaySettings, tokenizer, metrics: GatewayMetrics) 
                    if source is not None else "set --draft-tokenizer (the workers' tokenizer) to map their scores "
                    "onto the target's tokens, or use a draft from the target's model family"))
         return _mapped(draft, tokenizer, load_tokenizer(source), metrics)
+    if kind := baseline_kind(settings.draft_model):
+        logger.info("the draft is the %s baseline: scores without a model (for evals)", kind)
+        return LocalDraft(BaselineScorer(kind, settings.scoring_config()))
     worker = DraftWorker.from_pretrained(settings.draft_model, settings.scoring_config(), device=settings.device,
                                          dtype=settings.dtype, prefix_cache_bytes=settings.draft_prefix_cache_mb << 20)
     try:

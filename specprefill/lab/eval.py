@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from common.models import load_causal_lm, load_tokenizer
 from draft_worker import DraftWorker, ScoringConfig, select_tokens
+from draft_worker.baselines import baseline_scores
 from engine.runner import prefill
 from specprefill.lab.retrieval import make_sample
 
@@ -28,17 +29,8 @@ METHODS = ("specprefill", "random", "head", "tail")
 
 def baseline_indices(method: str, token_ids: Sequence[int], keep_rate: float, config: ScoringConfig,
                      rng: random.Random, special_ids: Collection[int] = ()) -> list[int]:
-    """Kept indices for a baseline: SpecPrefill's own selection rule on synthetic scores."""
-    length = len(token_ids)
-    if method == "random":
-        scores = torch.tensor([rng.random() for _ in range(length)])
-    elif method == "head":
-        scores = torch.linspace(1.0, 0.0, length)
-    elif method == "tail":
-        scores = torch.linspace(0.0, 1.0, length)
-    else:
-        raise ValueError(method)
-    return select_tokens(token_ids, scores, keep_rate, config, special_ids)
+    """Kept indices for a baseline: SpecPrefill's own selection rule on the baseline's scores."""
+    return select_tokens(token_ids, baseline_scores(method, len(token_ids), rng), keep_rate, config, special_ids)
 
 
 @dataclass

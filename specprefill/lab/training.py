@@ -132,9 +132,25 @@ def circuit_losses(previous_attn: torch.Tensor, induction_attn: torch.Tensor,
     return previous, induction
 
 
+def retrieval_batch(rng: random.Random, tokenizer, tokens_per_batch: int, n_words: int) -> Batch:
+    """The retrieval task's training batch: several questions per sequence, each answer followed by EOS."""
+    ids, rows, answer_pos = _training_batch(rng, tokenizer, max(2, tokens_per_batch // n_words), n_words,
+                                            n_questions=8)
+    return Batch(ids, rows, answer_pos, rows, answer_pos + 1)
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    ids: torch.Tensor  # [B, T] right-padded token IDs
+    answer_rows: torch.Tensor  # every answer token to predict: (row, position)
+    answer_pos: torch.Tensor
+    eos_rows: torch.Tensor  # every EOS that ends an answer: (row, position)
+    eos_pos: torch.Tensor
+
+
 def train(shape: PairShape, tokenizer, *, steps: int, seed: int, log_every: int = 100,
           schedule: tuple[tuple[float, int], ...] = SCHEDULE, tokens_per_batch: int = 4096, lr: float = 1e-3,
-          circuit_weight: float = 1.0):
+          circuit_weight: float = 1.0, batch_fn=retrieval_batch, init: LlamaForCausalLM | None = None):
     """Several questions per sequence, loss on the answers (and the EOS after each) plus ``circuit_losses``,
     and a length curriculum (fraction of the steps, words of context).
 
@@ -146,12 +162,14 @@ def train(shape: PairShape, tokenizer, *, steps: int, seed: int, log_every: int 
     targets at lr 1e-3 did not (both circuits formed, answers stayed near chance): 3 layers x 192 at 0.06
     after 1,100 steps, 2 x 256 at 0.21 after 800. At lr 5e-4 the 2 x 192 ``TARGET`` reached 0.97 by step 400;
     3 x 128 at 1e-3 was slower (0.66 at step 600).
+
+    ``init``: a model to go on training (its shape, not ``shape``), for instance a pair trained on an easier task.
     """
     torch.manual_seed(seed)
     rng = random.Random(seed)
-    config = _config(shape, tokenizer)
+    config = init.config if init is not None else _config(shape, tokenizer)
     _prepare_for_training(config)
-    model = LlamaForCausalLM(config)
+    model = init if init is not None else LlamaForCausalLM(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
     warmup, decay = max(1, steps // 20), int(steps * 0.75)  # constant through the curriculum, then cosine to 0.1
 
@@ -168,16 +186,16 @@ def train(shape: PairShape, tokenizer, *, steps: int, seed: int, log_every: int 
     start, window = time.perf_counter(), []
     for step in range(steps):
         n_words = next((words for bound, words in bounds if step < bound), schedule[-1][1])
-        ids, rows, answer_pos = _training_batch(rng, tokenizer, max(2, tokens_per_batch // n_words), n_words,
-                                                n_questions=8)
+        batch = batch_fn(rng, tokenizer, tokens_per_batch, n_words)
+        ids = batch.ids
         head_zero: dict[int, torch.Tensor] = {}
         hidden = model.model(input_ids=ids, head_zero=head_zero).last_hidden_state  # causal: right padding
-        logits = model.lm_head(hidden[rows, answer_pos - 1])  # never reaches an answer
-        answers = ids[rows, answer_pos]
-        eos_logits = model.lm_head(hidden[rows, answer_pos])  # and after the answer, EOS
+        logits = model.lm_head(hidden[batch.answer_rows, batch.answer_pos - 1])  # never reaches an answer
+        answers = ids[batch.answer_rows, batch.answer_pos]
+        eos_logits = model.lm_head(hidden[batch.eos_rows, batch.eos_pos - 1])  # and after the answer, EOS
         previous, induction = circuit_losses(head_zero[0], head_zero[1], ids)
         answer_loss = F.cross_entropy(logits, answers)
-        loss = (answer_loss + F.cross_entropy(eos_logits, ids[rows, answer_pos + 1])
+        loss = (answer_loss + F.cross_entropy(eos_logits, ids[batch.eos_rows, batch.eos_pos])
                 + circuit_weight * (previous + induction))
         optimizer.zero_grad()
         loss.backward()
