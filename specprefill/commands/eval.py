@@ -1,4 +1,5 @@
-"""``specprefill eval``: the built-in retrieval evaluation, or a JSONL dataset against an OpenAI endpoint."""
+"""``specprefill eval``: the built-in retrieval evaluation, the task suite, or a JSONL dataset against an OpenAI
+endpoint."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from common.options import SETTINGS_CONFIG
 
 
 class Eval(BaseSettings):
-    """Answer quality vs keep rate: the built-in retrieval task, or --dataset FILE.jsonl against --base-url."""
+    """Answer quality vs keep rate: the built-in retrieval task, the --suite of five task families, or
+    --dataset FILE.jsonl against --base-url."""
 
     model_config = SETTINGS_CONFIG
     keep_rates: list[float] = Field([0.1, 0.3, 0.5, 1.0], description="keep rates (comma-separated)")
@@ -40,6 +42,19 @@ class Eval(BaseSettings):
                                   "with --cross-draft (another tokenizer, mapped), and the mapping's cost")
     cross_draft: str | None = Field(None, description="cross-tokenizer: the other draft (default: the shipped "
                                     "retrieval draft with a SentencePiece-style BPE, retrieval-pair/draft-bpe)")
+    suite: bool = Field(False, description="the RULER-style suite (single, multivalue, multiquery, variables, "
+                        "aggregation) through live gateways: SpecPrefill, random/head/tail chunks, and the target as "
+                        "its own draft (upper bound), at every --suite-keep-rates; --pair defaults to the suite pair")
+    families: list[str] = Field(["single", "multivalue", "multiquery", "variables", "aggregation"],
+                                description="suite: task families (comma-separated)")
+    suite_samples: int = Field(50, description="suite: samples per family")
+    suite_words: int = Field(1024, description="suite: words of context per sample (one token each; the suite "
+                             "pair was trained up to 2,048)")
+    suite_keep_rates: list[float] = Field([0.05, 0.1, 0.3, 0.5, 1.0], description="suite: keep rates")
+    methods: list[str] = Field(["specprefill", "random", "head", "tail", "upper"],
+                               description="suite: selection methods (comma-separated)")
+    ablations: bool = Field(False, description="suite: also the paper's ablations (look-ahead 1/4, pooling off, "
+                            "chunks of 1/8/64, protection off), each on the pair's draft")
 
     def cli_cmd(self) -> None:
         raise SystemExit(run_eval(self))
@@ -72,6 +87,8 @@ def run_eval(options: Eval) -> int:
         print(f"wrote {out / 'eval.json'}")
         return 0
 
+    if options.suite:
+        return _suite(options, out)
     from specprefill.lab.eval import evaluate_retrieval, format_retrieval, plot_retrieval
     from specprefill.lab.retrieval import SHIPPED_PAIR
     from specprefill.lab.training import ensure_retrieval_pair
@@ -124,4 +141,27 @@ def _cross_tokenizer(options: Eval, pair: Path, out: Path) -> int:
         {"pair": str(pair), "samples": options.samples, "words": options.words,
          "results": [asdict(r) for r in results], "mapping_cost": cost}, indent=2))
     print(f"wrote {out / 'cross-tokenizer.json'}")
+    return 0
+
+
+def _suite(options: Eval, out: Path) -> int:
+    from specprefill.lab.suite import FAMILIES, SHIPPED_SUITE_PAIR
+    from specprefill.lab.suite_eval import METHODS, evaluate_suite, format_suite, plot_suite
+
+    pair = Path(options.pair) if options.pair else SHIPPED_SUITE_PAIR
+    unknown = sorted(set(options.families) - set(FAMILIES)) + sorted(set(options.methods) - set(METHODS))
+    if unknown:
+        print(f"specprefill eval: unknown {', '.join(unknown)}; families: {', '.join(FAMILIES)}; "
+              f"methods: {', '.join(METHODS)}", file=sys.stderr)
+        return 2
+    if not (pair / "draft").is_dir() or not (pair / "target").is_dir():
+        print(f"specprefill eval: {pair} needs draft/ and target/ model folders", file=sys.stderr)
+        return 2
+    result = evaluate_suite(pair, families=options.families, samples_per_family=options.suite_samples,
+                            words=options.suite_words, keep_rates=options.suite_keep_rates, methods=options.methods,
+                            ablations=options.ablations)
+    print(format_suite(result))
+    (out / "suite.json").write_text(json.dumps(asdict(result) | {"pair": str(pair)}, indent=2))
+    written = plot_suite(result, out / "suite.png")
+    print(f"wrote {out / 'suite.json'}, {written}")
     return 0

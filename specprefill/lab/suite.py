@@ -206,3 +206,32 @@ def answer_from_prompt(family: str, prompt: str) -> str:
         assert n > runner_up, "the most common value is unique"
         return top
     raise ValueError(family)
+
+
+def evidence_kept(family: str, prompt: str, kept: set[int]) -> bool:
+    """Whether the words the answer is read from survive in ``kept`` (word indices into the prompt): the asked
+    records' keys and values, every hop of the chain, or, for ``aggregation``, enough mentions that the most
+    common value among those kept is still the answer. A measure of the selection alone, whatever the target
+    can do with it."""
+    words = prompt.split()
+    question = len(words) - 1 - words[::-1].index("question")
+    if family == "aggregation":
+        counts = Counter(words[i] for i in kept if i < question and words[i].startswith("v"))
+        ranked = counts.most_common(2)
+        answer = answer_from_prompt(family, prompt)
+        return bool(ranked) and ranked[0][0] == answer and (len(ranked) == 1 or ranked[0][1] > ranked[1][1])
+    asked = words[question:]
+    if family == "variables":
+        statements = {words[i + 1]: i + 1 for i in range(question - 2) if words[i] == "set"}
+        needed, name = [], asked[-1]
+        while name in statements:  # each hop: the statement's two names
+            needed += [statements[name], statements[name] + 1]
+            name = words[statements[name] + 1]
+        return all(i in kept for i in needed)
+    keys = asked[asked.index("for") + 1 :]
+    keys = keys[: keys.index("answer")] if "answer" in keys else keys
+    needed = []
+    for i in range(question - 3):
+        if words[i : i + 3] == ["the", "code", "for"] and words[i + 3] in keys:
+            needed += range(i + 3, words.index(".", i))
+    return all(i in kept for i in needed)

@@ -10,11 +10,13 @@ import httpx
 import pytest
 import torch
 
+from common.models import load_causal_lm, load_tokenizer
 from draft_worker import ScoringConfig, select_tokens
 from draft_worker.baselines import BaselineScorer, baseline_kind
 from specprefill.cli import main
 from specprefill.lab.launch import launched_gateway
 from specprefill.lab.retrieval import SHIPPED_PAIR
+from specprefill.lab.retrieval import vocabulary as retrieval_vocabulary
 from specprefill.lab.suite import (
     FAMILIES,
     TaskSample,
@@ -24,7 +26,7 @@ from specprefill.lab.suite import (
     samples,
     vocabulary,
 )
-from specprefill.lab.suite_training import suite_batch
+from specprefill.lab.suite_training import Stage, suite_batch, train_suite_model
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -79,6 +81,19 @@ def test_training_batches_point_at_answers_and_their_eos():
     assert batch.ids[batch.answer_rows, batch.answer_pos - 1].ne(tokenizer.pad_token_id).all()
 
 
+def test_the_suite_models_start_from_the_retrieval_pair_with_the_suite_vocabulary(tmp_path):
+    """Two steps of the recipe's stages: the retrieval pair's words keep their IDs and embeddings."""
+    stages = (Stage(1, 1e-3, ((1.0, 64),), (1, 1, 1, 1, 1)), Stage(1, 1e-3, ((1.0, 64),), (0, 0, 0, 1, 0)))
+    train_suite_model("draft", tmp_path, stages=stages)
+    model, start = load_causal_lm(tmp_path / "draft"), load_causal_lm(SHIPPED_PAIR / "draft")
+    assert model.config.vocab_size == len(vocabulary()) == len(retrieval_vocabulary()) + 7
+    shared = len(retrieval_vocabulary())
+    embeddings, before = model.get_input_embeddings().weight, start.get_input_embeddings().weight
+    assert (embeddings[:shared] - before).abs().max() < 0.01  # two small steps from where it started
+    k7 = make_tokenizer().convert_tokens_to_ids("k7")
+    assert load_tokenizer(tmp_path / "draft").convert_tokens_to_ids("k7") == k7
+
+
 def test_task_samples_hold_the_first_question_as_the_prompt():
     sample = TaskSample("single", ["w1", "."], [(["question", ":"], ["v1"]), (["x"], ["v2"])])
     assert sample.prompt == "w1 . question :" and sample.answer == "v1"
@@ -103,7 +118,8 @@ def test_a_gateway_serves_a_baseline_in_place_of_a_draft():
             "--served-model-name", "suite", "--planner", "fresh", "--min-prompt-tokens", "64", "--device", "cpu"]
     sample = samples("single", 1, 600, seed=1)[0]
     with launched_gateway(args) as url:
-        response = httpx.post(f"{url}/v1/specprefill/compress", json={"prompt": sample.prompt, "keep_rate": 0.25},
+        response = httpx.post(f"{url}/v1/specprefill/compress",
+                              json={"prompt": sample.prompt, "specprefill": {"keep_rate": 0.25}},
                               timeout=60)
     response.raise_for_status()
     positions, length = response.json()["position_ids"], response.json()["original_tokens"]
@@ -111,6 +127,20 @@ def test_a_gateway_serves_a_baseline_in_place_of_a_draft():
     head = 32  # the chunk holding the protected first tokens
     assert positions[:head] == list(range(head))
     assert positions[head:] == list(range(length - len(positions) + head, length))  # then the tail
+
+
+def test_the_suite_eval_command_end_to_end(tmp_path):
+    """Its logic on a few samples (live gateways, baselines, the upper bound); its numbers are in the README."""
+    with pytest.raises(SystemExit) as excinfo:
+        main(["eval", "--suite", "--families", "single,variables", "--methods", "specprefill,tail,upper",
+              "--suite-samples", "2", "--suite-words", "300", "--suite-keep-rates", "0.1,1", "--out", str(tmp_path)])
+    assert excinfo.value.code == 0
+    payload = json.loads((tmp_path / "suite.json").read_text())
+    assert set(payload["full"]) == {"single", "variables"}
+    assert [m["variant"] for m in payload["methods"]] == ["specprefill", "tail", "upper"]
+    assert set(payload["methods"][0]["accuracy"]["variables"]) == {"0.1", "1"}
+    assert payload["methods"][2]["accuracy"]["single"]["1"] == payload["full"]["single"]  # keep 1: the whole prompt
+    assert (tmp_path / "suite.png").exists()
 
 
 def test_the_suite_eval_rejects_unknown_names(tmp_path, capsys):
