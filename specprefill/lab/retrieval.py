@@ -35,13 +35,14 @@ def vocabulary() -> list[str]:
     return SPECIALS + TEMPLATE_WORDS + filler + keys + values
 
 
-def make_tokenizer() -> PreTrainedTokenizerFast:
-    vocab = {word: index for index, word in enumerate(vocabulary())}
+def make_tokenizer(words: list[str] | None = None, model_max_length: int = 8192) -> PreTrainedTokenizerFast:
+    """One token per word of ``words`` (default: this task's ``vocabulary``), BOS first."""
+    vocab = {word: index for index, word in enumerate(words or vocabulary())}
     tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<bos>", eos_token="<eos>",
-                                   pad_token="<pad>", model_max_length=8192)
+                                   pad_token="<pad>", model_max_length=model_max_length)
 
 
 def make_bpe_tokenizer(seed: int = 0) -> PreTrainedTokenizerFast:

@@ -21,13 +21,13 @@ questions about one context: training asks them in a row, each answer followed b
 
 from __future__ import annotations
 
+import math
 import random
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
 from specprefill.lab import retrieval
@@ -47,12 +47,7 @@ def vocabulary() -> list[str]:
 
 def make_tokenizer() -> PreTrainedTokenizerFast:
     """One token per word, BOS first: answers are exact word matches."""
-    vocab = {word: index for index, word in enumerate(vocabulary())}
-    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<bos>", eos_token="<eos>",
-                                   pad_token="<pad>", model_max_length=16384)
+    return retrieval.make_tokenizer(vocabulary(), model_max_length=16384)
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,7 +138,7 @@ def _aggregation(rng: random.Random, n_words: int, n_questions: int, candidates:
     n_sentences = max(candidates * 4, n_words // 8)
     mentions = max(candidates * 3, n_sentences // 3)
     pool = [f"v{v}" for v in rng.sample(range(N_VALUES), candidates)]
-    top = max(round(mentions * share), -(-(mentions) // candidates) + 2)
+    top = max(round(mentions * share), math.ceil(mentions / candidates) + 2)
     rest = mentions - top
     counts = [top] + [rest // (candidates - 1) + (i < rest % (candidates - 1)) for i in range(candidates - 1)]
     bag = [word for word, count in zip(pool, counts) for _ in range(count)]

@@ -64,8 +64,9 @@ def test_the_families_ask_what_they_say():
 def test_seeds_reproduce_and_families_draw_their_own_streams():
     assert samples("variables", 3, 500, seed=5) == samples("variables", 3, 500, seed=5)
     assert samples("variables", 3, 500, seed=5) != samples("variables", 3, 500, seed=6)
-    # one family's samples do not depend on which other families are asked
-    assert samples("single", 2, 500, seed=5) == samples("single", 2, 500, seed=5)
+    # asking for more samples, or for another family first, leaves the earlier ones as they were
+    assert samples("single", 3, 500, seed=5)[:2] == samples("single", 2, 500, seed=5)
+    assert samples("single", 2, 500, seed=5)[0].context != samples("multivalue", 2, 500, seed=5)[0].context
     with pytest.raises(ValueError, match="unknown task family"):
         make_task("haystack", random.Random(0), 100)
 
