@@ -10,6 +10,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from common.attention import use_gqa_sdpa
+
 
 class TokenizerMismatchError(ValueError):
     """The draft and target models do not share one tokenizer, so draft token indices mean nothing to the target."""
@@ -41,10 +43,12 @@ def load_causal_lm(
     dtype: str | torch.dtype | None = "auto",
     attn_implementation: str = "sdpa",
 ) -> PreTrainedModel:
-    """``AutoModelForCausalLM.from_pretrained`` in eval mode on ``device`` with a fused attention kernel."""
+    """``AutoModelForCausalLM.from_pretrained`` in eval mode on ``device`` with a fused attention kernel
+    (``sdpa`` is ``common.attention``'s: grouped-query attention without copies of the KV cache)."""
     model = AutoModelForCausalLM.from_pretrained(
         str(path_or_id), dtype=resolve_dtype(dtype), attn_implementation=attn_implementation
     )
+    use_gqa_sdpa(model)
     return model.to(device or default_device()).eval()
 
 
