@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import time
 
 import httpx
+
+
+def quiet_openmp() -> dict[str, str]:
+    """This environment with OpenMP threads that sleep between requests instead of spinning: where several
+    servers share a small machine (the bench's engines, gateway and draft), one's spinning threads would slow
+    another's next request."""
+    return {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
 
 
 def free_port() -> int:

@@ -8,6 +8,7 @@ too, so load balancers take it out), lets in-flight requests and streams finish 
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 
@@ -92,6 +93,10 @@ class DrainingServer(uvicorn.Server):
         self.drain_timeout = drain_timeout
         self._drain_task: asyncio.Task | None = None
 
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)  # the app's lifespan: models, tokenizers, caches
+        freeze_startup_heap()
+
     def handle_exit(self, sig, frame) -> None:
         if self.guard.draining:  # a second signal: stop now
             return super().handle_exit(sig, frame)
@@ -105,6 +110,18 @@ class DrainingServer(uvicorn.Server):
         while self.guard.in_flight > 0 and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.05)
         super().handle_exit(sig, frame)
+
+
+def freeze_startup_heap() -> None:
+    """Moves every object alive after start-up out of the garbage collector's sight, as vLLM does after loading.
+
+    Imports, models and tokenizers leave some 350,000 tracked objects, and a full collection walked them all:
+    180 ms on this machine, at a moment no one chooses, so inside whichever request was running (the same
+    cached request took 190 ms, or 400). Frozen, they are never walked again; they live as long as the
+    process anyway.
+    """
+    gc.collect()
+    gc.freeze()
 
 
 def run_server(app, options: ServerOptions, *, max_body_bytes: int = 16 << 20,

@@ -10,6 +10,7 @@ Every measurement uses a fresh prompt (another document), so no cache or prefix 
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import statistics
 import time
@@ -132,15 +133,27 @@ async def wait_idle(client: httpx.AsyncClient, urls: list[str], timeout: float =
     raise RuntimeError(f"{urls} stayed busy for {timeout:.0f} s")
 
 
-async def stream_ttft(client: httpx.AsyncClient, url: str, body: dict, headers: dict) -> tuple[float, httpx.Headers]:
-    """Seconds from sending the request to the first streamed event with content; the stream is then dropped."""
+async def stream_ttft(client: httpx.AsyncClient, url: str, body: dict, headers: dict,
+                      usage: dict | None = None) -> tuple[float, httpx.Headers]:
+    """Seconds from sending the request to the first streamed event with content. The stream is then dropped, or,
+    given ``usage``, read to its end with the answer's usage (the prompt tokens served from the engine's cache:
+    ``usage["prompt_tokens_details"]["cached_tokens"]``) put into ``usage``."""
     start = time.perf_counter()
+    if usage is not None:
+        body = {**body, "stream_options": {"include_usage": True}}
+    ttft = None
     async with client.stream("POST", url, json={**body, "stream": True}, headers=headers) as response:
         if response.status_code != 200:
             raise RuntimeError(f"{url} answered {response.status_code}: {(await response.aread())[:300]!r}")
         async for line in response.aiter_lines():
-            if line.startswith("data:") and '"choices":[{' in line.replace(" ", ""):
-                return time.perf_counter() - start, response.headers
+            if ttft is None and line.startswith("data:") and '"choices":[{' in line.replace(" ", ""):
+                ttft = time.perf_counter() - start
+                if usage is None:
+                    return ttft, response.headers
+            elif usage is not None and line.startswith("data: {") and '"usage"' in line:
+                usage.update(json.loads(line[len("data: "):]).get("usage") or {})
+        if ttft is not None:
+            return ttft, response.headers
     raise RuntimeError(f"{url}: the stream ended without an answer")
 
 

@@ -9,9 +9,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.process import free_port, wait_healthy
+from common.process import free_port, quiet_openmp, wait_healthy
 
 CLI = [sys.executable, "-m", "specprefill"]
+
 
 
 @dataclass
@@ -43,7 +44,7 @@ def launched(engines: int, gateway_args: list[str], vllm_python: str | None, out
                 port = free_port()
                 urls.append(f"http://127.0.0.1:{port}")
                 processes.append(subprocess.Popen(CLI + ["engine", "--model", str(root / "target"), "--port",
-                                                         str(port), "--log-level", "warning"]))
+                                                         str(port), "--log-level", "warning"], env=quiet_openmp()))
         for server in vllm_servers:
             server.wait()
         for url, process in zip(urls, processes):
@@ -63,7 +64,7 @@ def launched_gateway(args: list[str]) -> Iterator[str]:
     """``specprefill serve ARGS`` on a free port; its base URL once it answers."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    process = subprocess.Popen(CLI + ["serve", "--port", str(port), "--log-level", "warning", *args])
+    process = subprocess.Popen(CLI + ["serve", "--port", str(port), "--log-level", "warning", *args], env=quiet_openmp())
     try:
         wait_healthy(url, process)
         yield url

@@ -3,11 +3,10 @@ the project's plugin, for the integration tests and the benchmarks."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 from pathlib import Path
 
-from common.process import free_port, wait_healthy
+from common.process import free_port, quiet_openmp, wait_healthy
 
 
 class VLLMServer:
@@ -16,11 +15,8 @@ class VLLMServer:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
-        env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
-               "VLLM_CACHE_ROOT": str(Path(python).parents[1] / "compile-cache"), "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-               # OpenMP threads sleep between requests instead of spinning: two servers on one small machine (the
-               # bench's gateway and direct paths) would otherwise slow each other's next request down
-               "OMP_WAIT_POLICY": "PASSIVE"}
+        env = {**quiet_openmp(), "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
+               "VLLM_CACHE_ROOT": str(Path(python).parents[1] / "compile-cache"), "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
         if not plugin:
             env["VLLM_PLUGINS"] = ""  # an allowlist naming no plugin: stock vLLM
         self._log_file = log.open("w")

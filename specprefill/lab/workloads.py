@@ -84,6 +84,7 @@ class WorkloadSample:
     plan: str | None = None
     reason: str | None = None
     timing_ms: dict[str, float] = field(default_factory=dict)
+    cached_tokens: int | None = None  # prompt tokens the engine served from its prefix cache (its usage)
 
 
 async def run_workloads(workloads: list[Workload], gateway: tuple[str, str], direct: tuple[str, str],
@@ -98,8 +99,11 @@ async def run_workloads(workloads: list[Workload], gateway: tuple[str, str], dir
                 for path, (url, model), extra in (("gateway", gateway, headers), ("direct", direct, {})):
                     await wait_idle(client, idle_urls)
                     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0}
-                    ttft, answer_headers = await stream_ttft(client, f"{url}/v1/chat/completions", body, extra)
-                    samples.append(_sample(workload.name, index, path, ttft, answer_headers))
+                    usage: dict = {}
+                    ttft, answer_headers = await stream_ttft(client, f"{url}/v1/chat/completions", body, extra, usage)
+                    sample = _sample(workload.name, index, path, ttft, answer_headers)
+                    sample.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+                    samples.append(sample)
                 progress.update(1)
         progress.close()
     return samples
@@ -129,20 +133,27 @@ def summarize_workloads(samples: list[WorkloadSample]) -> list[dict]:
             requests.append({"index": index, "tokens": gateway.prompt_tokens, "kept": gateway.kept_tokens,
                              "direct_s": direct.ttft_s, "gateway_s": gateway.ttft_s,
                              "ratio": gateway.ttft_s / direct.ttft_s, "status": gateway.status,
-                             "plan": gateway.plan or gateway.reason, "timing_ms": gateway.timing_ms})
+                             "plan": gateway.plan or gateway.reason, "timing_ms": gateway.timing_ms,
+                             "cached": {"gateway": gateway.cached_tokens, "direct": direct.cached_tokens}})
         later = [r["ratio"] for r in requests[1:]] or [requests[0]["ratio"]]
         rows.append({"workload": name, "requests": requests, "first_ratio": requests[0]["ratio"],
                      "later_median_ratio": statistics.median(later), "later_max_ratio": max(later)})
     return rows
 
 
+def _count(value: int | None) -> str:
+    return "-" if value is None else str(value)
+
+
 def format_workloads(rows: list[dict]) -> str:
     lines = [f"{'workload':>9} {'req':>3} {'tokens':>7} {'kept':>6} {'direct s':>9} {'gateway s':>10} "
-             f"{'gw/direct':>9}  plan"]
+             f"{'gw/direct':>9} {'cached gw':>9} {'direct':>6}  plan"]
     for row in rows:
         for r in row["requests"]:
+            cached = r.get("cached") or {}
             lines.append(f"{row['workload']:>9} {r['index'] + 1:>3} {r['tokens'] or 0:>7} {r['kept'] or 0:>6} "
-                         f"{r['direct_s']:>9.3f} {r['gateway_s']:>10.3f} {r['ratio']:>9.2f}  {r['plan'] or ''}")
+                         f"{r['direct_s']:>9.3f} {r['gateway_s']:>10.3f} {r['ratio']:>9.2f} "
+                         f"{_count(cached.get('gateway')):>9} {_count(cached.get('direct')):>6}  {r['plan'] or ''}")
         lines.append(f"{row['workload']:>9}   first {row['first_ratio']:.2f}, later: median "
                      f"{row['later_median_ratio']:.2f}, max {row['later_max_ratio']:.2f}")
     return "\n".join(lines)
