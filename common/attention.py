@@ -4,8 +4,8 @@ transformers' ``sdpa`` attention hands grouped-query models (Llama 3: 8 query he
 ``scaled_dot_product_attention(enable_gqa=True)`` only without an attention mask. Otherwise it first repeats
 every layer's keys and values once per query head (``repeat_kv``): a copy of the whole KV cache, times the
 group size, per layer and per forward. Every forward here has a mask (kept tokens at gapped positions need
-one), and with 12,000 cached tokens that copy was most of a cached request: a 5-token prefill on the demo
-target took 140-300 ms, and 49 ms with the kernel's own GQA (a 12,000-token cold prefill: 40 s -> 15 s).
+one): with 12,000 cached tokens, a 5-token prefill on the demo target took 56-62 ms, and 31 ms with the
+kernel's own GQA (a cold prefill, whose attention dwarfs the copy, is unchanged).
 
 On the CPU, PyTorch's fused kernel takes a mask and ``enable_gqa`` together. On CUDA it does not (it would
 fall back to the math kernel, which builds the attention matrix), so there this is plain ``sdpa``. The
