@@ -7,8 +7,9 @@ import collections
 import threading
 from collections.abc import Sequence
 
-import torch
+import numpy as np
 
+from common.sequences import common_prefix
 from draft_worker.scorer import PromptKV
 
 
@@ -29,9 +30,13 @@ class PrefixKVCache:
 
     def reusable(self, prompt: Sequence[int]) -> int:
         """How many of the prompt's tokens a lookup would reuse now (0 below ``min_prefix``); changes nothing."""
-        query = torch.as_tensor(list(prompt), dtype=torch.long)
+        query = np.asarray(prompt, dtype=np.int64)
+        best = 0
         with self._lock:
-            best = max((_common_prefix(query, entry.token_ids) for entry in self._entries.values()), default=0)
+            for entry in self._entries.values():
+                best = max(best, common_prefix(query, entry.token_ids.numpy()))
+                if best >= len(query) - 1:  # as much as any entry can give
+                    break
         reuse = min(best, len(query) - 1)
         return reuse if reuse >= self.min_prefix else 0
 
@@ -40,13 +45,15 @@ class PrefixKVCache:
 
         At least the prompt's last token is always recomputed: its query is the first one scored.
         """
-        query = torch.as_tensor(list(prompt), dtype=torch.long)
+        query = np.asarray(prompt, dtype=np.int64)
         best, best_len = None, 0
         with self._lock:
             for key, entry in self._entries.items():
-                common = _common_prefix(query, entry.token_ids)
+                common = common_prefix(query, entry.token_ids.numpy())
                 if common > best_len:
                     best, best_len, best_key = entry, common, key
+                if best_len >= len(query) - 1:  # as much as any entry can give
+                    break
             reuse = min(best_len, len(query) - 1)
             if best is None or reuse < self.min_prefix:
                 self.misses += 1
@@ -59,7 +66,12 @@ class PrefixKVCache:
         size = kv.nbytes
         if size > self.max_bytes:
             return
+        tokens = kv.token_ids.numpy()
         with self._lock:
+            # an entry whose prompt begins this one's is redundant now: this one serves every lookup it would
+            for key in [key for key, entry in self._entries.items() if entry.token_ids.numel() <= tokens.size
+                        and common_prefix(tokens, entry.token_ids.numpy()) == entry.token_ids.numel()]:
+                self._bytes -= self._entries.pop(key).nbytes
             self._ids += 1
             self._entries[self._ids] = kv
             self._bytes += size
@@ -72,8 +84,3 @@ class PrefixKVCache:
             self._entries.clear()
             self._bytes = 0
 
-
-def _common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
-    n = min(a.numel(), b.numel())
-    differ = (a[:n] != b[:n]).nonzero()
-    return int(differ[0]) if differ.numel() else n

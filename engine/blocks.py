@@ -16,6 +16,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from common.sequences import common_prefix
+
 
 def block_hashes(token_ids: Sequence[int], position_ids: Sequence[int] | None, block_size: int,
                  parent: bytes = b"") -> list[bytes]:
@@ -58,13 +60,15 @@ class BlockHasher:
         positions = (np.arange(len(tokens), dtype=np.int64) if position_ids is None
                      else np.asarray(position_ids, dtype=np.int64))
         reused: list[bytes] = []
+        full = len(tokens) // self.block_size
         with self._lock:
             for old_tokens, old_positions, old_hashes in self._recent:
-                n = min(len(tokens), len(old_tokens))
-                differ = np.flatnonzero((tokens[:n] != old_tokens[:n]) | (positions[:n] != old_positions[:n]))
-                shared = (int(differ[0]) if differ.size else n) // self.block_size
+                shared = min(common_prefix(tokens, old_tokens), common_prefix(positions, old_positions))
+                shared //= self.block_size
                 if shared > len(reused):
                     reused = old_hashes[:shared]
+                    if shared == full:  # every block: no entry can give more
+                        break
         start = len(reused) * self.block_size
         hashes = reused + block_hashes(tokens[start:], positions[start:], self.block_size,
                                        parent=reused[-1] if reused else b"")

@@ -17,6 +17,8 @@ from typing import Generic, TypeVar
 
 import numpy as np
 
+from common.sequences import common_prefix
+
 T = TypeVar("T")
 
 
@@ -49,16 +51,13 @@ class RecentPrompts(Generic[T]):
         best, best_len, best_key = None, 0, None
         with self._lock:
             for key, (prompt, value) in self._entries.items():
-                shared = _common_prefix(query, prompt)
+                shared = common_prefix(query, prompt)
                 if shared > best_len:
                     best, best_len, best_key = value, shared, key
+                    if best_len == query.size:  # no entry can share more
+                        break
             if best_key is None:
                 return None
             self._entries.move_to_end(best_key)
         return best, best_len
 
-
-def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    n = min(a.size, b.size)
-    differ = np.flatnonzero(a[:n] != b[:n])
-    return int(differ[0]) if differ.size else n
