@@ -224,29 +224,39 @@ class Planner:
             self.selections.add(plan.token_ids, Selection(tuple(plan.kept_indices), plan.keep_rate, plan.protected))
         self.metrics.plans.labels(plan.kind).inc()
 
-    async def calibrate(self, complete, vocab: list[int], sizes: tuple[int, ...] = (256, 1024, 2048),
-                        extensions: tuple[int, ...] = (32, 512)) -> None:
+    async def calibrate(self, complete, vocab: list[int], sizes: tuple[int, ...] = (256, 1024, 4096),
+                        extensions: tuple[int, ...] = (32, 512), limit: int | None = None) -> None:
         """The start-up probe through ``complete(token_ids)`` (the target, one token: its completion answer) and
         the draft: random prompts of ``sizes`` tokens, then the largest extended by each of ``extensions`` in
-        turn (few new tokens after many cached ones, as a chat's next turn); both models fitted on the timings."""
+        turn (few new tokens after many cached ones, as a chat's next turn); both models fitted on the timings.
+        The largest is 4,096 tokens (cut to fit ``limit``): a cached read of 2,048 cost too little next to a
+        request's fixed part to be measured, and the fit priced reading 12,000 cached tokens at nothing. A probe
+        the backend refuses ends the probe; the models keep what they learnt so far and learn from traffic."""
         generator = torch.Generator().manual_seed(0)
         pool = torch.as_tensor(vocab)
 
         def tokens(n: int) -> list[int]:
             return pool[torch.randint(len(vocab), (n,), generator=generator)].tolist()
 
+        room = max(1, min(self.draft.max_prompt_tokens, limit or 1 << 31) - sum(extensions))
+        sizes = tuple(sorted({min(n, room) for n in sizes}))
         prompts = [(tokens(n), 0) for n in sizes]
         for n in extensions:
             previous = prompts[-1][0]
             prompts.append((previous + tokens(n), len(previous)))
         for prompt, cached in prompts:
-            reused = self.draft.reusable_prefix(prompt)
-            start = time.perf_counter()
-            await self.draft.score(prompt)
-            self.draft_cost.observe(len(prompt) - reused, reused, time.perf_counter() - start, probe=True)
-            start = time.perf_counter()
-            answer = await complete(prompt)
-            seconds = time.perf_counter() - start
+            try:
+                reused = self.draft.reusable_prefix(prompt)
+                start = time.perf_counter()
+                await self.draft.score(prompt)
+                self.draft_cost.observe(len(prompt) - reused, reused, time.perf_counter() - start, probe=True)
+                start = time.perf_counter()
+                answer = await complete(prompt)
+                seconds = time.perf_counter() - start
+            except Exception as exc:  # a refused probe never stops the gateway from starting
+                logger.warning("cost-model probe stopped at a %d-token prompt: %s", len(prompt),
+                               type(exc).__name__ + (f": {exc}" if str(exc) else ""))
+                break
             served = _cached_tokens(answer.get("usage"))
             served = cached if served is None else served  # an engine that does not say: as sent
             self.target_cost.observe(len(prompt) - served, served, seconds, probe=True)

@@ -119,7 +119,7 @@ class GatewayServing:
     def check_limits(self, request: ChatCompletionRequest | CompletionRequest, token_ids: list[int]) -> None:
         """The gateway's own limits, before any draft or backend work."""
         settings = self.settings
-        limit = settings.max_prompt_tokens or _tokenizer_limit(self.tokenizer)
+        limit = prompt_limit(settings, self.tokenizer)
         if limit is not None and len(token_ids) > limit:
             param = "messages" if isinstance(request, ChatCompletionRequest) else "prompt"
             raise InvalidRequestError(f"the prompt has {len(token_ids)} tokens; this gateway accepts at most {limit}",
@@ -421,6 +421,11 @@ def _passthrough_body(request, backend_model: str) -> dict:
     body = request.model_dump(exclude_unset=True, exclude={"specprefill"})
     body["model"] = backend_model
     return body
+
+
+def prompt_limit(settings: GatewaySettings, tokenizer) -> int | None:
+    """The longest prompt this gateway takes: ``--max-prompt-tokens``, else the target tokenizer's limit."""
+    return settings.max_prompt_tokens or _tokenizer_limit(tokenizer)
 
 
 def _tokenizer_limit(tokenizer) -> int | None:

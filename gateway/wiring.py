@@ -15,7 +15,7 @@ from gateway.engine_cache import EngineCacheModel, MemoryEngineCache, RedisEngin
 from gateway.metrics import GatewayMetrics
 from gateway.planner import Planner
 from gateway.scores import ScoreProvider
-from gateway.serving import GatewayServing
+from gateway.serving import GatewayServing, prompt_limit
 from gateway.settings import GatewaySettings
 from gateway.token_mapping import MappedDraft, TokenMapping
 from gateway.warming import Warmer
@@ -52,7 +52,7 @@ async def build_serving(settings: GatewaySettings, metrics: GatewayMetrics, draf
         warmer = Warmer(lambda ids: _one_token(backend, ids, priority), planner.completed, metrics)
     if settings.calibrate and settings.cost_coefficients is None:
         vocab = sorted(set(range(len(tokenizer))) - set(tokenizer.all_special_ids))
-        await planner.calibrate(lambda ids: _one_token(backend, ids, None), vocab)
+        await planner.calibrate(lambda ids: _one_token(backend, ids, None), vocab, limit=prompt_limit(settings, tokenizer))
     return GatewayServing(settings, tokenizer, draft, backend, metrics, names, planner, warmer)
 
 

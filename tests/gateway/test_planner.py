@@ -284,3 +284,38 @@ async def test_a_held_system_prompt_that_ends_inside_a_block_does_not_wake_the_d
     plan = await planner.plan(prompt + _ids(30, 13), OPTIONS, [], system)
     assert plan.engine_cached == 4000
     assert (plan.kind, plan.reason, draft.calls) == ("whole", "cheaper_whole", 0)
+
+
+def _timed_engine(planner: Planner, lengths: list[int]):
+    """An engine that takes 20 ms, 0.2 ms per new token and 10 µs per cached token, and says what it cached."""
+    async def complete(token_ids: list[int]) -> dict:
+        cached = await planner.engine_cache.cached_tokens(token_ids, None)
+        lengths.append(len(token_ids))
+        await asyncio.sleep(0.02 + 2e-4 * (len(token_ids) - cached) + 1e-5 * cached)
+        return {"usage": {"prompt_tokens_details": {"cached_tokens": cached}}}
+    return complete
+
+
+async def test_the_start_up_probe_prices_cached_reads():
+    planner, _ = _planner(cost_coefficients=None)
+    lengths: list[int] = []
+    await planner.calibrate(_timed_engine(planner, lengths), list(range(10, 5000)))
+    assert lengths[-2:] == [4096 + 32, 4096 + 32 + 512]  # reads after 4,096 cached tokens
+    per_cached = planner.target_cost.describe()["per_cached_token"]
+    assert 3e-6 < per_cached < 3e-5, planner.target_cost.describe()
+
+
+async def test_the_start_up_probe_fits_the_prompt_limit_and_a_refused_probe_does_not_stop_the_gateway():
+    planner, _ = _planner(cost_coefficients=None)
+    lengths: list[int] = []
+    await planner.calibrate(_timed_engine(planner, lengths), list(range(10, 5000)), limit=2048)
+    assert max(lengths) == 2048 and len(lengths) == 5
+
+    async def refuses_long_prompts(token_ids: list[int]) -> dict:
+        if len(token_ids) > 1024:
+            raise RuntimeError("prompt too long")
+        return {"usage": None}
+
+    refusing, _ = _planner(cost_coefficients=None)
+    await refusing.calibrate(refuses_long_prompts, list(range(10, 5000)))  # returns: the gateway starts
+    assert len(refusing.target_cost._probe) == 2  # the two prompts it took
