@@ -225,13 +225,15 @@ class Planner:
         self.metrics.plans.labels(plan.kind).inc()
 
     async def calibrate(self, complete, vocab: list[int], sizes: tuple[int, ...] = (256, 1024, 4096),
-                        extensions: tuple[int, ...] = (32, 512), limit: int | None = None) -> None:
+                        extensions: tuple[int, ...] = (32, 512), reads: int = 2, limit: int | None = None) -> None:
         """The start-up probe through ``complete(token_ids)`` (the target, one token: its completion answer) and
         the draft: random prompts of ``sizes`` tokens, then the largest extended by each of ``extensions`` in
         turn (few new tokens after many cached ones, as a chat's next turn); both models fitted on the timings.
-        The largest is 4,096 tokens (cut to fit ``limit``): a cached read of 2,048 cost too little next to a
-        request's fixed part to be measured, and the fit priced reading 12,000 cached tokens at nothing. A probe
-        the backend refuses ends the probe; the models keep what they learnt so far and learn from traffic."""
+        Then ``reads`` short reads (16 new tokens) after each prompt but the smallest: the same few new tokens
+        after 1,024 and after 4,096 cached ones are what tells the cost of reading cached tokens apart from a
+        request's fixed part. (Without them, and with 2,048 tokens at most, the fit priced reading 12,000 cached
+        tokens at nothing.) Sizes are cut to fit ``limit``. A probe the backend refuses ends the probe; the
+        models keep what they learnt so far and learn from traffic."""
         generator = torch.Generator().manual_seed(0)
         pool = torch.as_tensor(vocab)
 
@@ -241,9 +243,11 @@ class Planner:
         room = max(1, min(self.draft.max_prompt_tokens, limit or 1 << 31) - sum(extensions))
         sizes = tuple(sorted({min(n, room) for n in sizes}))
         prompts = [(tokens(n), 0) for n in sizes]
+        bases = [prompt for prompt, _ in prompts[1:]]
         for n in extensions:
             previous = prompts[-1][0]
             prompts.append((previous + tokens(n), len(previous)))
+        prompts += [(base + tokens(16), len(base)) for base in bases for _ in range(reads)]
         for prompt, cached in prompts:
             try:
                 reused = self.draft.reusable_prefix(prompt)

@@ -300,7 +300,7 @@ async def test_the_start_up_probe_prices_cached_reads():
     planner, _ = _planner(cost_coefficients=None)
     lengths: list[int] = []
     await planner.calibrate(_timed_engine(planner, lengths), list(range(10, 5000)))
-    assert lengths[-2:] == [4096 + 32, 4096 + 32 + 512]  # reads after 4,096 cached tokens
+    assert lengths[3:] == [4096 + 32, 4096 + 32 + 512, 1024 + 16, 1024 + 16, 4096 + 16, 4096 + 16]
     per_cached = planner.target_cost.describe()["per_cached_token"]
     assert 3e-6 < per_cached < 3e-5, planner.target_cost.describe()
 
@@ -309,7 +309,7 @@ async def test_the_start_up_probe_fits_the_prompt_limit_and_a_refused_probe_does
     planner, _ = _planner(cost_coefficients=None)
     lengths: list[int] = []
     await planner.calibrate(_timed_engine(planner, lengths), list(range(10, 5000)), limit=2048)
-    assert max(lengths) == 2048 and len(lengths) == 5
+    assert max(lengths) == 2048 and len(lengths) == 9
 
     async def refuses_long_prompts(token_ids: list[int]) -> dict:
         if len(token_ids) > 1024:
