@@ -26,8 +26,9 @@ def gqa_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
                        attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                        is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """query: [B, Hq, Q, D]; key, value: [B, Hkv, K, D]; returns [B, Q, Hq, D] as transformers' kernels do."""
+    # without a mask transformers already lets the kernel do GQA; CUDA, paged caches and position biases: as is
     if (attention_mask is None or query.device.type != "cpu" or getattr(module, "num_key_value_groups", 1) == 1
-            or kwargs.get("cache") is not None or kwargs.get("position_bias") is not None):  # without a mask, transformers already lets the kernel do GQA
+            or kwargs.get("cache") is not None or kwargs.get("position_bias") is not None):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     out = torch.nn.functional.scaled_dot_product_attention(

@@ -52,7 +52,8 @@ async def build_serving(settings: GatewaySettings, metrics: GatewayMetrics, draf
         warmer = Warmer(lambda ids: _one_token(backend, ids, priority), planner.completed, metrics)
     if settings.calibrate and settings.cost_coefficients is None:
         vocab = sorted(set(range(len(tokenizer))) - set(tokenizer.all_special_ids))
-        await planner.calibrate(lambda ids: _one_token(backend, ids, None), vocab, limit=prompt_limit(settings, tokenizer))
+        await planner.calibrate(lambda ids: _one_token(backend, ids, None), vocab,
+                                limit=prompt_limit(settings, tokenizer))
     return GatewayServing(settings, tokenizer, draft, backend, metrics, names, planner, warmer)
 
 

@@ -150,7 +150,7 @@ async def stream_ttft(client: httpx.AsyncClient, url: str, body: dict, headers: 
                 ttft = time.perf_counter() - start
                 if usage is None:
                     return ttft, response.headers
-            elif usage is not None and line.startswith("data: {") and '"usage"' in line:
+            if usage is not None and line.startswith("data: {") and '"usage"' in line:
                 usage.update(json.loads(line[len("data: "):]).get("usage") or {})
         if ttft is not None:
             return ttft, response.headers

@@ -14,7 +14,6 @@ from common.process import free_port, quiet_openmp, wait_healthy
 CLI = [sys.executable, "-m", "specprefill"]
 
 
-
 @dataclass
 class Stack:
     gateway_url: str
@@ -64,7 +63,8 @@ def launched_gateway(args: list[str]) -> Iterator[str]:
     """``specprefill serve ARGS`` on a free port; its base URL once it answers."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    process = subprocess.Popen(CLI + ["serve", "--port", str(port), "--log-level", "warning", *args], env=quiet_openmp())
+    process = subprocess.Popen(CLI + ["serve", "--port", str(port), "--log-level", "warning", *args],
+                               env=quiet_openmp())
     try:
         wait_healthy(url, process)
         yield url

@@ -63,13 +63,25 @@ def test_batched_runs_store_unpadded_entries():
         torch.testing.assert_close(with_prefix, alone, rtol=1e-5, atol=1e-8)
 
 
-def test_lru_is_bounded_by_bytes_and_short_prefixes_do_not_count():
-    def kv(n: int) -> PromptKV:
-        return PromptKV(torch.arange(n), [(torch.zeros(1, 1, n, 4), torch.zeros(1, 1, n, 4))])
+def _kv(n: int, start: int = 0) -> PromptKV:
+    return PromptKV(torch.arange(start, start + n), [(torch.zeros(1, 1, n, 4), torch.zeros(1, 1, n, 4))])
 
-    cache = PrefixKVCache(max_bytes=kv(100).nbytes * 2 + 1, min_prefix=64)
-    for n in (100, 101, 102):
-        cache.store(kv(n))
-    assert cache.nbytes <= cache.max_bytes
-    assert cache.lookup(list(range(100)) + [7])[1] == 100  # the 100-token entry was evicted; 101 matches 100
-    assert cache.lookup(list(range(10)) + [999] * 100) is None
+
+def test_lru_is_bounded_by_bytes_and_short_prefixes_do_not_count():
+    cache = PrefixKVCache(max_bytes=_kv(100).nbytes * 2 + 1, min_prefix=64)
+    for start in (0, 1000, 2000):  # three unrelated prompts; two fit
+        cache.store(_kv(100, start))
+    assert cache.nbytes <= cache.max_bytes and len(cache._entries) == 2
+    assert cache.lookup(list(range(100)) + [7]) is None  # the oldest was evicted
+    assert cache.lookup(list(range(1000, 1100)) + [7])[1] == 100
+    assert cache.lookup(list(range(1000, 1010)) + [999] * 100) is None  # a 10-token prefix does not count
+
+
+def test_a_prompt_that_extends_an_entry_replaces_it():
+    cache = PrefixKVCache(max_bytes=1 << 20)
+    cache.store(_kv(100))
+    cache.store(_kv(100, 5000))  # unrelated: stays
+    cache.store(_kv(150))  # begins with the first entry's prompt: that one is redundant now
+    assert sorted(e.token_ids.numel() for e in cache._entries.values()) == [100, 150]
+    assert cache.nbytes == _kv(100).nbytes + _kv(150).nbytes
+    assert cache.lookup(list(range(120)) + [7])[1] == 120
