@@ -24,9 +24,9 @@ class ScoringConfig:
     chunk_size: int = 32
     """Tokens are kept in contiguous chunks of this size; 1 selects single tokens."""
     protect_first: int = 4
-    """The first N prompt tokens are always kept (their chunks, counted in the keep budget); 0 turns it off."""
+    """The first N prompt tokens are always kept (one by one, counted in the keep budget); 0 turns it off."""
     protect_last: int = 32
-    """The last N prompt tokens are always kept (their chunks, counted in the keep budget); 0 turns it off."""
+    """The last N prompt tokens are always kept (one by one, counted in the keep budget); 0 turns it off."""
 
     def __post_init__(self) -> None:
         if self.look_ahead < 1:

@@ -19,8 +19,9 @@ def select_tokens(token_ids: Sequence[int], scores: torch.Tensor, keep_rate: flo
                   special_ids: Collection[int] = (), keep: torch.Tensor | None = None) -> list[int]:
     """The indices of the prompt tokens the target reads, sorted; they are also the kept tokens' positions.
 
-    token_ids: the prompt [S]; scores: one per token [S]. The top ceil(n_chunks × keep_rate) chunks of
-    ``config.chunk_size`` by mean score, plus the chunks holding tokens that are always kept: the first
+    token_ids: the prompt [S]; scores: one per token [S]. The top chunks of ``config.chunk_size`` by mean
+    score within a budget of ceil(n_chunks × keep_rate) chunks' tokens, after the tokens that are always
+    kept, one by one (``select_chunks``): the first
     ``protect_first``, the last ``max(protect_last, 1)`` (the last prompt token always goes, so the first
     generated token stands right after the prompt), every token in ``special_ids`` (the chat template's
     markup: BOS, role headers), and the tokens ``keep`` marks (a boolean [S] mask: a system prompt kept
@@ -37,7 +38,7 @@ def select_tokens(token_ids: Sequence[int], scores: torch.Tensor, keep_rate: flo
 def always_kept(token_ids: Sequence[int], config: ScoringConfig, special_ids: Collection[int] = (),
                 keep: torch.Tensor | None = None) -> torch.Tensor:
     """Boolean [S] mask of the tokens ``select_tokens`` keeps at any keep rate: the protected ends, the
-    template's special tokens and ``keep``. Their chunks are kept whole."""
+    template's special tokens and ``keep``. They are kept one by one, each spending one token of the budget."""
     length = len(token_ids)
     extra = keep.clone() if keep is not None else torch.zeros(length, dtype=torch.bool)
     if special_ids:
@@ -96,8 +97,13 @@ def select_chunks(
 
     scores: [S] token scores. The sequence is cut into contiguous chunks of ``chunk_size`` (the last may be
     shorter); a chunk's score is the mean of its tokens' scores, and the top ceil(n_chunks × keep_rate)
-    chunks are kept, as in SpecPrefill. A chunk holding any protected token is always kept and counts
-    against that budget; when protection alone exceeds the budget, protection wins.
+    chunks are kept, as in SpecPrefill.
+
+    protected: a boolean [S] mask of tokens kept at any keep rate. They are kept one by one and spend the
+    budget, counted in tokens (ceil(n_chunks × keep_rate) × chunk_size), one each; the best chunks spend the
+    rest, each its tokens not already kept, until the budget is spent (the last chunk may overshoot it by
+    less than a chunk). Without protection this is the top chunks exactly; when protection alone exceeds
+    the budget, protection wins.
     """
     assert scores.dim() == 1 and scores.numel() > 0
     length = scores.numel()
@@ -109,15 +115,21 @@ def select_chunks(
 
     padded = _pad_with_nan(scores.float(), n_chunks * chunk_size)
     chunk_scores = padded.view(n_chunks, chunk_size).nanmean(dim=1)  # [C]
-    if protected is not None:
-        chunk_protected = _pad_with_false(protected, n_chunks * chunk_size).view(n_chunks, chunk_size).any(dim=1)
-        chunk_scores = chunk_scores.masked_fill(chunk_protected, float("inf"))
-        budget = max(budget, int(chunk_protected.sum()))
     # stable descending sort: ties go to the earlier chunk, so selection is deterministic
-    order = torch.sort(chunk_scores, descending=True, stable=True).indices[:budget]
+    order = torch.sort(chunk_scores, descending=True, stable=True).indices
     kept_chunks = torch.zeros(n_chunks, dtype=torch.bool)
-    kept_chunks[order] = True
-    token_kept = kept_chunks.repeat_interleave(chunk_size)[:length]
+    if protected is None or not bool(protected.any()):
+        kept_chunks[order[:budget]] = True
+        return kept_chunks.repeat_interleave(chunk_size)[:length].nonzero().squeeze(1)
+
+    # a chunk costs its slots (a short last chunk costs a whole one) that protection does not already keep
+    in_chunk = _pad_with_false(protected, n_chunks * chunk_size).view(n_chunks, chunk_size).sum(dim=1)
+    cost = (chunk_size - in_chunk)[order]
+    held, tokens = int(in_chunk.sum()), budget * chunk_size
+    spent = held + torch.cumsum(cost, dim=0)  # the budget spent after taking each chunk of ``order``
+    taken = int(torch.searchsorted(spent, tokens)) + 1 if held < tokens else 0
+    kept_chunks[order[:taken]] = True
+    token_kept = kept_chunks.repeat_interleave(chunk_size)[:length] | protected
     return token_kept.nonzero().squeeze(1)
 
 

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -22,11 +24,40 @@ def test_budget_is_the_exact_ceiling():
     assert select_chunks(torch.rand(11), 0.3, 1).numel() == 4
 
 
-def test_protected_chunks_are_kept_and_counted_in_the_budget():
+def test_protected_tokens_are_kept_one_by_one_and_spend_the_budget():
     scores = torch.tensor([0.0] * 8 + [9.0] * 2 + [0.0] * 10)  # 10 chunks of 2, chunk 4 scores highest
     protected = protected_mask(20, protect_first=1, protect_last=1)
     kept = select_chunks(scores, 0.3, 2, protected).tolist()
-    assert kept == [0, 1, 8, 9, 18, 19]  # budget 3 chunks: first, last, then the best
+    # budget 3 chunks = 6 tokens: the two protected tokens, the best chunk (2), then chunk 0 (ties go to the
+    # earlier chunk), which costs 1 as its first token is already kept, then chunk 1: 7 tokens, over by one
+    assert kept == [0, 1, 2, 3, 8, 9, 19]
+
+
+def test_protected_tokens_do_not_take_their_chunks():
+    scores = torch.arange(100, dtype=torch.float).flip(0)  # the earlier the chunk, the better
+    protected = protected_mask(100, protect_first=0, protect_last=12)  # the last 12 tokens: chunks 8 and 9
+    kept = select_chunks(scores, 0.3, 10, protected).tolist()
+    # 30 tokens: the 12 protected, then chunks 0 and 1 (18 + 20 >= 30); chunks 8 and 9 are not kept whole
+    assert kept == list(range(20)) + list(range(88, 100))
+
+
+def test_without_protection_the_top_chunks_exactly():
+    scores = torch.rand(1000)
+    for rate in (0.05, 0.1, 0.3, 0.7):
+        assert select_chunks(scores, rate, 32, torch.zeros(1000, dtype=torch.bool)).tolist() == \
+            select_chunks(scores, rate, 32).tolist()
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_kept_tokens_meet_the_budget_and_overshoot_by_less_than_a_chunk(seed):
+    generator = torch.Generator().manual_seed(seed)
+    scores = torch.rand(1024, generator=generator)  # whole chunks: a short last one costs a whole one
+    protected = torch.rand(1024, generator=generator) < 0.02
+    for rate in (0.05, 0.1, 0.3):
+        kept = select_chunks(scores, rate, 32, protected)
+        budget = math.ceil(32 * rate) * 32
+        assert budget <= len(kept) < budget + 32
+        assert bool(torch.isin(protected.nonzero().squeeze(1), kept).all())
 
 
 def test_protection_wins_over_a_small_budget():

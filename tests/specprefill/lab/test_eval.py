@@ -18,12 +18,12 @@ from specprefill.lab.training import PairShape, save, train
 
 def test_baselines_spend_the_same_budget_under_the_same_rule():
     config = ScoringConfig()
-    ids, keep = list(range(10, 1010)), 0.2
+    ids, keep = list(range(10, 1034)), 0.2  # whole chunks: each method keeps [budget, budget + 32) tokens
     ids[500] = 3  # a special token: kept by every method
     reference = select_tokens(ids, torch.rand(len(ids)), keep, config, special_ids={3})
     for method in ("random", "head", "tail"):
         kept = baseline_indices(method, ids, keep, config, random.Random(0), special_ids={3})
-        assert len(kept) == len(reference), method
+        assert abs(len(kept) - len(reference)) < config.chunk_size, method  # one budget, in tokens
         assert kept[0] == 0 and kept[-1] == len(ids) - 1 and 500 in kept  # protected ends and the special token
     head = baseline_indices("head", ids, keep, config, random.Random(0))
     tail = baseline_indices("tail", ids, keep, config, random.Random(0))
