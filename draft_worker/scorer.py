@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 
+from common.kv_cache import append_cache
 from common.models import eos_token_ids
 from draft_worker.capture import QueryRecorder, captures_queries
 from draft_worker.config import ScoringConfig
@@ -68,7 +69,7 @@ def score_prompts(
     """
     assert captures_queries(model), "call enable_query_capture first"
     assert all(len(p) > 0 for p in prompts), "empty prompt"
-    batch = _prepare(model, prompts, prefix, prefix_len)
+    batch = _prepare(model, prompts, prefix, prefix_len, config.look_ahead)
     recorder = QueryRecorder()
     logits = prefill(model, batch, recorder)
     valid = look_ahead(model, batch, logits, recorder, config.look_ahead)
@@ -125,13 +126,15 @@ def reduce_scores(batch: ScoringBatch, recorder: QueryRecorder, valid: torch.Ten
 
 
 def _prepare(model: PreTrainedModel, prompts: Sequence[Sequence[int]], prefix: PromptKV | None,
-             prefix_len: int) -> ScoringBatch:
+             prefix_len: int, look_ahead: int) -> ScoringBatch:
+    """The batch's inputs, and a KV cache with room for the prompts and the look-ahead tokens, so that no
+    forward copies the cache (``common.kv_cache``)."""
     device = model.device
     lengths = [len(p) for p in prompts]
     if prefix is not None:
         assert len(prompts) == 1 and 0 < prefix_len < lengths[0]
-        cache = DynamicCache(ddp_cache_data=[(k[:, :, :prefix_len], v[:, :, :prefix_len]) for k, v in prefix.layers],
-                             config=model.config)
+        cache = append_cache(model.config, lengths[0] + look_ahead,
+                             layers=[(k[:, :, :prefix_len], v[:, :, :prefix_len]) for k, v in prefix.layers])
         return ScoringBatch(lengths, lengths[0], torch.tensor([prompts[0][prefix_len:]], device=device),
                             torch.arange(prefix_len, lengths[0], device=device)[None], None, cache)
     width = max(lengths)
@@ -139,7 +142,7 @@ def _prepare(model: PreTrainedModel, prompts: Sequence[Sequence[int]], prefix: P
     input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     for row, prompt in enumerate(prompts):
         input_ids[row, width - len(prompt) :] = torch.as_tensor(prompt, dtype=torch.long)
-    cache = DynamicCache(config=model.config)
+    cache = append_cache(model.config, width + look_ahead)
     if min(lengths) == width:
         return ScoringBatch(lengths, width, input_ids.to(device), None, None, cache)
     mask = (torch.arange(width) >= torch.tensor([width - n for n in lengths])[:, None]).long()

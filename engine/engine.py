@@ -19,7 +19,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from common.models import eos_token_ids
 from engine.prefix_cache import PrefixCache
-from engine.runner import decode_one, prefill
+from engine.runner import DECODE_ROOM, decode_one, prefill
 from engine.sampling import SamplingParams, TextStream, adjust_logits, make_generator, sample_next
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, StepOutput
@@ -125,14 +125,15 @@ class ReferenceEngine:
         the last generated token at its position. Next-token logits [V], or None mid-prefill."""
         device = self.model.device
         if seq.cache is None and self.prefix_cache is not None:
-            seq.cache, seq.cached_tokens = self.prefix_cache.lookup(seq.token_ids, seq.position_ids, self.model.config)
+            seq.cache, seq.cached_tokens = self.prefix_cache.lookup(seq.token_ids, seq.position_ids, self.model.config,
+                                                                    DECODE_ROOM)
             seq.prefilled = seq.cached_tokens
         if not seq.prefill_done:
             chunk = self.prefill_chunk if seq.priority <= 0 else self.background_prefill_chunk
             end = min(len(seq.token_ids), seq.prefilled + chunk)
             ids = torch.tensor([seq.token_ids[seq.prefilled:end]], device=device)
             positions = torch.tensor([seq.position_ids[seq.prefilled:end]], device=device)
-            logits, seq.cache = prefill(self.model, ids, positions, seq.cache)
+            logits, seq.cache = prefill(self.model, ids, positions, seq.cache, len(seq.token_ids) + DECODE_ROOM)
             seq.prefilled = end
             return logits if seq.prefill_done else None
         last = torch.tensor(seq.stream.token_ids[-1], device=device)

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import torch
 from transformers import DynamicCache, PretrainedConfig
 
+from common.kv_cache import append_cache
 from engine.blocks import block_hashes, reusable_blocks
 
 Block = torch.Tensor  # every layer's keys and values: [layers, 2, Hkv, block_size, D]
@@ -34,9 +35,10 @@ class PrefixCache:
     def cached_tokens(self) -> int:
         return len(self._blocks) * self.block_size
 
-    def lookup(self, token_ids: Sequence[int], position_ids: Sequence[int],
-               config: PretrainedConfig) -> tuple[DynamicCache | None, int]:
-        """A KV cache holding the longest reusable run of cached leading blocks, and how many tokens it holds."""
+    def lookup(self, token_ids: Sequence[int], position_ids: Sequence[int], config: PretrainedConfig,
+               reserve: int = 256) -> tuple[DynamicCache | None, int]:
+        """A KV cache holding the longest reusable run of cached leading blocks, and how many tokens it holds.
+        It has room for the whole prompt and grows by ``reserve`` tokens at a time (``common.kv_cache``)."""
         hashes = block_hashes(token_ids, position_ids, self.block_size)
         found = []
         for h in hashes:
@@ -56,7 +58,7 @@ class PrefixCache:
         layers = [(run[layer, 0][None], run[layer, 1][None]) for layer in range(run.shape[0])]
         n_tokens = len(found) * self.block_size
         self.hits += n_tokens
-        return DynamicCache(ddp_cache_data=layers, config=config), n_tokens
+        return append_cache(config, len(token_ids) + reserve, reserve=reserve, layers=layers), n_tokens
 
     def store(self, token_ids: Sequence[int], position_ids: Sequence[int], cache: DynamicCache) -> None:
         """Keeps the full blocks of a computed run (``cache`` holds KV for ``token_ids``, in order)."""

@@ -5,19 +5,25 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from common.kv_cache import append_cache
+
+DECODE_ROOM = 256  # tokens of room a sequence's KV cache grows by: one copy of the cache per 256 decode steps
+
 
 @torch.inference_mode()
 def prefill(
-    model: PreTrainedModel, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: DynamicCache | None = None
+    model: PreTrainedModel, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: DynamicCache | None = None,
+    capacity: int = 0,
 ) -> tuple[torch.Tensor, DynamicCache]:
-    """Runs prompt tokens at their original positions into the KV cache (a fresh one, or ``cache`` to continue
-    a chunked prefill); the cache holds only the tokens given, never the gaps between their positions.
+    """Runs prompt tokens at their original positions into the KV cache (a fresh one with room for
+    ``capacity`` tokens, or ``cache`` to continue a chunked prefill); the cache holds only the tokens given,
+    never the gaps between their positions.
 
     input_ids, position_ids: [1, K]; returns last-token logits [V] (float32) and the cache.
     The explicit all-ones mask plus a cache keeps transformers from reading gapped positions as packed
     sequences: the causal mask is by index (kept token i sees kept tokens <= i), RoPE by position.
     """
-    cache = cache if cache is not None else DynamicCache(config=model.config)
+    cache = cache if cache is not None else append_cache(model.config, capacity, reserve=DECODE_ROOM)
     past = cache.get_seq_length()
     out = model(
         input_ids=input_ids,

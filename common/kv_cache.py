@@ -1,0 +1,72 @@
+"""A KV cache layer that appends in place.
+
+transformers' ``DynamicLayer`` appends a forward's keys and values with ``torch.cat``: a copy of the layer's
+whole cache per forward. Scoring a prompt that extends a cached one runs 8 forwards over a cache of
+thousands of tokens (the new suffix, then each look-ahead token), so the copies cost more than the
+forwards' own work. This layer writes into a buffer with room to spare and hands out views of it, as
+vLLM's and nano-vllm's preallocated KV blocks do. The first write reserves ``capacity`` positions (the run's
+whole length when the caller knows it); when the room runs out the buffer grows to what is needed plus
+``reserve``.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache, PretrainedConfig
+from transformers.cache_utils import DynamicLayer
+
+
+class AppendLayer(DynamicLayer):
+    """``DynamicLayer`` whose ``keys`` and ``values`` are views of a buffer with room to append."""
+
+    def __init__(self, capacity: int = 0, reserve: int = 16) -> None:
+        super().__init__()
+        self.capacity = capacity
+        self.reserve = reserve
+        self._keys: torch.Tensor | None = None
+        self._values: torch.Tensor | None = None
+        self._length = 0
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        start, end = self._length, self._length + key_states.shape[-2]
+        if self._keys is None or end > self._keys.shape[-2]:
+            self._grow(key_states, value_states, max(end + self.reserve, self.capacity))
+        self._keys[:, :, start:end] = key_states
+        self._values[:, :, start:end] = value_states
+        self._length = end
+        self.keys, self.values = self._keys[:, :, :end], self._values[:, :, :end]
+        return self.keys, self.values
+
+    def _grow(self, key_states: torch.Tensor, value_states: torch.Tensor, capacity: int) -> None:
+        batch, heads, _, key_dim = key_states.shape
+        keys = key_states.new_empty(batch, heads, capacity, key_dim)
+        values = value_states.new_empty(batch, heads, capacity, value_states.shape[-1])
+        if self._length:
+            keys[:, :, : self._length] = self._keys[:, :, : self._length]
+            values[:, :, : self._length] = self._values[:, :, : self._length]
+        self._keys, self._values = keys, values
+
+    def crop(self, tokens_to_remove: int) -> None:
+        super().crop(tokens_to_remove)
+        if self.is_initialized and self.keys is not None:
+            self._length = self.keys.shape[-2]
+
+    def reset(self) -> None:
+        super().reset()
+        self._keys = self._values = None
+        self._length = 0
+
+
+def append_cache(config: PretrainedConfig, capacity: int = 0, *, reserve: int = 16,
+                 layers: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> DynamicCache:
+    """A ``DynamicCache`` for ``config`` whose full-attention layers append in place, room for ``capacity``
+    tokens made at the first write, holding ``layers``' keys and values (copied in) when given. Sliding-window
+    layers, if any, stay as transformers makes them."""
+    cache = DynamicCache(config=config)
+    cache.layers = [AppendLayer(capacity, reserve) if type(layer) is DynamicLayer else layer
+                    for layer in cache.layers]
+    for layer, (keys, values) in zip(cache.layers, layers or ()):
+        layer.update(keys, values)
+    return cache
