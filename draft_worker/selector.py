@@ -117,17 +117,15 @@ def select_chunks(
     chunk_scores = padded.view(n_chunks, chunk_size).nanmean(dim=1)  # [C]
     # stable descending sort: ties go to the earlier chunk, so selection is deterministic
     order = torch.sort(chunk_scores, descending=True, stable=True).indices
-    kept_chunks = torch.zeros(n_chunks, dtype=torch.bool)
-    if protected is None or not bool(protected.any()):
-        kept_chunks[order[:budget]] = True
-        return kept_chunks.repeat_interleave(chunk_size)[:length].nonzero().squeeze(1)
-
-    # a chunk costs its slots (a short last chunk costs a whole one) that protection does not already keep
+    protected = protected if protected is not None else torch.zeros(length, dtype=torch.bool)
+    # a chunk costs its slots (a short last chunk costs a whole one) that protection does not already keep;
+    # with nothing protected every chunk costs chunk_size, so the budget takes exactly the top chunks
     in_chunk = _pad_with_false(protected, n_chunks * chunk_size).view(n_chunks, chunk_size).sum(dim=1)
     cost = (chunk_size - in_chunk)[order]
     held, tokens = int(in_chunk.sum()), budget * chunk_size
     spent = held + torch.cumsum(cost, dim=0)  # the budget spent after taking each chunk of ``order``
     taken = int(torch.searchsorted(spent, tokens)) + 1 if held < tokens else 0
+    kept_chunks = torch.zeros(n_chunks, dtype=torch.bool)
     kept_chunks[order[:taken]] = True
     token_kept = kept_chunks.repeat_interleave(chunk_size)[:length] | protected
     return token_kept.nonzero().squeeze(1)
