@@ -8,8 +8,11 @@ one): with 12,000 cached tokens, a 5-token prefill on the demo target took 56-62
 kernel's own GQA (a cold prefill, whose attention dwarfs the copy, is unchanged).
 
 On the CPU, PyTorch's fused kernel takes a mask and ``enable_gqa`` together. On CUDA it does not (it would
-fall back to the math kernel, which builds the attention matrix), so there this is plain ``sdpa``. The
-kernel is registered when a model is loaded, never at import.
+fall back to the math kernel, which builds the attention matrix), so there this is plain ``sdpa``, except
+for one new token with a mask (a decode step, the draft's look-ahead): SDPA's kernels split that work by
+query and head only, 32 blocks for a 4-query-group, 8-KV-head model, each streaming the whole cache, on a
+chip with 132 multiprocessors; two matrix products (``decode_attention``) spread the keys over all of them.
+The kernel is registered when a model is loaded, never at import.
 """
 
 from __future__ import annotations
@@ -26,15 +29,48 @@ def gqa_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
                        attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                        is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """query: [B, Hq, Q, D]; key, value: [B, Hkv, K, D]; returns [B, Q, Hq, D] as transformers' kernels do."""
+    plain = kwargs.get("cache") is None and kwargs.get("position_bias") is None and not dropout
+    if plain and attention_mask is not None and query.device.type == "cuda" and query.shape[2] == 1:
+        return decode_attention(query, key, value, attention_mask, scaling), None
     # without a mask transformers already lets the kernel do GQA; CUDA, paged caches and position biases: as is
     if (attention_mask is None or query.device.type != "cpu" or getattr(module, "num_key_value_groups", 1) == 1
-            or kwargs.get("cache") is not None or kwargs.get("position_bias") is not None):
+            or not plain):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     out = torch.nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True
     )
     return out.transpose(1, 2).contiguous(), None
+
+
+def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor,
+                     scaling: float | None = None) -> torch.Tensor:
+    """Attention of one query position as two matrix products, softmax in float32. query: [B, Hq, 1, D]; key,
+    value: [B, Hkv, K, D]; attention_mask: boolean (True: attend) or additive, broadcastable to [B, 1, 1, K].
+    Returns [B, 1, Hq, D]."""
+    batch, heads, _, dim = query.shape
+    kv_heads = key.shape[1]
+    grouped = query.reshape(batch, kv_heads, heads // kv_heads, dim)  # query head h reads kv head h // group
+    logits = torch.matmul(grouped.float(), key.float().transpose(-1, -2))  # [B, Hkv, G, K]
+    logits = logits * (scaling if scaling is not None else dim**-0.5)
+    mask = attention_mask[..., : key.shape[-2]]
+    if mask.dtype == torch.bool:
+        logits = logits.masked_fill(~mask, float("-inf"))
+    else:
+        logits = logits + mask.float()
+    probs = torch.softmax(logits, dim=-1).to(value.dtype)
+    out = torch.matmul(probs, value)  # [B, Hkv, G, D]
+    return out.reshape(batch, 1, heads, dim)
+
+
+def avoid_cudnn_sdpa() -> None:
+    """Takes cuDNN out of SDPA's backends (process-wide; called when a model is loaded on CUDA). PyTorch tries
+    cuDNN first on Hopper for attention with a mask, and cuDNN builds an execution plan for every shape it has
+    not seen, 0.4-1 s of host time each: every prompt length, every chunk, every decode step's cache length
+    is a new shape in serving. Measured on an H100 with a Llama-3.2-1B-shaped draft: a 16k-token prompt
+    scored in 0.8-1.3 s the first time at each length and 0.16 s after; flash and memory-efficient attention
+    have no per-shape cost."""
+    torch.backends.cuda.enable_cudnn_sdp(False)
 
 
 def use_gqa_sdpa(model: PreTrainedModel) -> None:

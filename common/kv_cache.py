@@ -19,18 +19,22 @@ from transformers.cache_utils import DynamicLayer
 class AppendLayer(DynamicLayer):
     """``DynamicLayer`` whose ``keys`` and ``values`` are views of a buffer with room to append."""
 
-    def __init__(self, capacity: int = 0, reserve: int = 16) -> None:
+    def __init__(self, capacity: int = 0, reserve: int = 16,
+                 storage: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         super().__init__()
         self.capacity = capacity
         self.reserve = reserve
         self._keys: torch.Tensor | None = None
         self._values: torch.Tensor | None = None
+        self._storage = storage  # buffers to write into instead of new ones (a CUDA graph reads them too)
         self._length = 0
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         start, end = self._length, self._length + key_states.shape[-2]
+        if self._keys is None and self._storage is not None and _fits(self._storage[0], key_states, end):
+            self._keys, self._values = self._storage
         if self._keys is None or end > self._keys.shape[-2]:
             self._grow(key_states, value_states, max(end + self.reserve, self.capacity))
         self._keys[:, :, start:end] = key_states
@@ -59,14 +63,22 @@ class AppendLayer(DynamicLayer):
         self._length = 0
 
 
+def _fits(buffer: torch.Tensor, states: torch.Tensor, length: int) -> bool:
+    return (buffer.shape[:2] == states.shape[:2] and buffer.shape[-1] == states.shape[-1]
+            and buffer.shape[-2] >= length and buffer.dtype == states.dtype and buffer.device == states.device)
+
+
 def append_cache(config: PretrainedConfig, capacity: int = 0, *, reserve: int = 16,
-                 layers: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> DynamicCache:
+                 layers: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+                 storage: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> DynamicCache:
     """A ``DynamicCache`` for ``config`` whose full-attention layers append in place, room for ``capacity``
-    tokens made at the first write, holding ``layers``' keys and values (copied in) when given. Sliding-window
-    layers, if any, stay as transformers makes them."""
+    tokens made at the first write (or, where they fit, in ``storage``: per layer, key and value buffers
+    [B, Hkv, room, D] that outlive the cache), holding ``layers``' keys and values (copied in) when given.
+    Sliding-window layers, if any, stay as transformers makes them."""
     cache = DynamicCache(config=config)
-    cache.layers = [AppendLayer(capacity, reserve) if type(layer) is DynamicLayer else layer
-                    for layer in cache.layers]
+    storage = storage or [None] * len(cache.layers)
+    cache.layers = [AppendLayer(capacity, reserve, buffers) if type(layer) is DynamicLayer else layer
+                    for layer, buffers in zip(cache.layers, storage)]
     for layer, (keys, values) in zip(cache.layers, layers or ()):
         layer.update(keys, values)
     return cache

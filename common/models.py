@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from common.attention import use_gqa_sdpa
+from common.attention import avoid_cudnn_sdpa, use_gqa_sdpa
 
 
 class TokenizerMismatchError(ValueError):
@@ -49,7 +49,10 @@ def load_causal_lm(
         str(path_or_id), dtype=resolve_dtype(dtype), attn_implementation=attn_implementation
     )
     use_gqa_sdpa(model)
-    return model.to(device or default_device()).eval()
+    model = model.to(device or default_device()).eval()
+    if model.device.type == "cuda":
+        avoid_cudnn_sdpa()
+    return model
 
 
 def check_same_tokenizer(draft: PreTrainedTokenizerBase, target: PreTrainedTokenizerBase) -> None:

@@ -23,6 +23,7 @@ from common.kv_cache import append_cache
 from common.models import eos_token_ids
 from draft_worker.capture import QueryRecorder, captures_queries
 from draft_worker.config import ScoringConfig
+from draft_worker.graphs import LookAheadGraphs
 
 
 @dataclass
@@ -58,6 +59,7 @@ def score_prompts(
     prefix: PromptKV | None = None,
     prefix_len: int = 0,
     return_kv: bool = False,
+    graphs: LookAheadGraphs | None = None,
 ) -> tuple[list[torch.Tensor], list[PromptKV] | None]:
     """Scores every token of each prompt in one batched draft run: float32 CPU tensors, one per prompt.
 
@@ -65,18 +67,30 @@ def score_prompts(
     like single runs. With ``prefix`` (one prompt only), its first ``prefix_len`` KV entries stand in for the
     prompt's first ``prefix_len`` tokens, which must be the same tokens: only the rest is prefilled.
     With ``return_kv``, each prompt's KV cache (prompt entries only) comes back for reuse.
+    With ``graphs`` (a model on CUDA), a single prompt's look-ahead steps replay CUDA graphs.
     The model must have had ``enable_query_capture`` applied.
     """
     assert captures_queries(model), "call enable_query_capture first"
     assert all(len(p) > 0 for p in prompts), "empty prompt"
-    batch = _prepare(model, prompts, prefix, prefix_len, config.look_ahead)
+    storage = None
+    if graphs is not None and len(prompts) == 1:
+        storage = graphs.storage_for(len(prompts[0]) + config.look_ahead)
+    batch = _prepare(model, prompts, prefix, prefix_len, config.look_ahead, storage)
     recorder = QueryRecorder()
     logits = prefill(model, batch, recorder)
-    valid = look_ahead(model, batch, logits, recorder, config.look_ahead)
+    valid = None
+    if storage is not None:
+        valid = graphs.look_ahead(logits, batch.lengths[0], recorder, config.look_ahead, _eos(model))
+    if valid is None:
+        valid = look_ahead(model, batch, logits, recorder, config.look_ahead)
     scores = reduce_scores(batch, recorder, valid, config.pool_kernel).cpu()  # [B, S]
     results = [scores[row, batch.width - n :] for row, n in enumerate(batch.lengths)]
-    kvs = _prompt_kvs(batch, prompts) if return_kv else None
+    kvs = _prompt_kvs(batch, prompts, copy=storage is not None) if return_kv else None
     return results, kvs
+
+
+def _eos(model: PreTrainedModel) -> torch.Tensor:
+    return torch.tensor(eos_token_ids(model), dtype=torch.long, device=model.device)
 
 
 def prefill(model: PreTrainedModel, batch: ScoringBatch, recorder: QueryRecorder) -> torch.Tensor:
@@ -92,7 +106,7 @@ def look_ahead(model: PreTrainedModel, batch: ScoringBatch, logits: torch.Tensor
     a row's queries stop once it generated EOS (the EOS token's own query included)."""
     device = batch.input_ids.device
     n_rows = len(batch.lengths)
-    eos = torch.tensor(eos_token_ids(model), dtype=torch.long, device=device)
+    eos = _eos(model)
     valid = torch.ones(n_rows, steps, dtype=torch.bool, device=device)  # [B, Q]
     position = torch.tensor(batch.lengths, device=device)[:, None]  # [B, 1]: right after each prompt
     for step in range(1, steps):
@@ -126,14 +140,15 @@ def reduce_scores(batch: ScoringBatch, recorder: QueryRecorder, valid: torch.Ten
 
 
 def _prepare(model: PreTrainedModel, prompts: Sequence[Sequence[int]], prefix: PromptKV | None,
-             prefix_len: int, look_ahead: int) -> ScoringBatch:
+             prefix_len: int, look_ahead: int,
+             storage: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> ScoringBatch:
     """The batch's inputs, and a KV cache with room for the prompts and the look-ahead tokens, so that no
-    forward copies the cache (``common.kv_cache``)."""
+    forward copies the cache (``common.kv_cache``; in ``storage`` when given)."""
     device = model.device
     lengths = [len(p) for p in prompts]
     if prefix is not None:
         assert len(prompts) == 1 and 0 < prefix_len < lengths[0]
-        cache = append_cache(model.config, lengths[0] + look_ahead,
+        cache = append_cache(model.config, lengths[0] + look_ahead, storage=storage,
                              layers=[(k[:, :, :prefix_len], v[:, :, :prefix_len]) for k, v in prefix.layers])
         return ScoringBatch(lengths, lengths[0], torch.tensor([prompts[0][prefix_len:]], device=device),
                             torch.arange(prefix_len, lengths[0], device=device)[None], None, cache)
@@ -142,7 +157,7 @@ def _prepare(model: PreTrainedModel, prompts: Sequence[Sequence[int]], prefix: P
     input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     for row, prompt in enumerate(prompts):
         input_ids[row, width - len(prompt) :] = torch.as_tensor(prompt, dtype=torch.long)
-    cache = append_cache(model.config, width + look_ahead)
+    cache = append_cache(model.config, width + look_ahead, storage=storage)
     if min(lengths) == width:
         return ScoringBatch(lengths, width, input_ids.to(device), None, None, cache)
     mask = (torch.arange(width) >= torch.tensor([width - n for n in lengths])[:, None]).long()
@@ -150,8 +165,9 @@ def _prepare(model: PreTrainedModel, prompts: Sequence[Sequence[int]], prefix: P
     return ScoringBatch(lengths, width, input_ids.to(device), position_ids.to(device), mask.to(device), cache)
 
 
-def _prompt_kvs(batch: ScoringBatch, prompts: Sequence[Sequence[int]]) -> list[PromptKV]:
-    """Each row's prompt entries, without padding or look-ahead; rows of a batch are copied out of it."""
+def _prompt_kvs(batch: ScoringBatch, prompts: Sequence[Sequence[int]], copy: bool = False) -> list[PromptKV]:
+    """Each row's prompt entries, without padding or look-ahead; rows of a batch are copied out of it, and
+    so is a cache in storage that the next prompt overwrites (``copy``)."""
     kvs = []
     for row, prompt in enumerate(prompts):
         start = batch.width - len(prompt)
@@ -159,7 +175,7 @@ def _prompt_kvs(batch: ScoringBatch, prompts: Sequence[Sequence[int]]) -> list[P
         for layer in batch.cache.layers:
             k = layer.keys[row : row + 1, :, start : batch.width]
             v = layer.values[row : row + 1, :, start : batch.width]
-            if len(prompts) > 1:
+            if len(prompts) > 1 or copy:
                 k, v = k.clone(), v.clone()
             layers.append((k, v))
         kvs.append(PromptKV(torch.tensor(list(prompt), dtype=torch.long), layers))

@@ -27,6 +27,8 @@ class ScoringOptions(BaseSettings):
                             description="tokens are kept in contiguous chunks of this size (1: single tokens)")
     protect_first: int = Field(_DEFAULTS.protect_first, description="the first N tokens are always kept (0: off)")
     protect_last: int = Field(_DEFAULTS.protect_last, description="the last N tokens are always kept (0: off)")
+    cuda_graphs: bool = Field(True, description="on a GPU, the draft's look-ahead steps replay CUDA graphs (off: "
+                                                "plain forwards, 2x the scoring time of an 8k prompt on an H100)")
 
     @model_validator(mode="after")
     def _valid(self):

@@ -13,6 +13,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from common.models import load_causal_lm, load_tokenizer
 from draft_worker.capture import enable_query_capture
 from draft_worker.config import ScoringConfig
+from draft_worker.graphs import LookAheadGraphs
 from draft_worker.prefix_cache import PrefixKVCache
 from draft_worker.scorer import score_prompts
 
@@ -24,7 +25,8 @@ class PromptTooLongError(ValueError):
 class DraftWorker:
     """Scores prompts with a draft model.
 
-    Forwards are serialised by a lock: callers may use it from several threads.
+    Forwards are serialised by a lock: callers may use it from several threads. On CUDA the look-ahead
+    steps replay CUDA graphs (``cuda_graphs=False``: plain forwards).
     """
 
     def __init__(
@@ -34,6 +36,7 @@ class DraftWorker:
         config: ScoringConfig | None = None,
         name: str = "draft",
         prefix_cache_bytes: int = 1 << 30,
+        cuda_graphs: bool = True,
     ) -> None:
         enable_query_capture(model)
         self.model = model
@@ -42,6 +45,7 @@ class DraftWorker:
         self.name = name
         self.prefix_cache = PrefixKVCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
         self.identity = model_identity(model, name)
+        self.graphs = LookAheadGraphs(model) if cuda_graphs and model.device.type == "cuda" else None
         self._lock = threading.Lock()
 
     @classmethod
@@ -53,10 +57,11 @@ class DraftWorker:
         device: str | torch.device | None = None,
         dtype: str | torch.dtype | None = "auto",
         prefix_cache_bytes: int = 1 << 30,
+        cuda_graphs: bool = True,
     ) -> DraftWorker:
         model = load_causal_lm(path_or_id, device=device, dtype=dtype)
         return cls(model, load_tokenizer(path_or_id), config, name=str(path_or_id),
-                   prefix_cache_bytes=prefix_cache_bytes)
+                   prefix_cache_bytes=prefix_cache_bytes, cuda_graphs=cuda_graphs)
 
     @property
     def max_prompt_tokens(self) -> int:
@@ -93,12 +98,12 @@ class DraftWorker:
                 continue
             entry, reuse = found
             (scores,), kvs = score_prompts(self.model, [prompt], self.config, prefix=entry, prefix_len=reuse,
-                                           return_kv=self.prefix_cache is not None)
+                                           return_kv=self.prefix_cache is not None, graphs=self.graphs)
             results[index] = scores
             self._remember(kvs)
         if fresh:
             scores, kvs = score_prompts(self.model, [prompts[i] for i in fresh], self.config,
-                                        return_kv=self.prefix_cache is not None)
+                                        return_kv=self.prefix_cache is not None, graphs=self.graphs)
             for index, row in zip(fresh, scores):
                 results[index] = row
             self._remember(kvs)

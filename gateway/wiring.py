@@ -95,7 +95,8 @@ async def _draft(settings: GatewaySettings, tokenizer, metrics: GatewayMetrics) 
         logger.info("the draft is the %s baseline: scores without a model (for evals)", kind)
         return LocalDraft(BaselineScorer(kind, settings.scoring_config()))
     worker = DraftWorker.from_pretrained(settings.draft_model, settings.scoring_config(), device=settings.device,
-                                         dtype=settings.dtype, prefix_cache_bytes=settings.draft_prefix_cache_mb << 20)
+                                         dtype=settings.dtype, prefix_cache_bytes=settings.draft_prefix_cache_mb << 20,
+                                         cuda_graphs=settings.cuda_graphs)
     try:
         check_same_tokenizer(worker.tokenizer, tokenizer)
     except TokenizerMismatchError as exc:

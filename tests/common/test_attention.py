@@ -1,8 +1,9 @@
 import copy
 
+import pytest
 import torch
 
-from common.attention import GQA_SDPA, use_gqa_sdpa
+from common.attention import GQA_SDPA, decode_attention, use_gqa_sdpa
 from engine.runner import prefill
 from tests.helpers import reference_logits, tiny_llama
 
@@ -37,3 +38,23 @@ def test_models_on_other_kernels_are_left_alone():
     model.set_attn_implementation("eager")
     use_gqa_sdpa(model)
     assert model.config._attn_implementation == "eager"
+
+
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_matches_the_fused_kernel(kind, dtype):
+    """One query position, grouped heads, a mask hiding the cache's tail: as SDPA computes it (CUDA uses this)."""
+    g = torch.Generator().manual_seed(0)
+    query = torch.randn(2, 8, 1, 64, generator=g).to(dtype)
+    key, value = (torch.randn(2, 2, 300, 64, generator=g).to(dtype) for _ in range(2))
+    visible = torch.arange(300) < torch.tensor([[250], [300]])  # [2, 300]: row 0 sees 250 keys
+    mask = visible[:, None, None, :]
+    if kind == "additive":
+        mask = torch.zeros(mask.shape, dtype=dtype).masked_fill(~mask, float("-inf"))
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        query.float(), key.float(), value.float(), attn_mask=visible[:, None, None, :], enable_gqa=True
+    ).transpose(1, 2)
+    got = decode_attention(query, key, value, mask, scaling=64**-0.5)
+    assert got.shape == (2, 1, 8, 64) and got.dtype == dtype
+    tolerance = {} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    torch.testing.assert_close(got.float(), expected, **tolerance)
