@@ -225,49 +225,71 @@ class Planner:
         self.metrics.plans.labels(plan.kind).inc()
 
     async def calibrate(self, complete, vocab: list[int], sizes: tuple[int, ...] = (256, 1024, 4096),
-                        extensions: tuple[int, ...] = (32, 512), reads: int = 2, limit: int | None = None) -> None:
+                        extensions: tuple[int, ...] = (32, 512), reads: int = 2, limit: int | None = None,
+                        grow_below_s: float = 0.5) -> None:
         """The start-up probe through ``complete(token_ids)`` (the target, one token: its completion answer) and
-        the draft: random prompts of ``sizes`` tokens, then the largest extended by each of ``extensions`` in
-        turn (few new tokens after many cached ones, as a chat's next turn); both models fitted on the timings.
-        Then ``reads`` short reads (16 new tokens) after each prompt but the smallest: the same few new tokens
-        after 1,024 and after 4,096 cached ones are what tells the cost of reading cached tokens apart from a
-        request's fixed part. (Without them, and with 2,048 tokens at most, the fit priced reading 12,000 cached
-        tokens at nothing.) Sizes are cut to fit ``limit``. A probe the backend refuses ends the probe; the
-        models keep what they learnt so far and learn from traffic."""
+        the draft. First an unmeasured warm-up (a GPU's first forwards load kernels and libraries: timed, they
+        made the draft look seconds slow and the gateway forward every prompt whole). Then random prompts of
+        ``sizes`` tokens, doubling on while the target answers the largest within ``grow_below_s`` (a GPU reads
+        4,096 tokens in a fraction of that, and prices met in traffic should be interpolated, not extrapolated
+        eightfold); then the largest extended by each of ``extensions`` in turn (few new tokens after many cached
+        ones, as a chat's next turn); both models fitted on the timings. Then ``reads`` short reads (16 new
+        tokens) after each prompt but the smallest: the same few new tokens after 1,024 and after 4,096 cached
+        ones are what tells the cost of reading cached tokens apart from a request's fixed part. (Without them,
+        and with 2,048 tokens at most, the fit priced reading 12,000 cached tokens at nothing.) Sizes are cut to
+        fit ``limit``. A probe the backend refuses ends the probe; the models keep what they learnt so far and
+        learn from traffic."""
         generator = torch.Generator().manual_seed(0)
         pool = torch.as_tensor(vocab)
 
         def tokens(n: int) -> list[int]:
             return pool[torch.randint(len(vocab), (n,), generator=generator)].tolist()
 
-        room = max(1, min(self.draft.max_prompt_tokens, limit or 1 << 31) - sum(extensions))
-        sizes = tuple(sorted({min(n, room) for n in sizes}))
-        prompts = [(tokens(n), 0) for n in sizes]
-        bases = [prompt for prompt, _ in prompts[1:]]
-        for n in extensions:
-            previous = prompts[-1][0]
-            prompts.append((previous + tokens(n), len(previous)))
-        prompts += [(base + tokens(16), len(base)) for base in bases for _ in range(reads)]
-        for prompt, cached in prompts:
-            try:
-                reused = self.draft.reusable_prefix(prompt)
-                start = time.perf_counter()
-                await self.draft.score(prompt)
+        async def probe(prompt: list[int], cached: int, measured: bool = True) -> float:
+            reused = self.draft.reusable_prefix(prompt)
+            start = time.perf_counter()
+            await self.draft.score(prompt)
+            if measured:
                 self.draft_cost.observe(len(prompt) - reused, reused, time.perf_counter() - start, probe=True)
-                start = time.perf_counter()
-                answer = await complete(prompt)
-                seconds = time.perf_counter() - start
-            except Exception as exc:  # a refused probe never stops the gateway from starting
-                logger.warning("cost-model probe stopped at a %d-token prompt: %s", len(prompt),
-                               type(exc).__name__ + (f": {exc}" if str(exc) else ""))
-                break
+            start = time.perf_counter()
+            answer = await complete(prompt)
+            seconds = time.perf_counter() - start
             served = _cached_tokens(answer.get("usage"))
             served = cached if served is None else served  # an engine that does not say: as sent
-            self.target_cost.observe(len(prompt) - served, served, seconds, probe=True)
+            if measured:
+                self.target_cost.observe(len(prompt) - served, served, seconds, probe=True)
             if self.engine_cache is not None:
                 await self.engine_cache.record(prompt, None)
-        logger.info("cost models calibrated: target %s, draft %s", self.target_cost.describe(),
-                    self.draft_cost.describe())
+            return seconds
+
+        room = max(1, min(self.draft.max_prompt_tokens, limit or 1 << 31) - sum(extensions))
+        sizes = sorted({min(n, room) for n in sizes})
+        bases: list[list[int]] = []  # the probed prompts but the smallest
+        largest: list[int] = []
+        try:
+            await probe(tokens(min(64, room)), 0, measured=False)
+            index = 0
+            while index < len(sizes):
+                prompt = tokens(sizes[index])
+                seconds = await probe(prompt, 0)
+                largest = prompt
+                if index:
+                    bases.append(prompt)
+                if index == len(sizes) - 1 and seconds < grow_below_s and sizes[-1] < room:
+                    sizes.append(min(2 * sizes[-1], room))
+                index += 1
+            previous = largest
+            for n in extensions:
+                prompt = previous + tokens(n)
+                await probe(prompt, len(previous))
+                previous = prompt
+            for base in bases:
+                for _ in range(reads):
+                    await probe(base + tokens(16), len(base))
+        except Exception as exc:  # a refused probe never stops the gateway from starting
+            logger.warning("cost-model probe stopped: %s", type(exc).__name__ + (f": {exc}" if str(exc) else ""))
+        logger.info("cost models calibrated on prompts up to %d tokens: target %s, draft %s", sizes[-1],
+                    self.target_cost.describe(), self.draft_cost.describe())
 
 
 def _cached_tokens(usage: dict | None) -> int | None:

@@ -300,16 +300,36 @@ async def test_the_start_up_probe_prices_cached_reads():
     planner, _ = _planner(cost_coefficients=None)
     lengths: list[int] = []
     await planner.calibrate(_timed_engine(planner, lengths), list(range(10, 5000)))
-    assert lengths[3:] == [4096 + 32, 4096 + 32 + 512, 1024 + 16, 1024 + 16, 4096 + 16, 4096 + 16]
+    assert lengths[0] == 64  # the warm-up, not measured
+    assert lengths[1:4] == [256, 1024, 4096]  # 4,096 tokens take 0.84 s: no larger probe
+    assert lengths[4:] == [4096 + 32, 4096 + 32 + 512, 1024 + 16, 1024 + 16, 4096 + 16, 4096 + 16]
+    assert len(planner.target_cost._probe) == len(lengths) - 1
     per_cached = planner.target_cost.describe()["per_cached_token"]
     assert 3e-6 < per_cached < 3e-5, planner.target_cost.describe()
+
+
+async def test_the_start_up_probe_grows_while_the_engine_answers_fast():
+    """On a GPU a 4,096-token prompt takes a fraction of a second: prices for the prompts users send come from
+    probes of their size, not from an eightfold extrapolation."""
+    planner, _ = _planner(cost_coefficients=None)
+    lengths: list[int] = []
+
+    async def fast(token_ids: list[int]) -> dict:
+        lengths.append(len(token_ids))
+        await asyncio.sleep(0.005 + 1e-5 * len(token_ids))
+        return {"usage": None}
+
+    await planner.calibrate(fast, list(range(10, 5000)), limit=20_000)
+    room = 20_000 - 32 - 512
+    assert lengths[:7] == [64, 256, 1024, 4096, 8192, 16384, room]
+    assert lengths[7:9] == [room + 32, room + 32 + 512]
 
 
 async def test_the_start_up_probe_fits_the_prompt_limit_and_a_refused_probe_does_not_stop_the_gateway():
     planner, _ = _planner(cost_coefficients=None)
     lengths: list[int] = []
     await planner.calibrate(_timed_engine(planner, lengths), list(range(10, 5000)), limit=2048)
-    assert max(lengths) == 2048 and len(lengths) == 9
+    assert max(lengths) == 2048 and len(lengths) == 10
 
     async def refuses_long_prompts(token_ids: list[int]) -> dict:
         if len(token_ids) > 1024:
