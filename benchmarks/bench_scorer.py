@@ -1,11 +1,15 @@
-"""Scoring cost vs a plain prefill on the demo draft: time and peak memory, side by side in one run.
+"""Scoring cost vs a plain prefill on a draft model: time and peak memory, side by side in one run.
 
     .venv/bin/python benchmarks/bench_scorer.py [--lengths 1024 4096 16384] [--repeats 5] [--json out.json]
+    python benchmarks/bench_scorer.py --model PAIR/draft --device cuda --lengths 8192 16384 32768  # on a GPU
 
-Time: median of ``--repeats`` runs after a warm-up, in this process. Memory: each measurement runs in a
-fresh subprocess (no allocator cache from earlier runs); the resident-set high-water mark is reset with
-/proc/self/clear_refs after loading and warming up, so the reported peak is what the one call added.
-A "plain prefill" is what a serving engine runs: the same model, use_cache=True, logits for the last token.
+Every scoring call reads the prompt afresh (the draft's prefix cache is off: a cached prompt would measure
+the cache). Time: median of ``--repeats`` runs after a warm-up, in this process (on CUDA, synchronised).
+Memory on the CPU: each measurement runs in a fresh subprocess (no allocator cache from earlier runs); the
+resident-set high-water mark is reset with /proc/self/clear_refs after loading and warming up, so the
+reported peak is what the one call added. On CUDA: the allocator's peak over what was allocated before the
+call (``torch.cuda.max_memory_allocated``), in this process. A "plain prefill" is what a serving engine runs:
+the same model, use_cache=True, logits for the last token.
 """
 
 from __future__ import annotations
@@ -42,9 +46,13 @@ def _rss_kib(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
+def load_worker(model_dir: str, device: str = "cpu", dtype: str = "auto") -> DraftWorker:
+    return DraftWorker.from_pretrained(model_dir, ScoringConfig(), device=device, dtype=dtype, prefix_cache_bytes=0)
+
+
 def measure_peak(model_dir: str, mode: str, length: int) -> int:
     """Runs in a child process: peak resident bytes added by one call."""
-    worker = DraftWorker.from_pretrained(model_dir, ScoringConfig(), device="cpu")
+    worker = load_worker(model_dir)
     ids = _prompt(length, worker.model.config.vocab_size)
     plain_prefill(worker.model, ids[:64])  # thread pools, lazy init
     worker.score(ids[:64])
@@ -66,26 +74,55 @@ def peak_in_subprocess(model_dir: str, mode: str, length: int) -> int:
     return int(out.stdout.strip().splitlines()[-1])
 
 
+def cuda_peak(fn, kept: int = 0) -> int:
+    """Bytes the CUDA allocator held at its peak during ``fn`` beyond what it held before, counting ``kept``
+    bytes held before as the call's own (buffers a warm-up made that every call uses)."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated() - kept
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
 def time_call(fn, repeats: int) -> tuple[float, float]:
+    cuda = torch.cuda.is_initialized()
     fn()  # warm-up
     times = []
     for _ in range(repeats):
+        if cuda:
+            torch.cuda.synchronize()
         start = time.perf_counter()
         fn()
+        if cuda:
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return statistics.median(times), (max(times) - min(times))
 
 
-def run(lengths: list[int], repeats: int, model_dir: str | None = None) -> list[dict]:
+def run(lengths: list[int], repeats: int, model_dir: str | None = None, device: str = "cpu",
+        dtype: str = "auto") -> list[dict]:
     model_dir = model_dir or str(ensure_demo_models() / "draft")
-    worker = DraftWorker.from_pretrained(model_dir, ScoringConfig(), device="cpu")
+    worker = load_worker(model_dir, device, dtype)
+    cuda = worker.model.device.type == "cuda"
     rows = []
     for length in tqdm(lengths, desc="scorer bench", unit="length"):
         ids = _prompt(length, worker.model.config.vocab_size)
         plain_s, plain_spread = time_call(lambda: plain_prefill(worker.model, ids), repeats)
         score_s, score_spread = time_call(lambda: worker.score(ids), repeats)
-        plain_mem = peak_in_subprocess(model_dir, "plain", length)
-        score_mem = peak_in_subprocess(model_dir, "score", length)
+        extra = {}
+        if cuda:
+            plain_mem = cuda_peak(lambda: plain_prefill(worker.model, ids))
+            graphs = worker.graphs
+            buffers = sum(k.nbytes + v.nbytes for k, v in graphs.storage) if graphs and graphs.enabled else 0
+            score_mem = cuda_peak(lambda: worker.score(ids), kept=buffers)
+            worker.graphs = None  # the same scoring with the look-ahead's steps launched one by one
+            extra["score_plain_steps_s"] = time_call(lambda: worker.score(ids), repeats)[0]
+            extra["cuda_graphs"] = bool(graphs and graphs.enabled)
+            worker.graphs = graphs
+        else:
+            plain_mem = peak_in_subprocess(model_dir, "plain", length)
+            score_mem = peak_in_subprocess(model_dir, "score", length)
         rows.append(
             {
                 "tokens": length,
@@ -97,6 +134,7 @@ def run(lengths: list[int], repeats: int, model_dir: str | None = None) -> list[
                 "prefill_peak_mib": plain_mem / 2**20,
                 "score_peak_mib": score_mem / 2**20,
                 "memory_ratio": score_mem / plain_mem,
+                **extra,
             }
         )
     return rows
@@ -108,6 +146,7 @@ def print_table(rows: list[dict]) -> None:
         print(
             f"{r['tokens']:>7} {r['prefill_s']:>10.3f} {r['score_s']:>9.3f} {r['time_ratio']:>7.3f} "
             f"{r['prefill_peak_mib']:>12.1f} {r['score_peak_mib']:>10.1f} {r['memory_ratio']:>6.3f}"
+            + (f"   without CUDA graphs: {r['score_plain_steps_s']:.3f} s" if "score_plain_steps_s" in r else "")
         )
 
 
@@ -116,13 +155,17 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--model", default=None, help="draft model folder (default: the demo draft)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--dtype", default="auto", help="auto (the checkpoint's), float32, bfloat16 or float16")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(torch.get_num_threads())
-    rows = run(args.lengths, args.repeats, args.model)
+    rows = run(args.lengths, args.repeats, args.model, args.device, args.dtype)
     print_table(rows)
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=2))
+        device = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "cpu"
+        meta = {"device": device, "dtype": args.dtype, "model": args.model or "demo draft"}
+        args.json.write_text(json.dumps({**meta, "rows": rows}, indent=2))
 
 
 if __name__ == "__main__":

@@ -50,6 +50,8 @@ class Bench(BaseSettings):
     baseline: bool = Field(False, description="launch the gateway as it was before cache-aware planning: a fresh "
                                               "selection for every prompt, no warming")
     gateway_warming: bool = Field(True, description="launched gateway: warming on (its default) or off")
+    pair: str | None = Field(None, description="launched servers: a folder with draft/ and target/ (as "
+                                               "`specprefill demo-models` writes; default: the demo pair)")
 
     def cli_cmd(self) -> None:
         raise SystemExit(run_bench(self))
@@ -70,7 +72,7 @@ def run_bench(options: Bench) -> int:
             args += ["--planner", "fresh", "--no-warming", "--no-keep-system-whole"]
         elif not options.gateway_warming:
             args += ["--no-warming"]
-        context = launched(2, args, options.vllm_python, out)
+        context = launched(2, args, options.vllm_python, out, Path(options.pair) if options.pair else None)
     with context as stack, httpx.Client(timeout=60) as client:
         model = options.model or client.get(f"{stack.gateway_url}/v1/models").json()["data"][0]["id"]
         direct_model = options.backend_model or client.get(f"{stack.direct_url}/v1/models").json()["data"][0]["id"]
@@ -79,7 +81,8 @@ def run_bench(options: Bench) -> int:
         prompts = PromptMaker(client, stack.gateway_url, model)
         meta = {"gateway_url": stack.gateway_url, "backend_url": stack.direct_url, "model": model,
                 "launched": options.base_url is None, "engine": "vllm" if options.vllm_python else "reference",
-                "baseline": options.baseline, "gateway_warming": options.gateway_warming}
+                "baseline": options.baseline, "gateway_warming": options.gateway_warming,
+                "pair": _pair_description(options.pair) if options.base_url is None else None}
         if options.workloads:
             written = _workloads(options, stack, prompts, (model, direct_model), meta)
         else:
@@ -121,7 +124,8 @@ def _sweep_and_load(options: Bench, stack: Stack, prompts, models: tuple[str, st
                 print(f"load {name:>7} {r['rate']:>6g} req/s: p50 {r['p50_s']:.3f} s, p99 {r['p99_s']:.3f} s, "
                       f"{r['errors']} errors")
         print(f"highest rate with p99 TTFT <= {options.ttft_slo:g} s: {load['max_rate']}")
-    meta |= {"lengths": options.lengths, "keep_rates": options.keep_rates, "repeats": options.repeats}
+    meta |= {"lengths": options.lengths, "keep_rates": options.keep_rates, "repeats": options.repeats,
+             "cost_coefficients": _cost_coefficients(stack.gateway_url)}
     return write_outputs(Path(options.out), rows, samples, load, meta)
 
 
@@ -137,5 +141,37 @@ def _workloads(options: Bench, stack: Stack, prompts, models: tuple[str, str], m
     rows = summarize_workloads(samples)
     print(format_workloads(rows))
     meta |= {"workload_tokens": options.workload_tokens, "step_tokens": options.step_tokens,
-             "keep_rate": options.workload_keep_rate, "baseline": options.baseline}
+             "keep_rate": options.workload_keep_rate, "baseline": options.baseline,
+             "cost_coefficients": _cost_coefficients(stack.gateway_url)}
     return write_workloads(Path(options.out), rows, samples, meta)
+
+
+def _cost_coefficients(gateway_url: str) -> dict[str, dict[str, float]]:
+    """The gateway's calibrated cost models as its /metrics shows them at the end of the run (empty if it
+    shows none): what the planner priced the last requests with."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        text = httpx.get(f"{gateway_url}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return {}
+    out: dict[str, dict[str, float]] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name == "specprefill_cost_coefficient":
+            for sample in family.samples:
+                out.setdefault(sample.labels.get("model", "?"), {})[sample.labels.get("term", "?")] = sample.value
+    return out
+
+
+def _pair_description(pair: str | None) -> dict:
+    """What the launched servers ran: the pair's shapes (from its demo.json) and the device."""
+    import json
+
+    import torch
+
+    from specprefill.lab.demo_models import ensure_demo_models
+
+    folder = Path(pair) if pair else ensure_demo_models()
+    info = json.loads((folder / "demo.json").read_text()) if (folder / "demo.json").exists() else {}
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"cpu ({torch.get_num_threads()} threads)"
+    return {"folder": str(folder), **info, "device": device}

@@ -31,6 +31,7 @@ class Sample:
     kept_tokens: int | None = None
     timing_ms: dict[str, float] = field(default_factory=dict)
     status: str | None = None
+    reason: str | None = None  # why the gateway sent the prompt whole, if it did
 
 
 @dataclass
@@ -196,7 +197,7 @@ async def run_sweep(config: BenchConfig, prompts: PromptMaker,
                     if measured:
                         samples.append(Sample("gateway", length, keep, ttft, kept,
                                               parse_server_timing(headers.get("server-timing")),
-                                              headers.get("x-specprefill-status")))
+                                              headers.get("x-specprefill-status"), headers.get("x-specprefill-reason")))
                     if keep < 1.0:  # the target reading only the kept tokens, directly
                         kept_body = {**direct_body, "messages": prompts.make(kept)}
                         await wait_idle(client, idle_urls)

@@ -54,10 +54,20 @@ class ModelShape:
     num_hidden_layers: int
     num_attention_heads: int
     num_key_value_heads: int
+    tie_word_embeddings: bool = False
 
 
 DRAFT_SHAPE = ModelShape(128, 512, 2, 4, 2)
 TARGET_SHAPE = ModelShape(512, 2048, 8, 8, 2)
+# real models' shapes (their configs on the hub), for measurements with random weights: the vocabulary stays the
+# demo tokenizer's, so only the embedding table and the one-row output projection are smaller than the real ones
+SHAPES = {
+    "demo-draft": DRAFT_SHAPE,
+    "demo-target": TARGET_SHAPE,
+    "llama-3.2-1b": ModelShape(2048, 8192, 16, 32, 8, tie_word_embeddings=True),
+    "llama-3.2-3b": ModelShape(3072, 8192, 28, 24, 8, tie_word_embeddings=True),
+    "llama-3.1-8b": ModelShape(4096, 14336, 32, 32, 8),
+}
 
 
 def synthetic_corpus(seed: int = 0, n_sentences: int = 20_000) -> list[str]:
@@ -123,7 +133,7 @@ def llama_config(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=eos_ids(tokenizer),
         pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=False,
+        tie_word_embeddings=shape.tie_word_embeddings,
     )
 
 
@@ -138,10 +148,16 @@ def write_model(
     seed: int,
     max_positions: int = 32768,
     init_std: float = 0.02,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
 ) -> None:
+    """Random weights from ``seed``, initialised on ``device`` in ``dtype`` (an 8B model is made on a GPU in
+    seconds) and saved in ``dtype``."""
     config = llama_config(shape, tokenizer, max_positions, init_std)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).eval()
+    with torch.device(device):
+        model = LlamaForCausalLM._from_config(config, dtype=dtype).eval()
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id, eos_token_id=eos_ids(tokenizer), pad_token_id=tokenizer.pad_token_id
     )
@@ -156,6 +172,23 @@ def write_demo_models(out_dir: str | Path, seed: int = 0) -> Path:
     write_model(out_dir / "draft", DRAFT_SHAPE, tokenizer, seed=seed + 1)
     write_model(out_dir / "target", TARGET_SHAPE, tokenizer, seed=seed + 2)
     (out_dir / "demo.json").write_text(json.dumps({"version": DEMO_VERSION, "seed": seed}))
+    return out_dir
+
+
+def write_shaped_pair(out_dir: str | Path, draft: str, target: str, *, seed: int = 0,
+                      device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16,
+                      max_positions: int = 65536) -> Path:
+    """``out_dir/draft`` and ``out_dir/target`` at the named ``SHAPES`` with random weights and the demo
+    tokenizer: real models' compute and memory without their weights (for timing, never for answers)."""
+    out_dir = Path(out_dir)
+    tokenizer = train_tokenizer(seed=seed)
+    tokenizer.model_max_length = max_positions
+    write_model(out_dir / "draft", SHAPES[draft], tokenizer, seed=seed + 1, max_positions=max_positions,
+                device=device, dtype=dtype)
+    write_model(out_dir / "target", SHAPES[target], tokenizer, seed=seed + 2, max_positions=max_positions,
+                device=device, dtype=dtype)
+    (out_dir / "demo.json").write_text(json.dumps({"version": DEMO_VERSION, "seed": seed, "draft": draft,
+                                                   "target": target, "dtype": str(dtype).removeprefix("torch.")}))
     return out_dir
 
 

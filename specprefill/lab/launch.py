@@ -22,14 +22,16 @@ class Stack:
 
 
 @contextlib.contextmanager
-def launched(engines: int, gateway_args: list[str], vllm_python: str | None, out: Path) -> Iterator[Stack]:
-    """The demo target on ``engines`` engines (reference engines, or vLLM: the gateway's with the plugin, the
-    direct one stock) and a gateway in front of the first, as local processes. With two, the direct path has
-    its own engine, so neither warms the other's prefix cache."""
+def launched(engines: int, gateway_args: list[str], vllm_python: str | None, out: Path,
+             pair: Path | None = None) -> Iterator[Stack]:
+    """The pair's target (``pair/target``; default: the demo pair) on ``engines`` engines (reference engines, or
+    vLLM: the gateway's with the plugin, the direct one stock) and a gateway in front of the first with
+    ``pair/draft``, as local processes. With two, the direct path has its own engine, so neither warms the
+    other's prefix cache."""
     from specprefill.lab.demo_models import ensure_demo_models
     from specprefill.lab.vllm_server import VLLMServer
 
-    root = ensure_demo_models()
+    root = pair or ensure_demo_models()
     processes, vllm_servers, urls = [], [], []
     try:
         for index in range(engines):
