@@ -121,7 +121,9 @@ def test_sigterm_drains_in_flight_streams_and_refuses_new_requests(model_pair):
                       "--draft-model", str(model_pair / "draft"), "--device", "cpu", "--served-model-name", "tiny",
                       "--drain-timeout", "20"], url)
     try:
-        body = {"model": "tiny", "messages": chat_messages("drain?"), "max_tokens": 300, "stream": True,
+        # long enough to be in flight for a while after SIGTERM (300 tokens took under 0.3 s on a fast machine,
+        # so the gateway had drained and exited before the request it should refuse)
+        body = {"model": "tiny", "messages": chat_messages("drain?"), "max_tokens": 2000, "stream": True,
                 "temperature": 0.8, "ignore_eos": True}
         with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as response:
             assert response.status_code == 200
