@@ -32,7 +32,7 @@ for step in $STEPS; do
         sweep) "$PYTHON" -m specprefill bench --pair "$PAIR" --lengths "${LENGTHS:-8192,16384,32768}" \
                     --keep-rates 0.1,0.3,0.5,1.0 --repeats "${REPEATS:-3}" --out "$OUT/sweep" ;;
         workloads) "$PYTHON" -m specprefill bench --pair "$PAIR" --workloads --workload-tokens "${WORKLOAD_TOKENS:-16000}" \
-                    --workload-requests "${WORKLOAD_REQUESTS:-7}" --out "$OUT/workloads" ;;
+                    --workload-requests "${WORKLOAD_REQUESTS:-5}" --out "$OUT/workloads" ;;
         *) echo "unknown step $step" >&2; exit 2 ;;
     esac
 done

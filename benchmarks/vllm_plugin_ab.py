@@ -46,15 +46,25 @@ async def alternate(servers: dict[str, VLLMServer], system: str, rounds: int) ->
     return times
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def options(doc: str, rounds: str) -> argparse.Namespace:
+    """The options of this script and of ``gateway_overhead.py``: ``rounds`` says what a round counts."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--words", type=int, default=3600, help="words of system prompt (about 3.3 tokens each; 32,768 at most in all)")
-    parser.add_argument("--rounds", type=int, default=14, help="requests per server, the first one cold")
+    parser.add_argument("--rounds", type=int, default=14, help=rounds)
     parser.add_argument("--vllm-python", default=str(VLLM_PYTHON))
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def system_prompt(n_words: int) -> str:
+    """A long system prompt of numbered 12-word sentences, the same every run."""
     rng = random.Random(0)
-    words = [f"w{rng.randrange(3000)}" for _ in range(args.words)]
-    system = " ".join(" ".join(words[i:i + 12]) + f" {i}." for i in range(0, args.words, 12))
+    words = [f"w{rng.randrange(3000)}" for _ in range(n_words)]
+    return " ".join(" ".join(words[i:i + 12]) + f" {i}." for i in range(0, n_words, 12))
+
+
+def main() -> None:
+    args = options(__doc__, "requests per server, the first one cold")
+    system = system_prompt(args.words)
     target = ensure_demo_models() / "target"
     logs = Path(tempfile.mkdtemp(prefix="vllm-ab-"))
     servers = {name: VLLMServer(args.vllm_python, target, logs / f"{name}.log", plugin=name == "plugin",
