@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from pydantic import Field
@@ -28,13 +29,18 @@ class DemoModels(BaseSettings):
         from specprefill.lab.demo_models import SHAPES, write_demo_models, write_shaped_pair
 
         if (self.draft_shape is None) != (self.target_shape is None):
-            raise SystemExit("specprefill demo-models: give --draft-shape with --target-shape (or neither)")
+            _fail("give --draft-shape with --target-shape (or neither)")
         if self.draft_shape is None:
             out = write_demo_models(self.dir, seed=self.seed)
         else:
             unknown = [s for s in (self.draft_shape, self.target_shape) if s not in SHAPES]
             if unknown:
-                raise SystemExit(f"specprefill demo-models: unknown shape {unknown[0]!r}; known: {', '.join(SHAPES)}")
+                _fail(f"unknown shape {unknown[0]!r}; known: {', '.join(SHAPES)}")
             out = write_shaped_pair(self.dir, self.draft_shape, self.target_shape, seed=self.seed,
                                     device=self.device or default_device(), dtype=resolve_dtype(self.dtype))
         print(f"wrote {out / 'draft'} and {out / 'target'}")
+
+
+def _fail(message: str) -> None:
+    print(f"specprefill demo-models: {message}", file=sys.stderr)
+    raise SystemExit(2)

@@ -7,11 +7,12 @@ import sys
 
 import httpx
 import pytest
-from transformers import AutoModelForCausalLM, AutoTokenizer
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 from gateway.app import create_app
 from specprefill.cli import main
-from specprefill.lab.demo_models import flops_per_token, write_demo_models
+from specprefill.lab.demo_models import SHAPES, flops_per_token, llama_config, write_demo_models
 from tests.helpers import LONG_DOC, gateway_settings, serve
 
 
@@ -67,6 +68,30 @@ def test_demo_models_are_deterministic(tmp_path):
     write_demo_models(tmp_path / "b")
     for name in ("draft/model.safetensors", "draft/tokenizer.json", "target/model.safetensors"):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+
+
+def test_demo_models_at_named_shapes(tmp_path, capsys):
+    """Random weights at real models' shapes, for timing on a GPU: the configs are the real ones but for the
+    vocabulary (the demo tokenizer's), and the weights are saved in bf16."""
+    main(["demo-models", str(tmp_path), "--draft-shape", "demo-draft", "--target-shape", "demo-target",
+          "--device", "cpu"])
+    info = json.loads((tmp_path / "demo.json").read_text())
+    assert (info["draft"], info["target"], info["dtype"]) == ("demo-draft", "demo-target", "bfloat16")
+    target = AutoModelForCausalLM.from_pretrained(tmp_path / "target")
+    assert target.dtype == torch.bfloat16 and target.config.max_position_embeddings == 65536
+    assert AutoTokenizer.from_pretrained(tmp_path / "target").model_max_length == 65536
+
+    def billions(shape: str) -> float:
+        config = llama_config(SHAPES[shape], AutoTokenizer.from_pretrained(tmp_path / "target"))
+        with torch.device("meta"):
+            return sum(p.numel() for p in LlamaForCausalLM(config).parameters()) / 1e9
+
+    # the real counts (1.24B, 8.03B) less the embedding rows a 128,256-token vocabulary adds
+    assert 0.95 < billions("llama-3.2-1b") < 1.0 and 6.9 < billions("llama-3.1-8b") < 7.1
+
+    with pytest.raises(SystemExit) as excinfo:
+        main(["demo-models", str(tmp_path / "x"), "--draft-shape", "llama-9b", "--target-shape", "llama-3.1-8b"])
+    assert excinfo.value.code == 2 and "unknown shape 'llama-9b'" in capsys.readouterr().err
 
 
 def test_unknown_subcommand_fails_cleanly(capsys):
