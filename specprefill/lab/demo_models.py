@@ -167,19 +167,16 @@ def write_model(
 
 def write_demo_models(out_dir: str | Path, seed: int = 0) -> Path:
     """Writes ``out_dir/draft`` and ``out_dir/target``. Deterministic for a given seed."""
-    out_dir = Path(out_dir)
-    tokenizer = train_tokenizer(seed=seed)
-    write_model(out_dir / "draft", DRAFT_SHAPE, tokenizer, seed=seed + 1)
-    write_model(out_dir / "target", TARGET_SHAPE, tokenizer, seed=seed + 2)
-    (out_dir / "demo.json").write_text(json.dumps({"version": DEMO_VERSION, "seed": seed}))
-    return out_dir
+    return write_shaped_pair(out_dir, "demo-draft", "demo-target", seed=seed, dtype=torch.float32,
+                             max_positions=32768)
 
 
 def write_shaped_pair(out_dir: str | Path, draft: str, target: str, *, seed: int = 0,
                       device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16,
                       max_positions: int = 65536) -> Path:
     """``out_dir/draft`` and ``out_dir/target`` at the named ``SHAPES`` with random weights and the demo
-    tokenizer: real models' compute and memory without their weights (for timing, never for answers)."""
+    tokenizer (the demo pair itself, or real models' compute and memory without their weights: for timing,
+    never for answers)."""
     out_dir = Path(out_dir)
     tokenizer = train_tokenizer(seed=seed)
     tokenizer.model_max_length = max_positions
