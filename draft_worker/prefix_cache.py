@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from common.sequences import common_prefix
+from common.sequences import common_prefix, longest_prefix
 from draft_worker.scorer import PromptKV
 
 
@@ -31,12 +31,8 @@ class PrefixKVCache:
     def reusable(self, prompt: Sequence[int]) -> int:
         """How many of the prompt's tokens a lookup would reuse now (0 below ``min_prefix``); changes nothing."""
         query = np.asarray(prompt, dtype=np.int64)
-        best = 0
         with self._lock:
-            for entry in self._entries.values():
-                best = max(best, common_prefix(query, entry.token_ids.numpy()))
-                if best >= len(query) - 1:  # as much as any entry can give
-                    break
+            _, best = longest_prefix(query, self._candidates())
         reuse = min(best, len(query) - 1)
         return reuse if reuse >= self.min_prefix else 0
 
@@ -46,21 +42,18 @@ class PrefixKVCache:
         At least the prompt's last token is always recomputed: its query is the first one scored.
         """
         query = np.asarray(prompt, dtype=np.int64)
-        best, best_len = None, 0
         with self._lock:
-            for key, entry in self._entries.items():
-                common = common_prefix(query, entry.token_ids.numpy())
-                if common > best_len:
-                    best, best_len, best_key = entry, common, key
-                if best_len >= len(query) - 1:  # as much as any entry can give
-                    break
+            best_key, best_len = longest_prefix(query, self._candidates())
             reuse = min(best_len, len(query) - 1)
-            if best is None or reuse < self.min_prefix:
+            if best_key is None or reuse < self.min_prefix:
                 self.misses += 1
                 return None
             self._entries.move_to_end(best_key)
             self.hits += 1
-        return best, reuse
+            return self._entries[best_key], reuse
+
+    def _candidates(self):
+        return ((key, entry.token_ids.numpy()) for key, entry in self._entries.items())
 
     def store(self, kv: PromptKV) -> None:
         size = kv.nbytes

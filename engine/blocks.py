@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from common.sequences import common_prefix
+from common.sequences import longest_prefix
 
 
 def block_hashes(token_ids: Sequence[int], position_ids: Sequence[int] | None, block_size: int,
@@ -51,27 +51,22 @@ class BlockHasher:
     def __init__(self, block_size: int, capacity: int = 16) -> None:
         self.block_size = block_size
         self.capacity = capacity
-        self._recent: collections.deque[tuple[np.ndarray, np.ndarray, list[bytes]]] = collections.deque(
-            maxlen=capacity)
+        self._recent: collections.deque[tuple[np.ndarray, list[bytes]]] = collections.deque(maxlen=capacity)
         self._lock = threading.Lock()
 
     def __call__(self, token_ids: Sequence[int], position_ids: Sequence[int] | None) -> list[bytes]:
         tokens = np.asarray(token_ids, dtype=np.int64)
         positions = (np.arange(len(tokens), dtype=np.int64) if position_ids is None
-                     else np.asarray(position_ids, dtype=np.int64))
-        reused: list[bytes] = []
-        full = len(tokens) // self.block_size
+                     else np.asarray(position_ids, dtype=np.int64)[: len(tokens)])
+        # each token and its position in one integer: one comparison finds where tokens or positions part
+        # (token IDs and positions both fit 32 bits)
+        keys = (tokens << 32) | positions
         with self._lock:
-            for old_tokens, old_positions, old_hashes in self._recent:
-                shared = min(common_prefix(tokens, old_tokens), common_prefix(positions, old_positions))
-                shared //= self.block_size
-                if shared > len(reused):
-                    reused = old_hashes[:shared]
-                    if shared == full:  # every block: no entry can give more
-                        break
+            index, shared = longest_prefix(keys, enumerate(entry[0] for entry in self._recent))
+            reused = self._recent[index][1][: shared // self.block_size] if index is not None else []
         start = len(reused) * self.block_size
         hashes = reused + block_hashes(tokens[start:], positions[start:], self.block_size,
                                        parent=reused[-1] if reused else b"")
         with self._lock:
-            self._recent.appendleft((tokens, positions, hashes))
+            self._recent.appendleft((keys, hashes))
         return hashes

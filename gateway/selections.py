@@ -17,7 +17,7 @@ from typing import Generic, TypeVar
 
 import numpy as np
 
-from common.sequences import common_prefix
+from common.sequences import longest_prefix
 
 T = TypeVar("T")
 
@@ -48,16 +48,9 @@ class RecentPrompts(Generic[T]):
     def longest_shared(self, token_ids: Sequence[int]) -> tuple[T, int] | None:
         """The value whose prompt shares the longest prefix with ``token_ids``, and that prefix's length."""
         query = np.asarray(token_ids, dtype=np.int64)
-        best, best_len, best_key = None, 0, None
         with self._lock:
-            for key, (prompt, value) in self._entries.items():
-                shared = common_prefix(query, prompt)
-                if shared > best_len:
-                    best, best_len, best_key = value, shared, key
-                    if best_len == query.size:  # no entry can share more
-                        break
-            if best_key is None:
+            key, shared = longest_prefix(query, ((key, prompt) for key, (prompt, _) in self._entries.items()))
+            if key is None:
                 return None
-            self._entries.move_to_end(best_key)
-        return best, best_len
-
+            self._entries.move_to_end(key)
+            return self._entries[key][1], shared

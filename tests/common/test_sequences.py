@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from common.sequences import common_prefix
+from common.sequences import common_prefix, longest_prefix
 
 
 def reference(a, b) -> int:
@@ -24,3 +24,18 @@ def test_common_prefix_of_prompts_of_different_lengths():
     a = np.arange(3000)
     assert common_prefix(a, a[:2000]) == common_prefix(a[:2000], a) == 2000
     assert common_prefix(a, a[:0]) == 0
+
+
+def test_longest_prefix_matches_a_full_comparison_of_every_candidate():
+    """The quick rejection (a candidate that differs just past the best so far) never changes the answer:
+    the first candidate with the longest shared prefix, as comparing each in full finds it."""
+    rng = np.random.default_rng(1)
+    head = rng.integers(0, 50, 3000)
+    for trial in range(200):
+        query = np.concatenate([head[: rng.integers(0, 3000)], rng.integers(0, 50, rng.integers(0, 40))])
+        candidates = [(i, np.concatenate([head[: rng.integers(0, 3000)], rng.integers(0, 50, rng.integers(0, 40))]))
+                      for i in range(int(rng.integers(0, 8)))]
+        lengths = [reference(query, c) for _, c in candidates]
+        expected = max(lengths, default=0)
+        key = lengths.index(expected) if expected else None
+        assert longest_prefix(query, candidates) == (key, expected), trial
