@@ -24,6 +24,7 @@ import time
 from collections.abc import Collection
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from draft_worker.selector import extend_selection, kept_importance, select_tokens
@@ -71,12 +72,13 @@ class Planner:
         n = len(token_ids)
         if not dry_run:
             self.metrics.original_tokens.observe(n)
-        whole = await self._candidate("whole", token_ids, None)
+        tokens = np.asarray(token_ids, dtype=np.int64)  # once: every lookup below compares arrays
+        whole = await self._candidate("whole", tokens, None)
         if (bypass := self._bypass(token_ids, options, unsupported)) is not None:
             bypass.engine_cached, bypass.predicted_ms = whole.cached, whole.seconds * 1e3
             return bypass
         priced = self.settings.planner == "cost"
-        seen = self.selections.longest_shared(token_ids)
+        seen = self.selections.longest_shared(tokens)
         # likely to come back, so worth warming: a system prompt (shared by users), or a prompt that begins with
         # most of an earlier one (a chat's next turn, the same document again); a fresh document each time is not
         recurring = (keep is not None and bool(keep.any())) or (seen is not None and 2 * seen[1] >= n)
@@ -104,7 +106,7 @@ class Planner:
             self.metrics.draft_latency.labels("ok").observe(draft_ms / 1e3)
             self.draft_cost.observe(draft_new, n - draft_new, draft_ms / 1e3)
         start = time.perf_counter()
-        compressed = await self._compressed(token_ids, scores, options.keep_rate, keep, earlier, held > 0)
+        compressed = await self._compressed(token_ids, tokens, scores, options.keep_rate, keep, earlier, held > 0)
         chosen = self._choose([whole, *compressed]) if priced else compressed[0]
         plan = self._as_plan(chosen, token_ids, options, reason=Reason.CHEAPER_WHOLE if chosen.kind == "whole" else None,
                              cache=cache, draft_ms=draft_ms, protected=keep is not None and chosen.kind != "fresh_unprotected")
@@ -129,8 +131,8 @@ class Planner:
             return Plan(token_ids, reason=Reason.PROMPT_TOO_LONG)
         return None
 
-    async def _candidate(self, kind: str, token_ids: list[int], kept: list[int] | None) -> Candidate:
-        sent = token_ids if kept is None else [token_ids[i] for i in kept]
+    async def _candidate(self, kind: str, tokens: np.ndarray, kept: list[int] | None) -> Candidate:
+        sent = tokens if kept is None else tokens[kept]
         positions = kept if self.positional else None
         cached = await self.engine_cache.cached_tokens(sent, positions) if self.engine_cache is not None else 0
         return Candidate(kind, kept, cached, self.target_cost.predict(len(sent) - cached, cached))
@@ -160,22 +162,22 @@ class Planner:
             least = min(least, self.target_cost.predict(tail, head))
         return least
 
-    async def _compressed(self, token_ids: list[int], scores: torch.Tensor, keep_rate: float,
+    async def _compressed(self, token_ids: list[int], tokens: np.ndarray, scores: torch.Tensor, keep_rate: float,
                           keep: torch.Tensor | None, earlier: tuple[Selection, int] | None,
                           held: bool) -> list[Candidate]:
         config = self.draft.config
         fresh = select_tokens(token_ids, scores, keep_rate, config, self.special_ids, keep)
-        candidates = [await self._candidate("fresh", token_ids, fresh)]
+        candidates = [await self._candidate("fresh", tokens, fresh)]
         if keep is not None and bool(keep.any()) and self.settings.planner == "cost" and not held:
             plain = select_tokens(token_ids, scores, keep_rate, config, self.special_ids)
-            candidates.append(await self._candidate("fresh_unprotected", token_ids, plain))
+            candidates.append(await self._candidate("fresh_unprotected", tokens, plain))
         if earlier is not None:
             selection, shared = earlier
             start = (min(shared, len(token_ids) - 1) // config.chunk_size) * config.chunk_size
             if start > 0 and selection.keep_rate >= keep_rate and self._covers(scores, selection.kept, fresh, start):
                 extended = extend_selection(token_ids, scores, keep_rate, config, selection.kept, start,
                                             self.special_ids, keep)
-                candidates.append(await self._candidate("extend", token_ids, extended))
+                candidates.append(await self._candidate("extend", tokens, extended))
         return candidates
 
     def _covers(self, scores: torch.Tensor, reused: tuple[int, ...], fresh: list[int], end: int) -> bool:
