@@ -6,6 +6,7 @@ import asyncio
 import itertools
 import logging
 import time
+from collections.abc import Sequence
 from typing import Protocol
 
 import httpx
@@ -32,7 +33,7 @@ class DraftClient(Protocol):
 
     async def score(self, token_ids: list[int]) -> torch.Tensor: ...
 
-    def reusable_prefix(self, token_ids: list[int]) -> int:
+    def reusable_prefix(self, token_ids: Sequence[int]) -> int:
         """Tokens of this prompt whose draft KV is kept from an earlier one (they cost no draft prefill)."""
         ...
 
@@ -56,7 +57,7 @@ class LocalDraft:
     async def score(self, token_ids: list[int]) -> torch.Tensor:
         return await asyncio.to_thread(self.worker.score, token_ids)
 
-    def reusable_prefix(self, token_ids: list[int]) -> int:
+    def reusable_prefix(self, token_ids: Sequence[int]) -> int:
         cache = self.worker.prefix_cache
         return cache.reusable(token_ids) if cache is not None else 0
 
@@ -121,7 +122,7 @@ class RemoteDraft:
             return scores_from_text(response.json()["scores"])
         raise DraftUnavailableError(f"no draft worker answered: {last_error!r}")
 
-    def reusable_prefix(self, token_ids: list[int]) -> int:
+    def reusable_prefix(self, token_ids: Sequence[int]) -> int:
         """An estimate: workers are picked round-robin, so the prompt's prefix may sit on another worker."""
         found = self._recent.longest_shared(token_ids)
         return min(found[1], len(token_ids) - 1) if found is not None else 0

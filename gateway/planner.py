@@ -86,7 +86,7 @@ class Planner:
         held = self._held_system(keep, whole.cached)
         if held and earlier is not None and not earlier[0].protected:
             earlier = None  # it compressed the system prompt, which is to stay whole now
-        draft_new = n - self.draft.reusable_prefix(token_ids)
+        draft_new = n - self.draft.reusable_prefix(tokens)
         least = self.draft_cost.predict(draft_new, n - draft_new) + self._least_target(n, options, earlier, held,
                                                                                          whole.cached)
         if priced and whole.seconds <= (1 + self.settings.plan_slack) * least:

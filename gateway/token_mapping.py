@@ -205,9 +205,9 @@ class MappedDraft:
         scores = await self.inner.score(mapped.draft_ids)
         return self.mapping.project(scores, mapped)
 
-    def reusable_prefix(self, token_ids: list[int]) -> int:
+    def reusable_prefix(self, token_ids: Sequence[int]) -> int:
         """The draft's reusable prefix, in target tokens (its share of the draft's input, an estimate)."""
-        mapped = self._draft_input(token_ids)
+        mapped = self._draft_input(np.asarray(token_ids).tolist())  # the mapping walks a list
         reused = self.inner.reusable_prefix(mapped.draft_ids)
         return min(len(token_ids) - 1, len(token_ids) * reused // max(1, len(mapped.draft_ids)))
 
