@@ -1,66 +1,107 @@
-"""The gateway's own time on a request it sends whole: one vLLM instance, directly and through the gateway.
+"""The gateway's own time on a request it sends whole: one backend, directly and through the gateway.
 
 The workload bench gives each path its own engine, so its ratios for whole requests mix the gateway's time
-with the difference between two engine instances. Here both paths reach the same vLLM (the CPU build with
-the plugin, prefix caching on): one long system prompt is read once, then the same request with a short
-question goes directly and through the gateway in turn, the order alternating, after both are idle.
+with the difference between two engine instances. Here both paths reach the same backend: one long system
+prompt, then the same request with a short question each round, directly and through the gateway in turn,
+the order alternating, after both are idle; each answer read to its end, as the workload bench reads them.
+Backends: ``vllm`` (the CPU build with the plugin, prefix caching on: the system prompt read once, then
+served from its cache), or ``fast`` (``fast_backend.py``, which answers at once: what is left is the
+gateway's own time and the client's).
 
-    .venv/bin/python benchmarks/gateway_overhead.py [--words 3600] [--rounds 14]
+    .venv/bin/python benchmarks/gateway_overhead.py [--backend vllm|fast] [--rounds 14] [--think 0.1]
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import statistics
+import subprocess
+import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 from vllm_plugin_ab import options, system_prompt  # beside this script
 
+from common.process import free_port, quiet_openmp, wait_healthy
 from specprefill.lab.bench import parse_server_timing, stream_ttft, wait_idle
 from specprefill.lab.demo_models import DEMO_NAME, ensure_demo_models
 from specprefill.lab.launch import launched_gateway
-from specprefill.lab.vllm_server import VLLMServer
+
+COUNTED_FROM = 2  # the first reads the system prompt; the second follows it
 
 
-async def alternate(urls: dict[str, str], system: str, rounds: int) -> dict[str, list[float]]:
+async def alternate(urls: dict[str, str], system: str, rounds: int, think: float,
+                    verbose: bool) -> dict[str, list[float]]:
     times: dict[str, list[float]] = {name: [] for name in urls}
     async with httpx.AsyncClient(timeout=600) as client:
         for i in range(rounds):
             order = list(urls.items())
             for name, url in order if i % 2 == 0 else order[::-1]:
                 await wait_idle(client, list(urls.values()))
+                await asyncio.sleep(think)  # a user's pause: caches and the CPU cool down, as between real requests
                 body = {"model": DEMO_NAME, "max_tokens": 1, "temperature": 0,
                         "messages": [{"role": "system", "content": system},
                                      {"role": "user", "content": f"Question {i}: which number comes last?"}]}
-                ttft, headers = await stream_ttft(client, f"{url}/v1/chat/completions", body, {"x-keep-rate": "0.3"})
+                ttft, headers = await stream_ttft(client, f"{url}/v1/chat/completions", body,
+                                                  {"x-keep-rate": "0.3"}, usage={})
                 times[name].append(ttft)
-                plan = ""
-                if name == "gateway":
-                    plan = f"  {headers.get('x-specprefill-plan')} {parse_server_timing(headers.get('server-timing'))}"
-                print(f"round {i:2d} {name:8s} {ttft * 1e3:7.1f} ms{plan}", flush=True)
+                if verbose:
+                    plan = ""
+                    if name == "gateway":
+                        plan = f"  {headers.get('x-specprefill-plan')} {parse_server_timing(headers.get('server-timing'))}"
+                    print(f"round {i:2d} {name:8s} {ttft * 1e3:7.1f} ms{plan}", flush=True)
     return times
 
 
+@contextlib.contextmanager
+def backend(kind: str, vllm_python: str, target: Path) -> Iterator[str]:
+    """The backend's base URL while it runs."""
+    if kind == "vllm":
+        from specprefill.lab.vllm_server import VLLMServer
+
+        server = VLLMServer(vllm_python, target, Path(tempfile.mkdtemp(prefix="gw-overhead-")) / "vllm.log",
+                            plugin=True, served_name=DEMO_NAME, max_model_len=32768, kv_cache_gib=4,
+                            extra_args=("--enable-prompt-tokens-details",))
+        try:
+            server.wait()
+            yield server.url
+        finally:
+            server.stop()
+        return
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    process = subprocess.Popen([sys.executable, str(Path(__file__).with_name("fast_backend.py")), str(port)],
+                               env=quiet_openmp())
+    try:
+        wait_healthy(url, process)
+        yield url
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
 def main() -> None:
-    args = options(__doc__, "requests per path; the first two are not counted")
+    parser = options(__doc__, f"requests per path; the first {COUNTED_FROM} are not counted")
+    parser.add_argument("--backend", choices=("vllm", "fast"), default="vllm")
+    parser.add_argument("--think", type=float, default=0.1, help="seconds between requests, once both are idle")
+    args = parser.parse_args()
     system = system_prompt(args.words)
     root = ensure_demo_models()
-    server = VLLMServer(args.vllm_python, root / "target", Path(tempfile.mkdtemp(prefix="gw-overhead-")) / "vllm.log",
-                        plugin=True, served_name=DEMO_NAME, max_model_len=32768, kv_cache_gib=4,
-                        extra_args=("--enable-prompt-tokens-details",))
-    try:
-        server.wait()
-        with launched_gateway(["--backend-url", server.url, "--backend-kind", "vllm", "--target-model",
-                               str(root / "target"), "--draft-model", str(root / "draft"),
-                               "--served-model-name", DEMO_NAME, "--min-prompt-tokens", "1024"]) as gateway:
-            times = asyncio.run(alternate({"direct": server.url, "gateway": gateway}, system, args.rounds))
-    finally:
-        server.stop()
+    with backend(args.backend, args.vllm_python, root / "target") as url, \
+            launched_gateway(["--backend-url", url, "--backend-kind", "vllm", "--target-model", str(root / "target"),
+                              "--draft-model", str(root / "draft"), "--served-model-name", DEMO_NAME,
+                              "--min-prompt-tokens", "1024"]) as gateway:
+        times = asyncio.run(alternate({"direct": url, "gateway": gateway}, system, args.rounds, args.think,
+                                      verbose=args.backend == "vllm"))
     for name, seconds in times.items():
-        counted = [s * 1e3 for s in seconds[2:]]  # the first reads the system prompt; the second follows it
+        counted = [s * 1e3 for s in seconds[COUNTED_FROM:]]
         print(f"{name}: {min(counted):.1f}–{max(counted):.1f} ms, median {statistics.median(counted):.1f} ms")
+    direct, gateway = (statistics.median(times[name][COUNTED_FROM:]) * 1e3 for name in ("direct", "gateway"))
+    print(f"the gateway's own: {gateway - direct:.1f} ms (difference of medians over "
+          f"{args.rounds - COUNTED_FROM} rounds)")
 
 
 if __name__ == "__main__":

@@ -46,13 +46,13 @@ async def alternate(servers: dict[str, VLLMServer], system: str, rounds: int) ->
     return times
 
 
-def options(doc: str, rounds: str) -> argparse.Namespace:
+def options(doc: str, rounds: str) -> argparse.ArgumentParser:
     """The options of this script and of ``gateway_overhead.py``: ``rounds`` says what a round counts."""
     parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--words", type=int, default=3600, help="words of system prompt (about 3.3 tokens each; 32,768 at most in all)")
     parser.add_argument("--rounds", type=int, default=14, help=rounds)
     parser.add_argument("--vllm-python", default=str(VLLM_PYTHON))
-    return parser.parse_args()
+    return parser
 
 
 def system_prompt(n_words: int) -> str:
@@ -63,7 +63,7 @@ def system_prompt(n_words: int) -> str:
 
 
 def main() -> None:
-    args = options(__doc__, "requests per server, the first one cold")
+    args = options(__doc__, "requests per server, the first one cold").parse_args()
     system = system_prompt(args.words)
     target = ensure_demo_models() / "target"
     logs = Path(tempfile.mkdtemp(prefix="vllm-ab-"))

@@ -131,7 +131,14 @@ def _sweep_and_load(options: Bench, stack: Stack, prompts, models: tuple[str, st
 
 def _workloads(options: Bench, stack: Stack, prompts, models: tuple[str, str], meta: dict) -> list[Path]:
     from specprefill.lab.report import write_workloads
-    from specprefill.lab.workloads import build_workloads, format_workloads, run_workloads, summarize_workloads
+    from specprefill.lab.workloads import (
+        build_workloads,
+        compare_engines,
+        format_workloads,
+        last_whole_request,
+        run_workloads,
+        summarize_workloads,
+    )
 
     workloads = build_workloads(prompts, options.workload_names, options.workload_requests, options.workload_tokens,
                                 options.step_tokens)
@@ -140,6 +147,15 @@ def _workloads(options: Bench, stack: Stack, prompts, models: tuple[str, str], m
                                         options.max_tokens))
     rows = summarize_workloads(samples)
     print(format_workloads(rows))
+    messages = last_whole_request(workloads, samples)
+    if stack.gateway_engine_url is not None and messages is not None:
+        engines = asyncio.run(compare_engines({"gateway's engine": stack.gateway_engine_url,
+                                               "direct's engine": stack.direct_url}, models[1], messages,
+                                              stack.idle_urls, max_tokens=options.max_tokens))
+        meta["engines"] = engines
+        print("the last request sent whole, directly to each engine (alternating, 8 each): median "
+              + ", ".join(f"{name} {s * 1e3:.0f} ms" for name, s in engines["medians_s"].items())
+              + f"; ratio {engines['ratio']:.2f} (the engines' difference, no gateway in it)")
     meta |= {"workload_tokens": options.workload_tokens, "step_tokens": options.step_tokens,
              "keep_rate": options.workload_keep_rate, "baseline": options.baseline,
              "cost_coefficients": _cost_coefficients(stack.gateway_url)}

@@ -19,6 +19,7 @@ class Stack:
     gateway_url: str
     direct_url: str  # the engine the direct path talks to
     idle_urls: list[str]  # whose /metrics say when nothing runs (workload mode)
+    gateway_engine_url: str | None = None  # the engine behind the gateway, where the bench launched it
 
 
 @contextlib.contextmanager
@@ -53,7 +54,7 @@ def launched(engines: int, gateway_args: list[str], vllm_python: str | None, out
         with launched_gateway(["--backend-url", urls[0], "--backend-kind", "vllm" if vllm_python else "reference",
                                "--target-model", str(root / "target"), "--draft-model", str(root / "draft"),
                                "--served-model-name", "specprefill-demo", *gateway_args]) as gateway_url:
-            yield Stack(gateway_url, urls[-1], [gateway_url, *urls])
+            yield Stack(gateway_url, urls[-1], [gateway_url, *urls], urls[0] if engines > 1 else None)
     finally:
         _stop(processes)
         for server in vllm_servers:

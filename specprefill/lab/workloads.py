@@ -89,14 +89,17 @@ class WorkloadSample:
 
 async def run_workloads(workloads: list[Workload], gateway: tuple[str, str], direct: tuple[str, str],
                         idle_urls: list[str], headers: dict[str, str], max_tokens: int = 1) -> list[WorkloadSample]:
-    """Each request through the gateway, then directly; (base URL, model) for each path."""
+    """Each request through the gateway and directly, (base URL, model) for each path; which goes first
+    alternates from one request to the next, so that neither path always runs right after the other's
+    request (a CPU, its caches and the engines' threads warm from it) or right after the idle wait."""
     samples = []
     total = sum(len(w.requests) for w in workloads)
     async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0)) as client:
         progress = tqdm(total=total, desc="workloads", unit="request")
         for workload in workloads:
             for index, messages in enumerate(workload.requests):
-                for path, (url, model), extra in (("gateway", gateway, headers), ("direct", direct, {})):
+                paths = (("gateway", gateway, headers), ("direct", direct, {}))
+                for path, (url, model), extra in paths if index % 2 == 0 else paths[::-1]:
                     await wait_idle(client, idle_urls)
                     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0}
                     usage: dict = {}
@@ -107,6 +110,35 @@ async def run_workloads(workloads: list[Workload], gateway: tuple[str, str], dir
                 progress.update(1)
         progress.close()
     return samples
+
+
+async def compare_engines(urls: dict[str, str], model: str, messages: list[dict], idle_urls: list[str],
+                          rounds: int = 8, max_tokens: int = 1) -> dict:
+    """The same request sent directly to each path's engine, the order alternating: how far apart the two
+    instances are on it. Their histories differ (the gateway's engine has also read the probe, compressed
+    selections and warms), so on a request both hold whole, this is the part of the workloads' ratio that is
+    not the gateway's."""
+    seconds: dict[str, list[float]] = {name: [] for name in urls}
+    async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0)) as client:
+        for i in range(rounds):
+            order = list(urls.items())
+            for name, url in order if i % 2 == 0 else order[::-1]:
+                await wait_idle(client, idle_urls)
+                body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0}
+                ttft, _ = await stream_ttft(client, f"{url}/v1/chat/completions", body, {}, usage={})
+                seconds[name].append(ttft)
+    medians = {name: statistics.median(values) for name, values in seconds.items()}
+    gateway_engine, direct_engine = medians.values()
+    return {"seconds": seconds, "medians_s": medians, "ratio": gateway_engine / direct_engine}
+
+
+def last_whole_request(workloads: list[Workload], samples: list[WorkloadSample]) -> list[dict] | None:
+    """The messages of the last request the gateway sent whole (both engines then hold the same tokens)."""
+    requests = {w.name: w.requests for w in workloads}
+    for sample in reversed(samples):
+        if sample.path == "gateway" and sample.status == "bypassed":
+            return requests[sample.workload][sample.index]
+    return None
 
 
 def _sample(workload: str, index: int, path: str, ttft: float, headers: httpx.Headers) -> WorkloadSample:

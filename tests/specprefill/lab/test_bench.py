@@ -67,3 +67,23 @@ def test_a_live_sweep_and_load_run(gateway_url, engine_backend, tmp_path):
     payload = json.loads((tmp_path / "bench.json").read_text())
     assert payload["rows"][0]["efficiency"] == rows[0].efficiency
     assert (tmp_path / "ttft.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_live_workload_run_alternates_the_paths_and_compares_the_engines(gateway_url, engine_backend):
+    """Each request goes through both paths, the first path alternating from one request to the next; the
+    last request sent whole then goes directly to both engines (here one engine twice: only the mechanics)."""
+    from specprefill.lab.workloads import build_workloads, compare_engines, last_whole_request, run_workloads
+
+    engine_url, _ = engine_backend
+    with httpx.Client(timeout=60) as client:
+        prompts = PromptMaker(client, gateway_url, "tiny")
+        workloads = build_workloads(prompts, ["system", "chat"], 3, 200, 50)
+    samples = asyncio.run(run_workloads(workloads, (gateway_url, "tiny"), (engine_url, "target"), [gateway_url],
+                                        {"x-keep-rate": "1"}))
+    order = [(s.workload, s.index, s.path) for s in samples]
+    assert order[:6] == [("system", 0, "gateway"), ("system", 0, "direct"), ("system", 1, "direct"),
+                         ("system", 1, "gateway"), ("system", 2, "gateway"), ("system", 2, "direct")]
+    messages = last_whole_request(workloads, samples)  # keep rate 1: every request went whole
+    assert messages == workloads[-1].requests[-1]
+    engines = asyncio.run(compare_engines({"a": engine_url, "b": engine_url}, "target", messages, [], rounds=2))
+    assert [len(v) for v in engines["seconds"].values()] == [2, 2] and engines["ratio"] > 0
