@@ -153,8 +153,8 @@ def _workloads(options: Bench, stack: Stack, prompts, models: tuple[str, str], m
                                                "direct's engine": stack.direct_url}, models[1], messages,
                                               stack.idle_urls, max_tokens=options.max_tokens))
         meta["engines"] = engines
-        print("the last request sent whole, directly to each engine (alternating, 8 each): median "
-              + ", ".join(f"{name} {s * 1e3:.0f} ms" for name, s in engines["medians_s"].items())
+        print("the last request sent whole, with a new last line each time, directly to each engine (alternating, "
+              "8 each): median " + ", ".join(f"{name} {s * 1e3:.0f} ms" for name, s in engines["medians_s"].items())
               + f"; ratio {engines['ratio']:.2f} (the engines' difference, no gateway in it)")
     meta |= {"workload_tokens": options.workload_tokens, "step_tokens": options.step_tokens,
              "keep_rate": options.workload_keep_rate, "baseline": options.baseline,

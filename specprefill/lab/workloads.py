@@ -114,17 +114,20 @@ async def run_workloads(workloads: list[Workload], gateway: tuple[str, str], dir
 
 async def compare_engines(urls: dict[str, str], model: str, messages: list[dict], idle_urls: list[str],
                           rounds: int = 8, max_tokens: int = 1) -> dict:
-    """The same request sent directly to each path's engine, the order alternating: how far apart the two
-    instances are on it. Their histories differ (the gateway's engine has also read the probe, compressed
+    """The same requests sent directly to each path's engine, the order alternating: how far apart the two
+    instances are on them. Their histories differ (the gateway's engine has also read the probe, compressed
     selections and warms), so on a request both hold whole, this is the part of the workloads' ratio that is
-    not the gateway's."""
+    not the gateway's. Each round's request ends in a new line of its own, as each workload request ends in
+    a new question: the engines read the cached head and prefill a new tail."""
     seconds: dict[str, list[float]] = {name: [] for name in urls}
     async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0)) as client:
         for i in range(rounds):
             order = list(urls.items())
             for name, url in order if i % 2 == 0 else order[::-1]:
                 await wait_idle(client, idle_urls)
-                body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0}
+                tail = {**messages[-1], "content": f"{messages[-1]['content']}\nCheck {i}: answer in one word."}
+                body = {"model": model, "messages": [*messages[:-1], tail], "max_tokens": max_tokens,
+                        "temperature": 0}
                 ttft, _ = await stream_ttft(client, f"{url}/v1/chat/completions", body, {}, usage={})
                 seconds[name].append(ttft)
     medians = {name: statistics.median(values) for name, values in seconds.items()}
