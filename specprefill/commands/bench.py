@@ -45,6 +45,9 @@ class Bench(BaseSettings):
     workload_tokens: int = Field(12000, description="workloads: prompt tokens of each workload's context")
     step_tokens: int = Field(1000, description="workloads: tokens an agent step adds")
     workload_keep_rate: float = Field(0.3, description="workloads: keep rate through the gateway")
+    shared_engine: bool = Field(False, description="workloads: one engine for both paths, the direct path's "
+                                                   "requests over other documents of the same length (neither "
+                                                   "warms the other's cache, and no two instances differ)")
     vllm_python: str | None = Field(None, description="launch vLLM (this python's, with the plugin for the "
                                                       "gateway, stock for direct) instead of reference engines")
     baseline: bool = Field(False, description="launch the gateway as it was before cache-aware planning: a fresh "
@@ -72,7 +75,8 @@ def run_bench(options: Bench) -> int:
             args += ["--planner", "fresh", "--no-warming", "--no-keep-system-whole"]
         elif not options.gateway_warming:
             args += ["--no-warming"]
-        context = launched(2, args, options.vllm_python, out, Path(options.pair) if options.pair else None)
+        engines = 1 if options.workloads and options.shared_engine else 2
+        context = launched(engines, args, options.vllm_python, out, Path(options.pair) if options.pair else None)
     with context as stack, httpx.Client(timeout=60) as client:
         model = options.model or client.get(f"{stack.gateway_url}/v1/models").json()["data"][0]["id"]
         direct_model = options.backend_model or client.get(f"{stack.direct_url}/v1/models").json()["data"][0]["id"]
@@ -142,9 +146,11 @@ def _workloads(options: Bench, stack: Stack, prompts, models: tuple[str, str], m
 
     workloads = build_workloads(prompts, options.workload_names, options.workload_requests, options.workload_tokens,
                                 options.step_tokens)
+    mirrored = build_workloads(prompts, options.workload_names, options.workload_requests,
+                               options.workload_tokens, options.step_tokens) if options.shared_engine else None
     samples = asyncio.run(run_workloads(workloads, (stack.gateway_url, models[0]), (stack.direct_url, models[1]),
                                         stack.idle_urls, {"x-keep-rate": f"{options.workload_keep_rate:g}"},
-                                        options.max_tokens))
+                                        options.max_tokens, direct_workloads=mirrored))
     rows = summarize_workloads(samples)
     print(format_workloads(rows))
     messages = last_whole_request(workloads, samples)
@@ -158,6 +164,7 @@ def _workloads(options: Bench, stack: Stack, prompts, models: tuple[str, str], m
               + f"; ratio {engines['ratio']:.2f} (the engines' difference, no gateway in it)")
     meta |= {"workload_tokens": options.workload_tokens, "step_tokens": options.step_tokens,
              "keep_rate": options.workload_keep_rate, "baseline": options.baseline,
+             "shared_engine": options.shared_engine,
              "cost_coefficients": _cost_coefficients(stack.gateway_url)}
     return write_workloads(Path(options.out), rows, samples, meta)
 

@@ -88,18 +88,22 @@ class WorkloadSample:
 
 
 async def run_workloads(workloads: list[Workload], gateway: tuple[str, str], direct: tuple[str, str],
-                        idle_urls: list[str], headers: dict[str, str], max_tokens: int = 1) -> list[WorkloadSample]:
+                        idle_urls: list[str], headers: dict[str, str], max_tokens: int = 1,
+                        direct_workloads: list[Workload] | None = None) -> list[WorkloadSample]:
     """Each request through the gateway and directly, (base URL, model) for each path; which goes first
     alternates from one request to the next, so that neither path always runs right after the other's
-    request (a CPU, its caches and the engines' threads warm from it) or right after the idle wait."""
+    request (a CPU, its caches and the engines' threads warm from it) or right after the idle wait. With
+    ``direct_workloads`` (the same workloads over other documents) the direct path sends those: both paths
+    can then share one engine without either warming the other's cache."""
     samples = []
     total = sum(len(w.requests) for w in workloads)
     async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0)) as client:
         progress = tqdm(total=total, desc="workloads", unit="request")
-        for workload in workloads:
+        for number, workload in enumerate(workloads):
+            mirror = (direct_workloads or workloads)[number]
             for index, messages in enumerate(workload.requests):
-                paths = (("gateway", gateway, headers), ("direct", direct, {}))
-                for path, (url, model), extra in paths if index % 2 == 0 else paths[::-1]:
+                paths = (("gateway", gateway, headers, messages), ("direct", direct, {}, mirror.requests[index]))
+                for path, (url, model), extra, messages in paths if index % 2 == 0 else paths[::-1]:
                     await wait_idle(client, idle_urls)
                     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0}
                     usage: dict = {}

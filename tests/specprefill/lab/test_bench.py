@@ -87,3 +87,21 @@ def test_a_live_workload_run_alternates_the_paths_and_compares_the_engines(gatew
     assert messages == workloads[-1].requests[-1]
     engines = asyncio.run(compare_engines({"a": engine_url, "b": engine_url}, "target", messages, [], rounds=2))
     assert [len(v) for v in engines["seconds"].values()] == [2, 2] and engines["ratio"] > 0
+
+
+def test_a_shared_engine_workload_run_sends_the_direct_path_other_documents(gateway_url, engine_backend):
+    """``--shared-engine``: both paths at one engine, the direct path's requests over other documents of the
+    same length, so that neither finds the other's contexts in the engine's cache."""
+    from specprefill.lab.workloads import build_workloads, run_workloads
+
+    engine_url, _ = engine_backend
+    with httpx.Client(timeout=60) as client:
+        prompts = PromptMaker(client, gateway_url, "tiny")
+        workloads = build_workloads(prompts, ["document"], 2, 200, 50)
+        mirrored = build_workloads(prompts, ["document"], 2, 200, 50)
+    assert workloads[0].requests[0] != mirrored[0].requests[0]
+    samples = asyncio.run(run_workloads(workloads, (gateway_url, "tiny"), (engine_url, "target"), [gateway_url],
+                                        {"x-keep-rate": "1"}, direct_workloads=mirrored))
+    assert [(s.index, s.path) for s in samples] == [(0, "gateway"), (0, "direct"), (1, "direct"), (1, "gateway")]
+    second = {s.path: s.cached_tokens for s in samples if s.index == 1}
+    assert second["direct"] > 0 and second["gateway"] > 0  # each path's document, read before, is cached
