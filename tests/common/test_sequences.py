@@ -39,3 +39,18 @@ def test_longest_prefix_matches_a_full_comparison_of_every_candidate():
         expected = max(lengths, default=0)
         key = lengths.index(expected) if expected else None
         assert longest_prefix(query, candidates) == (key, expected), trial
+
+
+def test_longest_prefix_compares_in_full_only_candidates_that_can_beat_the_best(monkeypatch):
+    """Sixteen recent prompts that share one 12,000-token system prompt and then part: one full comparison,
+    not sixteen (the point of the quick rejection)."""
+    import common.sequences
+
+    calls = []
+    original = common.sequences.common_prefix
+    monkeypatch.setattr(common.sequences, "common_prefix", lambda a, b: calls.append(1) or original(a, b))
+    head = np.random.default_rng(2).integers(0, 50_000, 12_000)
+    candidates = [(i, np.concatenate([head, [100_000 + i] * 20])) for i in range(16)]
+    query = np.concatenate([head, [999_999] * 20])
+    assert longest_prefix(query, candidates) == (0, 12_000)
+    assert len(calls) == 1
