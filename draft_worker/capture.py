@@ -28,8 +28,10 @@ class QueryRecorder:
     scaling: dict[int, float] = field(default_factory=dict)
 
     def record(self, layer_idx: int, query: torch.Tensor, scaling: float) -> None:
-        # query: [B, H, 1, D]
-        self.queries.setdefault(layer_idx, []).append(query)
+        """query: [B, H, Q, D], often a view of the forward's queries. Kept as a copy: a view of the last
+        position would keep the whole prompt's queries alive (on an 8k-token prompt through a Llama-3.2-1B
+        shape, 2/3 of a plain prefill's peak memory more)."""
+        self.queries.setdefault(layer_idx, []).append(query.clone())
         self.scaling[layer_idx] = scaling
 
     def layer_queries(self, layer_idx: int) -> torch.Tensor:
@@ -40,9 +42,7 @@ def _capturing_attention(inner: Callable) -> Callable:
     def attention(module, query, key, value, attention_mask, specprefill_recorder=None, **kwargs):
         if specprefill_recorder is not None:
             scaling = kwargs.get("scaling") or module.head_dim**-0.5
-            # a copy: a view of the last position would keep the whole prompt's queries alive (on an 8k-token
-            # prompt through a Llama-3.2-1B shape, 2/3 of a plain prefill's peak memory more)
-            specprefill_recorder.record(module.layer_idx, query[:, :, -1:, :].clone(), scaling)
+            specprefill_recorder.record(module.layer_idx, query[:, :, -1:, :], scaling)
         return inner(module, query, key, value, attention_mask, **kwargs)
 
     return attention

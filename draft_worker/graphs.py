@@ -10,7 +10,7 @@ buffers: the token, its position and the cache slot it writes (device tensors se
 KV cache (one buffer per layer, ``capacity`` tokens, which the prompt's prefill also writes into), an
 additive attention mask over the cache (0 up to the token, -inf after: a step reads the keys of one
 *bucket*, the prompt plus its look-ahead rounded up by at most an eighth), the logits and each layer's
-recorded query. One graph per bucket, all over the same buffers; a prompt longer than the buffers
+recorded queries (one slot per step, handed to the scorer once after the last step). One graph per bucket, all over the same buffers; a prompt longer than the buffers
 reallocates them and drops the graphs.
 
 Only single prompts use graphs (a batch runs the plain steps). Any failure to capture turns graphs off
@@ -31,6 +31,7 @@ from draft_worker.capture import QueryRecorder
 
 logger = logging.getLogger("specprefill.draft")
 MIN_BUCKET = 1024
+QUERY_SLOTS = 31  # look-ahead steps a graph records (the paper uses 7; more run the plain steps)
 
 
 class _SlotLayer(DynamicLayer):
@@ -51,14 +52,15 @@ class _SlotLayer(DynamicLayer):
 
 
 class _StaticRecorder(QueryRecorder):
-    """Writes each layer's query into a static buffer (a replay rewrites it)."""
+    """Writes each layer's query into its static buffer [1, H, slots, D], at the slot ``at`` (a device tensor:
+    the step), so that a look-ahead hands the scorer each layer's queries once, not once per step."""
 
-    def __init__(self, buffers: list[torch.Tensor]) -> None:
+    def __init__(self, buffers: list[torch.Tensor], at: torch.Tensor) -> None:
         super().__init__()
-        self.buffers = buffers
+        self.buffers, self._at = buffers, at
 
     def record(self, layer_idx: int, query: torch.Tensor, scaling: float) -> None:
-        self.buffers[layer_idx].copy_(query)
+        self.buffers[layer_idx].index_copy_(2, self._at, query)
         self.scaling[layer_idx] = scaling
 
 
@@ -95,8 +97,9 @@ class LookAheadGraphs:
         self.ids = torch.zeros(1, 1, dtype=torch.long, device=device)
         self.position = torch.zeros(1, 1, dtype=torch.long, device=device)
         self.slot = torch.zeros(1, dtype=torch.long, device=device)
+        self.step = torch.zeros(1, dtype=torch.long, device=device)  # which query slot a step writes
         self.mask = torch.zeros(1, 1, 1, capacity, dtype=dtype, device=device)
-        self.queries = [torch.zeros(1, n_heads, 1, head_dim, dtype=dtype, device=device)
+        self.queries = [torch.zeros(1, n_heads, QUERY_SLOTS, head_dim, dtype=dtype, device=device)
                         for _ in range(config.num_hidden_layers)]
 
     def look_ahead(self, logits: torch.Tensor, length: int, recorder: QueryRecorder, steps: int,
@@ -104,6 +107,8 @@ class LookAheadGraphs:
         """The ``steps - 1`` greedy steps after a single prompt of ``length`` tokens whose prefill wrote
         ``storage`` and gave ``logits`` [1, V]; queries go to ``recorder``. Which queries count [1, Q] (as
         ``scorer.look_ahead``), or None if no graph could be made (the caller runs the plain steps)."""
+        if steps - 1 > QUERY_SLOTS:
+            return None
         width = _bucket(length + steps)
         entry = self._graphs.get(width) or self._capture(width)
         if entry is None:
@@ -119,17 +124,19 @@ class LookAheadGraphs:
             self.ids.copy_(token)
             self.position.fill_(position)
             self.slot.fill_(position)
+            self.step.fill_(step - 1)
             self.mask[..., position] = 0.0
             replay()
-            for layer_idx, query in enumerate(self.queries):
-                recorder.record(layer_idx, query.clone(), self._scaling[layer_idx])
             logits = out_logits
+        if steps > 1:
+            for layer_idx, queries in enumerate(self.queries):
+                recorder.record(layer_idx, queries[:, :, : steps - 1], self._scaling[layer_idx])
         return valid
 
     def _capture(self, width: int) -> tuple[Callable[[], object], torch.Tensor] | None:
         cache = DynamicCache(config=self.model.config)
         cache.layers = [_SlotLayer(k, v, self.slot, width) for k, v in self.storage]
-        recorder = _StaticRecorder(self.queries)
+        recorder = _StaticRecorder(self.queries, self.step)
         mask = self.mask[..., :width]
 
         def step() -> torch.Tensor:
@@ -140,6 +147,7 @@ class LookAheadGraphs:
         # warm-up and capture write their key and value into the last slot, which no prompt reads before its
         # own step writes it
         self.slot.fill_(self.capacity - 1)
+        self.step.fill_(QUERY_SLOTS - 1)
         if self.model.device.type != "cuda":
             with torch.inference_mode():
                 out_logits = step()

@@ -17,8 +17,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.profiler import record_function
 from transformers import DynamicCache, PreTrainedModel
 
+from common.attention import float_logits
 from common.kv_cache import append_cache
 from common.models import eos_token_ids
 from draft_worker.capture import QueryRecorder, captures_queries
@@ -76,14 +78,18 @@ def score_prompts(
     if graphs is not None and len(prompts) == 1:
         storage = graphs.storage_for(len(prompts[0]) + config.look_ahead)
     batch = _prepare(model, prompts, prefix, prefix_len, config.look_ahead, storage)
+    eos = _eos(model)  # before the prefill is queued: a copy from host memory waits for the GPU to finish
     recorder = QueryRecorder()
-    logits = prefill(model, batch, recorder)
+    with record_function("specprefill.prefill"):
+        logits = prefill(model, batch, recorder)
     valid = None
-    if storage is not None:
-        valid = graphs.look_ahead(logits, batch.lengths[0], recorder, config.look_ahead, _eos(model))
-    if valid is None:
-        valid = look_ahead(model, batch, logits, recorder, config.look_ahead)
-    scores = reduce_scores(batch, recorder, valid, config.pool_kernel).cpu()  # [B, S]
+    with record_function("specprefill.look_ahead"):
+        if storage is not None:
+            valid = graphs.look_ahead(logits, batch.lengths[0], recorder, config.look_ahead, eos)
+        if valid is None:
+            valid = look_ahead(model, batch, logits, recorder, config.look_ahead, eos)
+    with record_function("specprefill.reduce_scores"):
+        scores = reduce_scores(batch, recorder, valid, config.pool_kernel).cpu()  # [B, S]
     results = [scores[row, batch.width - n :] for row, n in enumerate(batch.lengths)]
     kvs = _prompt_kvs(batch, prompts, copy=storage is not None) if return_kv else None
     return results, kvs
@@ -101,14 +107,17 @@ def prefill(model: PreTrainedModel, batch: ScoringBatch, recorder: QueryRecorder
 
 
 def look_ahead(model: PreTrainedModel, batch: ScoringBatch, logits: torch.Tensor, recorder: QueryRecorder,
-               steps: int) -> torch.Tensor:
+               steps: int, eos: torch.Tensor) -> torch.Tensor:
     """``steps - 1`` greedy draft tokens, recording each one's queries. Returns which queries count [B, Q]:
-    a row's queries stop once it generated EOS (the EOS token's own query included)."""
+    a row's queries stop once it generated ``eos`` (the EOS token's own query included)."""
     device = batch.input_ids.device
     n_rows = len(batch.lengths)
-    eos = _eos(model)
     valid = torch.ones(n_rows, steps, dtype=torch.bool, device=device)  # [B, Q]
-    position = torch.tensor(batch.lengths, device=device)[:, None]  # [B, 1]: right after each prompt
+    # right after each prompt, from tensors already on the device (a copy from host memory would wait for the GPU)
+    if batch.position_ids is not None:
+        position = batch.position_ids[:, -1:] + 1  # [B, 1]
+    else:
+        position = torch.full((n_rows, 1), batch.width, dtype=torch.long, device=device)
     for step in range(1, steps):
         token = logits.argmax(-1, keepdim=True)  # [B, 1]
         valid[:, step] = valid[:, step - 1] & ~torch.isin(token[:, 0], eos)
@@ -130,8 +139,8 @@ def reduce_scores(batch: ScoringBatch, recorder: QueryRecorder, valid: torch.Ten
         key_pad = batch.attention_mask[:, None, None, : batch.width] == 0  # [B, 1, 1, S]
     scores = None
     for layer_idx, layer_cache in enumerate(batch.cache.layers):
-        keys = layer_cache.keys[:, :, : batch.width, :].float()  # [B, Hkv, S, D]
-        queries = recorder.layer_queries(layer_idx).float()  # [B, H, Q, D]
+        keys = layer_cache.keys[:, :, : batch.width, :]  # [B, Hkv, S, D]
+        queries = recorder.layer_queries(layer_idx)  # [B, H, Q, D]
         pooled = _layer_attention(queries, keys, recorder.scaling[layer_idx], key_pad, pool_kernel)
         layer_max = pooled.amax(dim=1)  # [B, Q, S]
         scores = layer_max if scores is None else torch.maximum(scores, layer_max)
@@ -194,7 +203,7 @@ def _layer_attention(
     batch, heads, n_queries, dim = queries.shape
     kv_heads, width = keys.shape[1], keys.shape[2]
     grouped = queries.reshape(batch, kv_heads, (heads // kv_heads) * n_queries, dim)
-    logits = torch.matmul(grouped, keys.transpose(-1, -2)) * scaling  # [B, Hkv, G*Q, S]
+    logits = float_logits(grouped, keys) * scaling  # [B, Hkv, G*Q, S]
     if key_pad is not None:
         logits = logits.masked_fill(key_pad, float("-inf"))
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)

@@ -3,7 +3,7 @@ import copy
 import pytest
 import torch
 
-from common.attention import GQA_SDPA, decode_attention, use_gqa_sdpa
+from common.attention import GQA_SDPA, decode_attention, float_logits, use_gqa_sdpa
 from engine.runner import prefill
 from tests.helpers import reference_logits, tiny_llama
 
@@ -58,3 +58,17 @@ def test_decode_attention_matches_the_fused_kernel(kind, dtype):
     assert got.shape == (2, 1, 8, 64) and got.dtype == dtype
     tolerance = {} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
     torch.testing.assert_close(got.float(), expected, **tolerance)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_float_logits_on_cuda_are_the_upcast_products(dtype):
+    """Half-precision operands with float32 products, as upcasting both first would give (grouped heads, a
+    key buffer read through a slice, as the look-ahead's static cache hands it)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    queries = torch.randn(1, 8, 4, 64, device="cuda", generator=g).to(dtype)
+    buffer = torch.randn(1, 8, 1000, 64, device="cuda", generator=g).to(dtype)
+    keys = buffer[:, :, :700]
+    got = float_logits(queries, keys)
+    assert got.dtype == torch.float32 and got.shape == (1, 8, 4, 700)
+    torch.testing.assert_close(got, queries.float() @ keys.float().transpose(-1, -2), rtol=1e-5, atol=1e-4)
