@@ -150,6 +150,29 @@ def print_table(rows: list[dict]) -> None:
         )
 
 
+def profile(model_dir: str, device: str, dtype: str, length: int, trace: Path | None) -> None:
+    """One scoring call and one plain prefill under torch.profiler: where the time goes, by phase
+    (``specprefill.*`` ranges) and by kernel; ``trace``: a Chrome trace of the scoring call."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    worker = load_worker(model_dir, device, dtype)
+    ids = _prompt(length, worker.model.config.vocab_size)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if worker.model.device.type == "cuda" else [])
+    for name, fn in (("plain prefill", lambda: plain_prefill(worker.model, ids)), ("scoring", lambda: worker.score(ids))):
+        for _ in range(2):
+            fn()
+        with torch_profile(activities=activities) as prof:
+            fn()
+            if torch.cuda.is_initialized():
+                torch.cuda.synchronize()
+        sort = "device_time_total" if ProfilerActivity.CUDA in activities else "cpu_time_total"
+        print(f"\n== {name}, {length} tokens")
+        print(prof.key_averages().table(sort_by=sort, row_limit=30, max_name_column_width=60))
+        if trace is not None and name == "scoring":
+            prof.export_chrome_trace(str(trace))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384])
@@ -158,7 +181,14 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--dtype", default="auto", help="auto (the checkpoint's), float32, bfloat16 or float16")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--profile", action="store_true",
+                        help="instead: profile one scoring call and one plain prefill at the first length")
+    parser.add_argument("--trace", type=Path, default=None, help="with --profile: a Chrome trace of the scoring call")
     args = parser.parse_args()
+    if args.profile:
+        model_dir = args.model or str(ensure_demo_models() / "draft")
+        profile(model_dir, args.device, args.dtype, args.lengths[0], args.trace)
+        return
     torch.set_num_threads(torch.get_num_threads())
     rows = run(args.lengths, args.repeats, args.model, args.device, args.dtype)
     print_table(rows)

@@ -5,7 +5,8 @@
 # tokenizer; `specprefill demo-models --draft-shape/--target-shape`), once, in $PAIR, then:
 #   scorer     benchmarks/bench_scorer.py at 8k/16k/32k: scoring vs a plain prefill, time and peak memory
 #   sweep      specprefill bench: TTFT through the gateway vs direct at 8k-32k, keep 0.1/0.3/0.5, the ideal
-#   workloads  specprefill bench --workloads: repeated contexts (issue 13's five workloads)
+#   workloads  specprefill bench --workloads: repeated contexts (issue 13's five workloads); WORKLOAD_FLAGS adds
+#              flags (--shared-engine: one engine for both paths)
 # Python packages the machine lacks may be dropped as wheels in .whl/ (installed into /tmp/site).
 set -euo pipefail
 OUT=${1:?usage: bash benchmarks/gpu.sh OUT [scorer] [sweep] [workloads]}
@@ -32,7 +33,7 @@ for step in $STEPS; do
         sweep) "$PYTHON" -m specprefill bench --pair "$PAIR" --lengths "${LENGTHS:-8192,16384,32768}" \
                     --keep-rates 0.1,0.3,0.5,1.0 --repeats "${REPEATS:-3}" --out "$OUT/sweep" ;;
         workloads) "$PYTHON" -m specprefill bench --pair "$PAIR" --workloads --workload-tokens "${WORKLOAD_TOKENS:-16000}" \
-                    --workload-requests "${WORKLOAD_REQUESTS:-5}" --out "$OUT/workloads" ;;
+                    --workload-requests "${WORKLOAD_REQUESTS:-5}" --out "$OUT/workloads" ${WORKLOAD_FLAGS:-} ;;
         *) echo "unknown step $step" >&2; exit 2 ;;
     esac
 done
