@@ -56,7 +56,8 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="target model folder (default: the demo target)")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    parser.add_argument("--chunk", type=int, default=2048, help="prompt tokens per forward (the engine's prefill_chunk)")
+    parser.add_argument("--chunk", type=int, default=2048,
+                        help="prompt tokens per forward (the engine's prefill_chunk)")
     args = parser.parse_args()
     model = load_causal_lm(args.model or ensure_demo_models() / "target", device=args.device)
     device = model.device

@@ -159,7 +159,8 @@ def profile(model_dir: str, device: str, dtype: str, length: int, trace: Path | 
     worker = load_worker(model_dir, device, dtype)
     ids = _prompt(length, worker.model.config.vocab_size)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if worker.model.device.type == "cuda" else [])
-    for name, fn in (("plain prefill", lambda: plain_prefill(worker.model, ids)), ("scoring", lambda: worker.score(ids))):
+    calls = (("plain prefill", lambda: plain_prefill(worker.model, ids)), ("scoring", lambda: worker.score(ids)))
+    for name, fn in calls:
         for _ in range(2):
             fn()
         with torch_profile(activities=activities) as prof:

@@ -10,8 +10,8 @@ buffers: the token, its position and the cache slot it writes (device tensors se
 KV cache (one buffer per layer, ``capacity`` tokens, which the prompt's prefill also writes into), an
 additive attention mask over the cache (0 up to the token, -inf after: a step reads the keys of one
 *bucket*, the prompt plus its look-ahead rounded up by at most an eighth), the logits and each layer's
-recorded queries (one slot per step, handed to the scorer once after the last step). One graph per bucket, all over the same buffers; a prompt longer than the buffers
-reallocates them and drops the graphs.
+recorded queries (one slot per step, handed to the scorer once after the last step). One graph per bucket,
+all over the same buffers; a prompt longer than the buffers reallocates them and drops the graphs.
 
 Only single prompts use graphs (a batch runs the plain steps). Any failure to capture turns graphs off
 for the worker, with a warning: the plain steps compute the same thing, only slower. Off CUDA (tests), the
@@ -31,7 +31,7 @@ from draft_worker.capture import QueryRecorder
 
 logger = logging.getLogger("specprefill.draft")
 MIN_BUCKET = 1024
-QUERY_SLOTS = 31  # look-ahead steps a graph records (the paper uses 7; more run the plain steps)
+QUERY_SLOTS = 31  # generated look-ahead tokens a graph records (the paper's 8 queries need 7; more: plain steps)
 
 
 class _SlotLayer(DynamicLayer):
