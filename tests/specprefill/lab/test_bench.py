@@ -48,6 +48,26 @@ def test_small_helpers():
     assert 900 < len(arrivals) < 1100 and arrivals == sorted(arrivals)
 
 
+def test_made_prompts_are_counted_through_a_copy_that_begins_otherwise():
+    """The gateway's tokenization cache reuses a long text that begins like one it has seen: the text the bench
+    counts must not begin like the text it then measures, or the measured request would skip its tokenizing."""
+    from common.tokenize import HEAD_CHARS
+
+    counted = []
+
+    class Counting:  # the gateway's /v1/specprefill/compress, counting four characters a token
+        def post(self, url, json, headers):
+            content = json["messages"][0]["content"]
+            counted.append(content)
+            return httpx.Response(200, json={"original_tokens": len(content) // 4}, request=httpx.Request("POST", url))
+
+    prompts = PromptMaker(Counting(), "http://gateway", "tiny")
+    made = [prompts.make(2000)[0]["content"] for _ in range(3)]
+    assert len(counted) == 4  # the characters-per-token probe, then one count per prompt
+    assert all(c[:HEAD_CHARS] != m[:HEAD_CHARS] for c in counted for m in made)
+    assert all(abs(len(m) // 4 - 2000) <= 100 for m in made)
+
+
 def test_a_live_sweep_and_load_run(gateway_url, engine_backend, tmp_path):
     engine_url, _ = engine_backend
     with httpx.Client(timeout=60) as client:
