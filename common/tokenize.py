@@ -10,12 +10,19 @@ chat, against a plain tokenization; where the two differ, every text is tokenize
 A long piece that begins like an earlier one (the same document with another question after it) is tokenized
 from the earlier piece's tokens: only the text from a few tokens before the point where the two part is
 tokenized again, and that is kept only where it reproduces the earlier tokens it overlaps.
+
+A long new piece (a fresh document) is tokenized in segments at once, on the tokenizer's own threads
+(``encode_batch``): each segment starts a margin before the previous one ends, and two neighbours are joined
+where they agree on ``OVERLAP`` tokens in a row, at the same characters, before the earlier one's cut end. A
+seam where they never agree sends the piece to a plain tokenization. A 32k-token document took 100 ms on a
+GPU server's CPU, a tenth of an H100's whole compressed request.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import os
 import re
 import threading
 from collections.abc import Sequence
@@ -32,6 +39,8 @@ SAMPLE_CHAT = [{"role": "system", "content": "You answer briefly.\n  Be precise.
 LONG_PIECE = 4096  # characters: a piece this long may be tokenized from an earlier one it begins with
 HEAD_CHARS = 256  # characters that find that earlier piece
 OVERLAP = 16  # tokens before the earlier piece's end tokenized again, and required to come out the same
+SEGMENT_CHARS = 8192  # characters: a new piece is tokenized in segments of at least this many, in parallel
+MARGIN_CHARS = 512  # characters a segment starts before the previous one ends: room to realign and agree
 
 
 class PieceCache:
@@ -46,6 +55,9 @@ class PieceCache:
         self._heads: dict[str, str] = {}  # a long piece's first characters -> that piece (the latest)
         self.extended = 0  # long pieces tokenized from an earlier piece they begin with
         self._lock = threading.Lock()
+        self.segmented = 0  # new pieces tokenized in segments
+        self._parallel = bool(getattr(tokenizer, "is_fast", False))  # a batch runs on the Rust tokenizer's threads
+        self._workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         added = sorted(tokenizer.get_added_vocab(), key=len, reverse=True)
         self._split = re.compile("(" + "|".join(map(re.escape, added)) + ")") if added else None
         self.enabled = self._split is not None and capacity_chars > 0 and self._agrees()
@@ -71,7 +83,7 @@ class PieceCache:
                 return found
             head = self._heads.get(piece[:HEAD_CHARS]) if len(piece) > LONG_PIECE else None
             earlier = self._pieces.get(head) if head is not None else None
-        found = (earlier is not None and self._extended(piece, head, *earlier)) or self._whole(piece)
+        found = (earlier is not None and self._extended(piece, head, *earlier)) or self._segmented(piece)
         if len(piece) <= self.capacity_chars:
             with self._lock:
                 self._pieces[piece] = found
@@ -104,6 +116,26 @@ class PieceCache:
         self.extended += 1
         return ids[:cut] + tail_ids, np.concatenate([offsets[:cut], tail_offsets + start])
 
+    def _segmented(self, text: str) -> tuple[list[int], np.ndarray]:
+        """``text``'s tokens from segments tokenized in parallel and joined where neighbours agree; a short
+        text, one CPU, or a seam without agreement: a plain tokenization."""
+        n_segments = min(self._workers, len(text) // SEGMENT_CHARS)
+        if n_segments < 2 or not self._parallel:
+            return self._whole(text)
+        ends = [round(len(text) * (i + 1) / n_segments) for i in range(n_segments)]
+        starts = [0] + [end - MARGIN_CHARS for end in ends[:-1]]
+        batch = self.tokenizer([text[a:b] for a, b in zip(starts, ends)], add_special_tokens=False,
+                               return_offsets_mapping=True)
+        segments = list(zip(batch.input_ids, batch["offset_mapping"]))
+        ids, offsets = segments[0][0], _offsets(segments[0][1], 0)
+        for start, end, (tail_ids, tail_offsets) in zip(starts[1:], ends[:-1], segments[1:]):
+            joined = _join(ids, offsets, end, tail_ids, _offsets(tail_offsets, start))
+            if joined is None:
+                return self._whole(text)
+            ids, offsets = joined
+        self.segmented += 1
+        return ids, offsets
+
     def _whole(self, text: str) -> tuple[list[int], np.ndarray]:
         encoding = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         return encoding.input_ids, np.asarray(encoding["offset_mapping"], dtype=np.int64).reshape(-1, 2)
@@ -123,6 +155,30 @@ class PieceCache:
         if not agrees:
             logger.info("this tokenizer does not split at its added tokens alone: chats are tokenized whole")
         return agrees
+
+
+def _offsets(pairs: list[tuple[int, int]], start: int) -> np.ndarray:
+    return np.asarray(pairs, dtype=np.int64).reshape(-1, 2) + start
+
+
+def _join(ids: list[int], offsets: np.ndarray, cut_end: int, tail_ids: list[int],
+          tail_offsets: np.ndarray) -> tuple[list[int], np.ndarray] | None:
+    """Tokens of a text cut at ``cut_end`` (``ids``) joined to those of a segment that starts before that cut
+    (``tail_ids``; offsets in the whole text's characters): at the first token where both begin at the same
+    character and go on with the same ``OVERLAP`` tokens, all ending a margin before the cut (its last words
+    may be cut through). None where they never agree."""
+    if not tail_ids:
+        return None
+    overlap = int(np.searchsorted(tail_offsets[:, 0], cut_end, side="left"))  # tail tokens starting before the cut
+    where = {a: t for t, a in enumerate(tail_offsets[:overlap, 0].tolist())}
+    first = int(np.searchsorted(offsets[:, 0], tail_offsets[0, 0], side="left"))
+    safe = int(np.searchsorted(offsets[:, 1], cut_end - MARGIN_CHARS // 4, side="right"))  # ending by then
+    for j in range(first, safe - OVERLAP + 1):
+        t = where.get(int(offsets[j, 0]))
+        if (t is not None and ids[j : j + OVERLAP] == tail_ids[t : t + OVERLAP]
+                and np.array_equal(offsets[j : j + OVERLAP], tail_offsets[t : t + OVERLAP])):
+            return ids[:j] + list(tail_ids[t:]), np.concatenate([offsets[:j], tail_offsets[t:]])
+    return None
 
 
 def _common_prefix(a: str, b: str) -> int:

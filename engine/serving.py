@@ -18,6 +18,7 @@ from common.protocol import ChatCompletionRequest, SamplingFields
 from common.responses import ResponsesRequest, chat_to_response, response_events
 from common.streams import merge, prepend
 from common.swap import requested_swap, swap_prompt
+from common.tokenize import PieceCache
 from engine.engine import ReferenceEngine
 from engine.prefix_cache import PrefixCache
 from engine.protocol import EngineCompletionRequest
@@ -39,6 +40,7 @@ class EngineServing:
     def __init__(self, engine: ReferenceEngine, served_names: list[str]) -> None:
         self.engine = engine
         self.served_names = served_names
+        self.pieces = PieceCache(engine.tokenizer)  # chats' repeated parts tokenized once, long new ones in parallel
 
     @classmethod
     def from_settings(cls, settings: EngineSettings, on_active_change=None) -> EngineServing:
@@ -171,7 +173,7 @@ class EngineServing:
         _check_supported(request)
         if not all(m.has_only_text() for m in request.messages):
             raise InvalidRequestError("the reference engine reads text content parts only", param="messages")
-        ids = render_chat(self.engine.tokenizer, request.messages, tools=request.tools,
+        ids = render_chat(self.engine.tokenizer, request.messages, self.pieces.encode, tools=request.tools,
                           add_special_tokens=request.add_special_tokens).token_ids
         return EngineCompletionRequest(model=request.model, prompt=ids, **request.completion_params(),
                                        **request.generation_params())

@@ -66,3 +66,44 @@ def test_the_same_document_with_another_question_reuses_the_documents_tokens(tok
         plain = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         assert ids == plain.input_ids and offsets.tolist() == [list(o) for o in plain.offset_mapping]
     assert cache.extended == 3
+
+
+def _plain(tokenizer, text):
+    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    return encoding.input_ids, [list(o) for o in encoding.offset_mapping]
+
+
+@pytest.mark.parametrize("kind", ["prose", "double spaces", "mixed scripts", "one long run", "digits"])
+def test_a_long_new_piece_tokenized_in_segments_is_exactly_the_plain_tokenization(tokenizer, kind):
+    """Segments tokenized at once and joined where neighbours agree: the same tokens and offsets as one plain
+    tokenization, wherever the segment ends fall (inside words, whitespace runs, multi-byte characters)."""
+    import random
+
+    from common import tokenize
+
+    rng = random.Random(kind)
+    words = LONG_DOC.split()
+    text = {
+        "prose": lambda: " ".join(rng.choice(words) for _ in range(9000)),
+        "double spaces": lambda: "  ".join(rng.choice(words) for _ in range(9000)),
+        "mixed scripts": lambda: "".join(rng.choice(["日本語", "🙂", " x", "\n", "0123", "--", "ab", "é"])
+                                         for _ in range(20000)),
+        "one long run": lambda: "-" * 30000 + " " + " ".join(rng.choice(words) for _ in range(3000)),
+        "digits": lambda: "".join(rng.choice("0123456789 ,.") for _ in range(40000)),
+    }[kind]()
+    cache = PieceCache(tokenizer)
+    cache._workers = 7  # as on a many-core server, whatever this machine has
+    ids, offsets = cache.encode(text)
+    assert (ids, offsets.tolist()) == _plain(tokenizer, text)
+    assert cache.segmented == 1 and len(text) // tokenize.SEGMENT_CHARS >= 4  # four segments or more
+
+
+def test_a_seam_without_agreement_falls_back_to_a_plain_tokenization(tokenizer, monkeypatch):
+    from common import tokenize
+
+    monkeypatch.setattr(tokenize, "_join", lambda *args: None)
+    cache = PieceCache(tokenizer)
+    cache._workers = 4
+    text = " ".join([LONG_DOC] * 200)
+    ids, offsets = cache.encode(text)
+    assert (ids, offsets.tolist()) == _plain(tokenizer, text) and cache.segmented == 0
