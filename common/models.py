@@ -3,7 +3,9 @@ telling whether two tokenizers are one."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import inspect
 import json
 from pathlib import Path
 
@@ -15,6 +17,17 @@ from common.attention import avoid_cudnn_sdpa, use_gqa_sdpa
 
 class TokenizerMismatchError(ValueError):
     """The draft and target models do not share one tokenizer, so draft token indices mean nothing to the target."""
+
+
+def with_cache(model: PreTrainedModel, cache) -> dict:
+    """The KV cache as a forward's keyword: ``cache`` from transformers 5.24 on (``past_key_values`` is deprecated
+    there, and removed in 5.40), ``past_key_values`` before."""
+    return {_cache_keyword(type(model)): cache}
+
+
+@functools.cache
+def _cache_keyword(model_class: type) -> str:
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
 
 
 def default_device() -> torch.device:

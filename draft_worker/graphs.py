@@ -27,6 +27,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
+from common.models import with_cache
 from draft_worker.capture import QueryRecorder
 
 logger = logging.getLogger("specprefill.draft")
@@ -141,7 +142,7 @@ class LookAheadGraphs:
 
         def step() -> torch.Tensor:
             out = self.model(input_ids=self.ids, position_ids=self.position, attention_mask=mask,
-                             past_key_values=cache, use_cache=True, logits_to_keep=1, specprefill_recorder=recorder)
+                             **with_cache(self.model, cache), use_cache=True, logits_to_keep=1, specprefill_recorder=recorder)
             return out.logits[:, -1]
 
         # warm-up and capture write their key and value into the last slot, which no prompt reads before its

@@ -22,7 +22,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from common.attention import float_logits
 from common.kv_cache import append_cache
-from common.models import eos_token_ids
+from common.models import eos_token_ids, with_cache
 from draft_worker.capture import QueryRecorder, captures_queries
 from draft_worker.config import ScoringConfig
 from draft_worker.graphs import LookAheadGraphs
@@ -102,7 +102,7 @@ def _eos(model: PreTrainedModel) -> torch.Tensor:
 def prefill(model: PreTrainedModel, batch: ScoringBatch, recorder: QueryRecorder) -> torch.Tensor:
     """The prompt into the KV cache, recording the last prompt token's queries; its logits [B, V]."""
     out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
-                past_key_values=batch.cache, use_cache=True, logits_to_keep=1, specprefill_recorder=recorder)
+                **with_cache(model, batch.cache), use_cache=True, logits_to_keep=1, specprefill_recorder=recorder)
     return out.logits[:, -1]
 
 
@@ -124,7 +124,7 @@ def look_ahead(model: PreTrainedModel, batch: ScoringBatch, logits: torch.Tensor
         if batch.attention_mask is not None:
             batch.attention_mask = torch.cat([batch.attention_mask, batch.attention_mask.new_ones(n_rows, 1)], -1)
         out = model(input_ids=token, attention_mask=batch.attention_mask, position_ids=position,
-                    past_key_values=batch.cache, use_cache=True, logits_to_keep=1, specprefill_recorder=recorder)
+                    **with_cache(model, batch.cache), use_cache=True, logits_to_keep=1, specprefill_recorder=recorder)
         logits = out.logits[:, -1]
         position = position + 1
     return valid

@@ -6,6 +6,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from common.kv_cache import append_cache
+from common.models import with_cache
 
 DECODE_ROOM = 256  # tokens of room a sequence's KV cache grows by: one copy of the cache per 256 decode steps
 
@@ -29,7 +30,7 @@ def prefill(
         input_ids=input_ids,
         position_ids=position_ids,
         attention_mask=torch.ones(1, past + input_ids.shape[1], dtype=torch.long, device=input_ids.device),
-        past_key_values=cache,
+        **with_cache(model, cache),
         use_cache=True,
         logits_to_keep=1,
     )
@@ -42,7 +43,7 @@ def decode_one(model: PreTrainedModel, token: torch.Tensor, position: int, cache
     out = model(
         input_ids=token.view(1, 1),
         position_ids=torch.tensor([[position]], device=token.device),
-        past_key_values=cache,
+        **with_cache(model, cache),
         use_cache=True,
     )
     return out.logits[0, -1].float()

@@ -6,16 +6,17 @@ import torch
 from transformers import DynamicCache
 
 from common.kv_cache import AppendLayer, append_cache
+from common.models import with_cache
 from tests.helpers import tiny_llama
 
 
 def _run(model, cache, prompt: torch.Tensor, steps: int) -> list[torch.Tensor]:
     """A prefill, then greedy steps one token each; every forward's logits."""
-    out = model(input_ids=prompt, past_key_values=cache, use_cache=True)
+    out = model(input_ids=prompt, **with_cache(model, cache), use_cache=True)
     logits = [out.logits[:, -1]]
     for _ in range(steps):
         token = logits[-1].argmax(-1, keepdim=True)
-        logits.append(model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1])
+        logits.append(model(input_ids=token, **with_cache(model, cache), use_cache=True).logits[:, -1])
     return logits
 
 
@@ -38,7 +39,7 @@ def test_a_cache_given_layers_continues_from_them_and_appends_in_place():
     model = tiny_llama(seed=5)
     prompt = torch.randint(3, 250, (1, 30), generator=torch.Generator().manual_seed(1))
     full = DynamicCache(config=model.config)
-    model(input_ids=prompt[:, :20], past_key_values=full, use_cache=True)
+    model(input_ids=prompt[:, :20], **with_cache(model, full), use_cache=True)
     layers = [(layer.keys.clone(), layer.values.clone()) for layer in full.layers]
     expected = _run(model, full, prompt[:, 20:], steps=3)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.models import load_causal_lm, load_tokenizer
+from common.models import load_causal_lm, load_tokenizer, with_cache
 from engine.blocks import block_hashes, reusable_blocks
 from engine.engine import ReferenceEngine
 from engine.prefix_cache import PrefixCache
@@ -94,7 +94,7 @@ def test_lru_within_the_budget_evicts_tails_first(target, target_tokenizer):
     def computed(ids):
         kv = DynamicCache(config=target.config)
         with torch.inference_mode():
-            target(input_ids=torch.tensor([ids]), past_key_values=kv, use_cache=True)
+            target(input_ids=torch.tensor([ids]), **with_cache(target, kv), use_cache=True)
         return kv
 
     first, second = _prompt(49, seed=5), _prompt(33, seed=6)
