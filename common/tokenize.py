@@ -21,6 +21,7 @@ GPU server's CPU, a tenth of an H100's whole compressed request.
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import os
 import re
@@ -110,11 +111,11 @@ class PieceCache:
             return None
         start = int(offsets[cut, 0])
         tail_ids, tail_offsets = self._whole(text[start:])
-        if tail_ids[:OVERLAP - 1] != ids[cut:inside - 1] or not np.array_equal(
-                tail_offsets[:OVERLAP - 1] + start, offsets[cut:inside - 1]):
+        tail_offsets = tail_offsets + start
+        if not _agree(ids, offsets, cut, tail_ids, tail_offsets, 0, OVERLAP - 1):
             return None
         self.extended += 1
-        return ids[:cut] + tail_ids, np.concatenate([offsets[:cut], tail_offsets + start])
+        return ids[:cut] + tail_ids, np.concatenate([offsets[:cut], tail_offsets])
 
     def _segmented(self, text: str) -> tuple[list[int], np.ndarray]:
         """``text``'s tokens from segments tokenized in parallel and joined where neighbours agree; a short
@@ -126,15 +127,20 @@ class PieceCache:
         starts = [0] + [end - MARGIN_CHARS for end in ends[:-1]]
         batch = self.tokenizer([text[a:b] for a, b in zip(starts, ends)], add_special_tokens=False,
                                return_offsets_mapping=True)
-        segments = list(zip(batch.input_ids, batch["offset_mapping"]))
-        ids, offsets = segments[0][0], _offsets(segments[0][1], 0)
-        for start, end, (tail_ids, tail_offsets) in zip(starts[1:], ends[:-1], segments[1:]):
-            joined = _join(ids, offsets, end, tail_ids, _offsets(tail_offsets, start))
-            if joined is None:
+        segments = [(ids, _offsets(pairs, start)) for ids, pairs, start in
+                    zip(batch.input_ids, batch["offset_mapping"], starts)]
+        kept = []  # each segment's tokens from its seam with the previous one to its seam with the next
+        ids, offsets = segments[0]
+        for end, (tail_ids, tail_offsets) in zip(ends[:-1], segments[1:]):
+            seam = _seam(ids, offsets, end, tail_ids, tail_offsets)
+            if seam is None:
                 return self._whole(text)
-            ids, offsets = joined
+            j, t = seam
+            kept.append((ids[:j], offsets[:j]))
+            ids, offsets = tail_ids[t:], tail_offsets[t:]
+        kept.append((ids, offsets))
         self.segmented += 1
-        return ids, offsets
+        return list(itertools.chain.from_iterable(part for part, _ in kept)), np.concatenate([p for _, p in kept])
 
     def _whole(self, text: str) -> tuple[list[int], np.ndarray]:
         encoding = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
@@ -161,12 +167,21 @@ def _offsets(pairs: list[tuple[int, int]], start: int) -> np.ndarray:
     return np.asarray(pairs, dtype=np.int64).reshape(-1, 2) + start
 
 
-def _join(ids: list[int], offsets: np.ndarray, cut_end: int, tail_ids: list[int],
-          tail_offsets: np.ndarray) -> tuple[list[int], np.ndarray] | None:
-    """Tokens of a text cut at ``cut_end`` (``ids``) joined to those of a segment that starts before that cut
-    (``tail_ids``; offsets in the whole text's characters): at the first token where both begin at the same
-    character and go on with the same ``OVERLAP`` tokens, all ending a margin before the cut (its last words
-    may be cut through). None where they never agree."""
+def _agree(ids: list[int], offsets: np.ndarray, j: int, tail_ids: list[int], tail_offsets: np.ndarray, t: int,
+           n: int) -> bool:
+    """Whether two tokenizations of one text (offsets in its characters) give the same ``n`` tokens, at the same
+    characters, from token ``j`` of the first and ``t`` of the second: they have realigned there, so either one's
+    tokens from that point on stand for both (the rule the cache's joins rest on)."""
+    return (len(ids) >= j + n and len(tail_ids) >= t + n and ids[j : j + n] == tail_ids[t : t + n]
+            and np.array_equal(offsets[j : j + n], tail_offsets[t : t + n]))
+
+
+def _seam(ids: list[int], offsets: np.ndarray, cut_end: int, tail_ids: list[int],
+          tail_offsets: np.ndarray) -> tuple[int, int] | None:
+    """Where the tokens of a text cut at ``cut_end`` (``ids``) hand over to those of a segment that starts before
+    that cut (``tail_ids``; offsets in the whole text's characters): the first token where both begin at the same
+    character and ``_agree`` for ``OVERLAP`` tokens, all ending a margin before the cut (its last words may be cut
+    through). (index in ``ids``, index in ``tail_ids``), or None where they never agree."""
     if not tail_ids:
         return None
     overlap = int(np.searchsorted(tail_offsets[:, 0], cut_end, side="left"))  # tail tokens starting before the cut
@@ -175,9 +190,8 @@ def _join(ids: list[int], offsets: np.ndarray, cut_end: int, tail_ids: list[int]
     safe = int(np.searchsorted(offsets[:, 1], cut_end - MARGIN_CHARS // 4, side="right"))  # ending by then
     for j in range(first, safe - OVERLAP + 1):
         t = where.get(int(offsets[j, 0]))
-        if (t is not None and ids[j : j + OVERLAP] == tail_ids[t : t + OVERLAP]
-                and np.array_equal(offsets[j : j + OVERLAP], tail_offsets[t : t + OVERLAP])):
-            return ids[:j] + list(tail_ids[t:]), np.concatenate([offsets[:j], tail_offsets[t:]])
+        if t is not None and _agree(ids, offsets, j, tail_ids, tail_offsets, t, OVERLAP):
+            return j, t
     return None
 
 

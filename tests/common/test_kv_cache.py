@@ -51,3 +51,17 @@ def test_a_cache_given_layers_continues_from_them_and_appends_in_place():
     # the keys handed out are views of the first buffer: no forward copied the cache
     assert [layer.keys.untyped_storage().data_ptr() for layer in cache.layers] == buffers
     assert layers[0][0].data_ptr() != cache.layers[0].keys.data_ptr()  # the given layers were copied, not aliased
+
+
+def test_the_cache_goes_by_the_keyword_the_forward_takes():
+    """transformers 5.24 renamed ``past_key_values`` to ``cache``; either release's models get theirs."""
+
+    class Before(torch.nn.Module):
+        def forward(self, input_ids=None, past_key_values=None, use_cache=None): ...
+
+    class After(torch.nn.Module):
+        def forward(self, input_ids=None, cache=None, use_cache=None): ...
+
+    cache = object()
+    assert with_cache(Before(), cache) == {"past_key_values": cache}
+    assert with_cache(After(), cache) == {"cache": cache}

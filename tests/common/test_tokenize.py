@@ -101,9 +101,24 @@ def test_a_long_new_piece_tokenized_in_segments_is_exactly_the_plain_tokenizatio
 def test_a_seam_without_agreement_falls_back_to_a_plain_tokenization(tokenizer, monkeypatch):
     from common import tokenize
 
-    monkeypatch.setattr(tokenize, "_join", lambda *args: None)
+    monkeypatch.setattr(tokenize, "_seam", lambda *args: None)
     cache = PieceCache(tokenizer)
     cache._workers = 4
     text = " ".join([LONG_DOC] * 200)
     ids, offsets = cache.encode(text)
     assert (ids, offsets.tolist()) == _plain(tokenizer, text) and cache.segmented == 0
+
+
+def test_a_seam_needs_overlap_tokens_in_agreement_not_one_shared_boundary():
+    """Two segments that share a token and then part (a false realignment) are joined only where they agree on
+    ``OVERLAP`` tokens in a row."""
+    from common.tokenize import OVERLAP, _seam
+
+    ids = list(range(400))  # the earlier segment: token i covers characters [4i, 4i + 4)
+    offsets = np.array([[4 * i, 4 * i + 4] for i in range(400)])
+    tail = offsets[200:]  # the later segment starts at character 800, on the same boundaries
+    tail_ids = ids[200:]
+    tail_ids[1:10] = [1000 + i for i in range(9)]  # one shared token, then nine that differ
+    assert _seam(ids, offsets, 1600, tail_ids, tail) == (210, 10)
+    tail_ids[10 + OVERLAP // 2] = 999  # no run of OVERLAP agreeing tokens until after that one
+    assert _seam(ids, offsets, 1600, tail_ids, tail) == (211 + OVERLAP // 2, 11 + OVERLAP // 2)

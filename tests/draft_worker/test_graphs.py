@@ -11,7 +11,7 @@ import torch
 
 from draft_worker.capture import enable_query_capture
 from draft_worker.config import ScoringConfig
-from draft_worker.graphs import MIN_BUCKET, LookAheadGraphs, _bucket
+from draft_worker.graphs import MIN_BUCKET, QUERY_SLOTS, LookAheadGraphs, _bucket
 from draft_worker.scorer import score_prompts
 from draft_worker.worker import DraftWorker
 from tests.helpers import tiny_llama
@@ -27,7 +27,7 @@ def test_buckets_round_up_by_an_eighth_of_a_power_of_two():
     assert all(n <= _bucket(n) <= n * 1.125 for n in range(8192, 70000, 997))
 
 
-@pytest.mark.parametrize("look_ahead", [1, 2, 8])
+@pytest.mark.parametrize("look_ahead", [1, 2, 8, QUERY_SLOTS + 1, QUERY_SLOTS + 2])  # the last: plain steps
 def test_static_steps_score_as_the_plain_steps(look_ahead):
     model = tiny_llama(seed=5, max_positions=4096)
     enable_query_capture(model)
