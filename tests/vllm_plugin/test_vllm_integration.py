@@ -46,8 +46,9 @@ def vllm_servers(model_pair, tmp_path_factory):
     quiet = ("--disable-log-stats",)
     tools = ("--enable-auto-tool-choice", "--tool-call-parser", "llama3_json")  # a chat with tools, as users serve
     servers = {"plugin": VLLMServer(python, model_pair / "target", logs / "plugin.log", plugin=True,
-                                    extra_args=quiet + tools),
-               "stock": VLLMServer(python, model_pair / "target", logs / "stock.log", plugin=False, extra_args=quiet)}
+                                    extra_args=quiet + tools, pinned=False),
+               "stock": VLLMServer(python, model_pair / "target", logs / "stock.log", plugin=False, extra_args=quiet,
+                                   pinned=False)}
     try:
         for server in servers.values():
             server.wait()
