@@ -53,6 +53,8 @@ class Bench(BaseSettings):
     baseline: bool = Field(False, description="launch the gateway as it was before cache-aware planning: a fresh "
                                               "selection for every prompt, no warming")
     gateway_warming: bool = Field(True, description="launched gateway: warming on (its default) or off")
+    gateway_keep_system_whole: bool = Field(True, description="launched gateway: system prompts kept whole where "
+                                                              "affordable (its default) or compressed with the rest")
     pair: str | None = Field(None, description="launched servers: a folder with draft/ and target/ (as "
                                                "`specprefill demo-models` writes; default: the demo pair)")
 
@@ -73,8 +75,9 @@ def run_bench(options: Bench) -> int:
         args = ["--min-prompt-tokens", "1024" if options.workloads else str(min(options.lengths) // 2)]
         if options.baseline:
             args += ["--planner", "fresh", "--no-warming", "--no-keep-system-whole"]
-        elif not options.gateway_warming:
-            args += ["--no-warming"]
+        else:
+            args += [] if options.gateway_warming else ["--no-warming"]
+            args += [] if options.gateway_keep_system_whole else ["--no-keep-system-whole"]
         engines = 1 if options.workloads and options.shared_engine else 2
         context = launched(engines, args, options.vllm_python, out, Path(options.pair) if options.pair else None)
     with context as stack, httpx.Client(timeout=60) as client:
@@ -86,6 +89,7 @@ def run_bench(options: Bench) -> int:
         meta = {"gateway_url": stack.gateway_url, "backend_url": stack.direct_url, "model": model,
                 "launched": options.base_url is None, "engine": "vllm" if options.vllm_python else "reference",
                 "baseline": options.baseline, "gateway_warming": options.gateway_warming,
+                "gateway_keep_system_whole": options.gateway_keep_system_whole,
                 "pair": _pair_description(options.pair) if options.base_url is None else None}
         if options.workloads:
             written = _workloads(options, stack, prompts, (model, direct_model), meta)
