@@ -51,7 +51,7 @@ class Bench(BaseSettings):
     vllm_python: str | None = Field(None, description="launch vLLM (this python's, with the plugin for the "
                                                       "gateway, stock for direct) instead of reference engines")
     baseline: bool = Field(False, description="launch the gateway as it was before cache-aware planning: a fresh "
-                                              "selection for every prompt, no warming")
+                                              "selection for every prompt, no warming, system prompts compressed")
     gateway_warming: bool = Field(True, description="launched gateway: warming on (its default) or off")
     gateway_keep_system_whole: bool = Field(True, description="launched gateway: system prompts kept whole where "
                                                               "affordable (its default) or compressed with the rest")
@@ -72,14 +72,9 @@ def run_bench(options: Bench) -> int:
         urls = (options.base_url.rstrip("/"), options.backend_url.rstrip("/"))
         context = contextlib.nullcontext(Stack(*urls, list(urls)))
     else:
-        args = ["--min-prompt-tokens", "1024" if options.workloads else str(min(options.lengths) // 2)]
-        if options.baseline:
-            args += ["--planner", "fresh", "--no-warming", "--no-keep-system-whole"]
-        else:
-            args += [] if options.gateway_warming else ["--no-warming"]
-            args += [] if options.gateway_keep_system_whole else ["--no-keep-system-whole"]
         engines = 1 if options.workloads and options.shared_engine else 2
-        context = launched(engines, args, options.vllm_python, out, Path(options.pair) if options.pair else None)
+        context = launched(engines, gateway_args(options), options.vllm_python, out,
+                           Path(options.pair) if options.pair else None)
     with context as stack, httpx.Client(timeout=60) as client:
         model = options.model or client.get(f"{stack.gateway_url}/v1/models").json()["data"][0]["id"]
         direct_model = options.backend_model or client.get(f"{stack.direct_url}/v1/models").json()["data"][0]["id"]
@@ -97,6 +92,18 @@ def run_bench(options: Bench) -> int:
             written = _sweep_and_load(options, stack, prompts, (model, direct_model), meta)
     print("wrote " + ", ".join(str(p) for p in written))
     return 0
+
+
+def gateway_args(options: Bench) -> list[str]:
+    """The launched gateway's `specprefill serve` flags for these bench options."""
+    args = ["--min-prompt-tokens", "1024" if options.workloads else str(min(options.lengths) // 2)]
+    if options.baseline:  # the gateway as it was before cache-aware planning
+        return args + ["--planner", "fresh", "--no-warming", "--no-keep-system-whole"]
+    if not options.gateway_warming:
+        args.append("--no-warming")
+    if not options.gateway_keep_system_whole:
+        args.append("--no-keep-system-whole")
+    return args
 
 
 def _sweep_and_load(options: Bench, stack: Stack, prompts, models: tuple[str, str], meta: dict) -> list[Path]:

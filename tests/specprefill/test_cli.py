@@ -152,3 +152,20 @@ def test_score_reports_exactly_what_the_gateway_sends(model_pair, engine_backend
                 ids = tokenizer(PROMPT_WITH_MARKUP).input_ids
                 assert {i for i, t in enumerate(ids) if t in special} <= set(scored["kept_indices"])
                 assert scored["kept_indices"][-1] == len(ids) - 1  # the last token, even with --protect-last 0
+
+
+@pytest.mark.parametrize("bench_args,expected", [
+    ([], {"planner": "cost", "warming": True, "keep_system_whole": True}),
+    (["--baseline"], {"planner": "fresh", "warming": False, "keep_system_whole": False}),
+    (["--no-gateway-warming"], {"planner": "cost", "warming": False, "keep_system_whole": True}),
+    (["--no-gateway-keep-system-whole"], {"planner": "cost", "warming": True, "keep_system_whole": False}),
+])
+def test_bench_launches_the_gateway_its_options_name(bench_args, expected):
+    """The bench's gateway options reach the launched gateway, read by the gateway's own settings parser."""
+    from gateway.settings import GatewaySettings
+    from specprefill.commands.bench import Bench, gateway_args
+
+    options = Bench(_cli_parse_args=["--workloads", *bench_args])
+    settings = GatewaySettings(_cli_parse_args=gateway_args(options))
+    assert {name: getattr(settings, name) for name in expected} == expected
+    assert settings.min_prompt_tokens == 1024
