@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 
 import torch
@@ -49,6 +50,7 @@ class ReferenceEngine:
         self.structured = StructuredOutputs(tokenizer, model.config.vocab_size)
         self.scheduler = Scheduler(max_running=max_running, max_waiting=max_waiting,
                                    on_active_change=on_active_change)
+        self.on_queued: Callable[[float], None] | None = None  # seconds each request waited for its first step
         self._ids = itertools.count()
         self._thread = threading.Thread(target=self._loop, name="reference-engine", daemon=True)
         self._thread.start()
@@ -124,6 +126,10 @@ class ReferenceEngine:
         """The next forward: a prefill chunk (between chunks others step, a cancelled sequence is dropped), or
         the last generated token at its position. Next-token logits [V], or None mid-prefill."""
         device = self.model.device
+        if seq.started_at is None:
+            seq.started_at = time.monotonic()
+            if self.on_queued is not None:
+                self.on_queued(seq.started_at - seq.queued_at)
         if seq.cache is None and self.prefix_cache is not None:
             seq.cache, seq.cached_tokens = self.prefix_cache.lookup(seq.token_ids, seq.position_ids, self.model.config,
                                                                     DECODE_ROOM)

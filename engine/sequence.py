@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +42,8 @@ class Sequence:
     cached_tokens: int = 0  # of which the prefix cache served
     generator: torch.Generator | None = None
     constraint: Any = None  # structured output: an ``engine.structured.JSONConstraint``
+    queued_at: float = field(default_factory=time.monotonic)
+    started_at: float | None = None  # its first step
 
     @property
     def prefill_done(self) -> bool:

@@ -50,6 +50,10 @@ class Backend(Protocol):
         """The engine's prefix-cache block size and capacity in tokens, where it says (None: unknown)."""
         ...
 
+    async def load(self) -> int | None:
+        """The requests the engine runs or queues now, from all its clients, where it says (None: unknown)."""
+        ...
+
     async def close(self) -> None: ...
 
 
@@ -102,6 +106,9 @@ class InProcessBackend:
 
     async def cache_shape(self) -> tuple[int, int] | None:
         return self.serving.engine.cache_shape()
+
+    async def load(self) -> int | None:
+        return self.serving.engine.active
 
     async def close(self) -> None:
         self.serving.engine.close()
@@ -165,6 +172,11 @@ class HTTPBackend:
         """From the engine's /metrics: vLLM's ``vllm:cache_config_info``, or the reference engine's."""
         text = await self._get_text("/metrics", 5.0)
         return parse_cache_shape(text) if text is not None else None
+
+    async def load(self) -> int | None:
+        """From the engine's /metrics: vLLM's running and waiting requests, or the reference engine's."""
+        text = await self._get_text("/metrics", 2.0)
+        return parse_load(text) if text is not None else None
 
     async def close(self) -> None:
         if self._session is not None:
@@ -230,6 +242,22 @@ def parse_cache_shape(metrics: str) -> tuple[int, int] | None:
         except (KeyError, ValueError):
             return None
     return None
+
+
+LOAD_METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting", "specprefill_engine_active_requests")
+
+
+def parse_load(metrics: str) -> int | None:
+    """Requests running or waiting, summed over the engine's series (None where it exports none)."""
+    total, found = 0.0, False
+    for line in metrics.splitlines():
+        if line.partition("{")[0].partition(" ")[0] in LOAD_METRICS:
+            try:
+                total += float(line.rsplit(" ", 1)[1])
+                found = True
+            except (IndexError, ValueError):
+                continue
+    return round(total) if found else None
 
 
 async def _sse_events(response: aiohttp.ClientResponse) -> AsyncIterator[dict]:

@@ -37,7 +37,15 @@ class GatewayMetrics:
                                ["kind"], registry=r)
         self.swap_mismatch = Counter("specprefill_swap_mismatch", "Swaps the backend refused because its rendering "
                                      "differed; those requests went whole", ["cause"], registry=r)
-        self.warming = Counter("specprefill_warming", "Warming requests by outcome", ["outcome"], registry=r)
+        self.warming = Counter("specprefill_warming", "Warming by outcome: offered (a recurring context), piece (one "
+                               "piece landed), done (the whole prompt landed), superseded (by its next turn), "
+                               "failed", ["outcome"], registry=r)
+        self.warming_pending = Gauge("specprefill_warming_pending_contexts", "Recurring contexts waiting to be warmed "
+                                     "(pieces go in the engine's idle time)", registry=r)
+        self.behind_background = Histogram(
+            "specprefill_foreground_behind_background_seconds", "Requests that found this gateway's background work "
+            "(a warming piece) at the engine, and the time they were there alongside it", buckets=LATENCY_BUCKETS,
+            registry=r)
 
     def expose_costs(self, models: dict) -> None:
         """The cost models' current coefficients on /metrics (``models``: name -> CostModel)."""

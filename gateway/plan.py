@@ -21,7 +21,10 @@ class Plan:
     protected: bool = False  # the system prompt kept whole
     recurring: bool = False  # a context likely to come back (a system prompt, or the start of an earlier prompt)
     engine_cached: int = 0  # prompt tokens the engine is expected to serve from its prefix cache
-    predicted_ms: float = 0.0  # the target's predicted time for what is sent
+    target_s: float = 0.0  # the target's predicted time for what is sent, on an idle engine
+    wait_ms: float = 0.0  # the predicted wait for the requests ahead of it at the engine
+    predicted_ms: float = 0.0  # the predicted backend time: the wait, then the target's time
+    background_ms: float = 0.0  # time at the backend alongside this gateway's own background work
     tokenize_ms: float = 0.0
     select_ms: float = 0.0
     backend_ms: float = 0.0  # request sent to first answer event received
@@ -55,7 +58,8 @@ class Plan:
         if self.reason:
             headers["x-specprefill-reason"] = self.reason
         timings = (("tokenize", self.tokenize_ms), ("draft", self.draft_ms), ("select", self.select_ms),
-                   ("backend", self.backend_ms), ("predicted", self.predicted_ms))
+                   ("backend", self.backend_ms), ("predicted", self.predicted_ms), ("wait", self.wait_ms),
+                   ("background", self.background_ms))
         headers["server-timing"] = ", ".join(f"{name};dur={value:.1f}" for name, value in timings) + (
             f', plan;desc="{self.kind}", cached;desc="{self.engine_cached}"')
         return headers

@@ -13,6 +13,13 @@ what the engine has not cached. The plan that keeps more of the prompt (whole, t
 while it costs at most ``plan_slack`` more than the cheapest. Before the draft runs, the whole prompt is
 priced against the least any compression could cost; when it is cheaper even so (a short or mostly cached
 prompt, a slow draft), the draft is skipped (reason ``cheaper_whole``).
+
+Prices are for the engine as it is now (``EngineLoad``): a request waits for the prefill left of those ahead of
+it, and the draft runs during that wait, so a busy engine makes the draft cost less (only what outlasts the
+wait). The cost models learn only from timings that nothing else shared the engine with: a burst of traffic,
+a warm or another client's requests make answers slow for reasons the models do not hold, and fitted in, they
+would price every later plan wrong (once, after minutes of traffic behind warms, a cold prefill at a tenth of
+its cost, so that every prompt went whole).
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from draft_worker.selector import extend_selection, kept_importance, select_toke
 from gateway.costs import CostModel
 from gateway.draft import DraftClient
 from gateway.engine_cache import EngineCacheModel
+from gateway.engine_load import EngineLoad
 from gateway.metrics import GatewayMetrics
 from gateway.plan import Plan
 from gateway.policy import Reason, RequestOptions
@@ -53,7 +61,8 @@ class Candidate:
 class Planner:
     def __init__(self, settings: GatewaySettings, draft: DraftClient, scores: ScoreProvider, metrics: GatewayMetrics,
                  special_ids: Collection[int], engine_cache: EngineCacheModel | None,
-                 costs: tuple[CostModel, CostModel], positional: bool = True) -> None:
+                 costs: tuple[CostModel, CostModel], positional: bool = True, load: EngineLoad | None = None
+                 ) -> None:
         self.settings = settings
         self.draft = draft
         self.scores = scores
@@ -62,6 +71,7 @@ class Planner:
         self.engine_cache = engine_cache  # None: plan as if the engine kept nothing (text backends)
         self.target_cost, self.draft_cost = costs
         self.positional = positional  # the backend reads positions (else kept tokens run contiguously)
+        self.load = load or EngineLoad()  # what the engine is doing now
         self.selections: RecentPrompts[Selection] = RecentPrompts(capacity=64)
 
     async def plan(self, token_ids: list[int], options: RequestOptions, unsupported: list[str],
@@ -73,10 +83,10 @@ class Planner:
         if not dry_run:
             self.metrics.original_tokens.observe(n)
         tokens = np.asarray(token_ids, dtype=np.int64)  # once: every lookup below compares arrays
+        wait = self.load.wait_s()
         whole = await self._candidate("whole", tokens, None)
         if (bypass := self._bypass(token_ids, options, unsupported)) is not None:
-            bypass.engine_cached, bypass.predicted_ms = whole.cached, whole.seconds * 1e3
-            return bypass
+            return self._priced(bypass, whole, wait)
         priced = self.settings.planner == "cost"
         seen = self.selections.longest_shared(tokens)
         # likely to come back, so worth warming: a system prompt (shared by users), or a prompt that begins with
@@ -87,11 +97,13 @@ class Planner:
         if held and earlier is not None and not earlier[0].protected:
             earlier = None  # it compressed the system prompt, which is to stay whole now
         draft_new = n - self.draft.reusable_prefix(tokens)
-        least = self.draft_cost.predict(draft_new, n - draft_new) + self._least_target(n, options, earlier, held,
-                                                                                         whole.cached)
+        draft_s = self.draft_cost.predict(draft_new, n - draft_new)
+        # the draft runs while the requests ahead are at the engine: only what outlasts that wait costs more
+        least = max(0.0, draft_s - wait) + self._least_target(n, options, earlier, held, whole.cached)
         if priced and whole.seconds <= (1 + self.settings.plan_slack) * least:
-            return self._as_plan(whole, token_ids, options, reason=Reason.CHEAPER_WHOLE)
+            return self._as_plan(whole, token_ids, options, reason=Reason.CHEAPER_WHOLE, wait=wait)
         start = time.perf_counter()
+        before = self.load.snapshot()
         try:
             scores, cache = scored or await asyncio.wait_for(self.scores.scores(token_ids), self.settings.draft_timeout)
         except Exception as exc:  # any draft fault: the full prompt goes through instead
@@ -99,17 +111,20 @@ class Planner:
             self.metrics.draft_latency.labels("error").observe(draft_ms / 1e3)
             logger.warning("draft failed, forwarding the full prompt: %s",
                            type(exc).__name__ + (f": {exc}" if str(exc) else ""))
-            return Plan(token_ids, reason=Reason.DRAFT_ERROR, draft_ms=draft_ms, engine_cached=whole.cached,
-                        predicted_ms=whole.seconds * 1e3)
+            return self._priced(Plan(token_ids, reason=Reason.DRAFT_ERROR, draft_ms=draft_ms), whole,
+                                max(0.0, wait - draft_ms / 1e3))
         draft_ms = (time.perf_counter() - start) * 1e3
         if cache != "hit" and scored is None:
             self.metrics.draft_latency.labels("ok").observe(draft_ms / 1e3)
-            self.draft_cost.observe(draft_new, n - draft_new, draft_ms / 1e3)
+            if self.load.undisturbed(before):  # a draft that shared the hardware with the engine's work: not its cost
+                self.draft_cost.observe(draft_new, n - draft_new, draft_ms / 1e3)
         start = time.perf_counter()
         compressed = await self._compressed(token_ids, tokens, scores, options.keep_rate, keep, earlier, held > 0)
         chosen = self._choose([whole, *compressed]) if priced else compressed[0]
-        plan = self._as_plan(chosen, token_ids, options, reason=Reason.CHEAPER_WHOLE if chosen.kind == "whole" else None,
-                             cache=cache, draft_ms=draft_ms, protected=keep is not None and chosen.kind != "fresh_unprotected")
+        reason = Reason.CHEAPER_WHOLE if chosen.kind == "whole" else None
+        protected = keep is not None and chosen.kind != "fresh_unprotected"
+        plan = self._as_plan(chosen, token_ids, options, reason=reason, cache=cache, draft_ms=draft_ms,
+                             protected=protected, wait=max(0.0, wait - draft_ms / 1e3))
         plan.select_ms = (time.perf_counter() - start) * 1e3
         plan.recurring = recurring
         if not dry_run and plan.status == "compressed":
@@ -193,13 +208,20 @@ class Planner:
         return min(affordable, key=lambda c: (TIERS[c.kind], c.seconds))
 
     def _as_plan(self, chosen: Candidate, token_ids: list[int], options: RequestOptions, *, reason: str | None,
-                 cache: str = "off", draft_ms: float = 0.0, protected: bool = False) -> Plan:
+                 cache: str = "off", draft_ms: float = 0.0, protected: bool = False, wait: float = 0.0) -> Plan:
         kind = "fresh" if chosen.kind == "fresh_unprotected" else chosen.kind
         compressed = chosen.kept is not None
-        return Plan(token_ids, status="compressed" if compressed else "bypassed", reason=reason,
+        plan = Plan(token_ids, status="compressed" if compressed else "bypassed", reason=reason,
                     kept_indices=chosen.kept, keep_rate=options.keep_rate if compressed else 1.0, cache=cache,
-                    draft_ms=draft_ms, kind=kind, protected=protected and compressed, engine_cached=chosen.cached,
-                    predicted_ms=chosen.seconds * 1e3)
+                    draft_ms=draft_ms, kind=kind, protected=protected and compressed)
+        return self._priced(plan, chosen, wait)
+
+    @staticmethod
+    def _priced(plan: Plan, chosen: Candidate, wait: float) -> Plan:
+        """The plan with its predictions: the engine's cache hit, its own time, and the wait ahead of it."""
+        plan.engine_cached, plan.target_s, plan.wait_ms = chosen.cached, chosen.seconds, wait * 1e3
+        plan.predicted_ms = (wait + chosen.seconds) * 1e3
+        return plan
 
     async def close(self) -> None:
         await self.scores.close()
@@ -208,8 +230,9 @@ class Planner:
 
     # --- what happened: the engine's cache, the cost models, the selections later prompts may reuse ---
 
-    async def completed(self, plan: Plan, usage: dict | None, backend_s: float) -> None:
-        """A backend answered ``plan`` (its first event after ``backend_s``); ``usage`` as the backend reported it.
+    async def completed(self, plan: Plan, usage: dict | None, backend_s: float, *, contended: bool = False) -> None:
+        """A backend answered ``plan`` (its first event after ``backend_s``); ``usage`` as the backend reported it;
+        ``contended``: something else ran at the engine meanwhile, so the timing is not the plan's own cost.
         A request whose prompt the gateway did not read (images, an unrenderable Responses input) teaches nothing."""
         sent = plan.kept_token_ids()
         if not sent:
@@ -219,7 +242,8 @@ class Planner:
             self.metrics.engine_cache_error.observe(cached - plan.engine_cached)
         else:
             cached = plan.engine_cached
-        self.target_cost.observe(len(sent) - cached, cached, backend_s)
+        if not contended:
+            self.target_cost.observe(len(sent) - cached, cached, backend_s)
         if self.engine_cache is not None:
             await self.engine_cache.record(sent, plan.kept_indices if self.positional else None)
         if plan.status == "compressed":
@@ -257,6 +281,7 @@ class Planner:
             answer = await complete(prompt)
             seconds = time.perf_counter() - start
             served = _cached_tokens(answer.get("usage"))
+            reports.append(served is not None)
             served = cached if served is None else served  # an engine that does not say: as sent
             if measured:
                 self.target_cost.observe(len(prompt) - served, served, seconds, probe=True)
@@ -267,6 +292,7 @@ class Planner:
         room = max(1, min(self.draft.max_prompt_tokens, limit or 1 << 31) - sum(extensions))
         sizes = sorted({min(n, room) for n in sizes})
         bases: list[list[int]] = []  # the probed prompts but the smallest
+        reports: list[bool] = []  # whether each answer said how many tokens the engine's cache served
         largest: list[int] = []
         try:
             await probe(tokens(min(64, room)), 0, measured=False)
@@ -292,6 +318,11 @@ class Planner:
             logger.warning("cost-model probe stopped: %s", type(exc).__name__ + (f": {exc}" if str(exc) else ""))
         logger.info("cost models calibrated on prompts up to %d tokens: target %s, draft %s", sizes[-1],
                     self.target_cost.describe(), self.draft_cost.describe())
+        if reports and not any(reports):
+            logger.warning("the backend's answers do not say how many prompt tokens its prefix cache served "
+                           "(usage.prompt_tokens_details.cached_tokens; vLLM: --enable-prompt-tokens-details): the "
+                           "gateway then learns the engine's costs from its own guesses of what the cache held, "
+                           "and cannot tell how good they are")
 
 
 def _cached_tokens(usage: dict | None) -> int | None:

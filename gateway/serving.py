@@ -7,6 +7,7 @@ routing; the routers in ``app.py`` only parse and choose the response type.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 import time
@@ -25,6 +26,7 @@ from common.tokenize import PieceCache, token_pieces
 from draft_worker.selector import always_kept, select_tokens
 from gateway.backends import Backend, token_body
 from gateway.draft import DraftClient
+from gateway.engine_load import Ticket
 from gateway.inspector import KEEP_RATES, inspection, runs
 from gateway.metrics import GatewayMetrics
 from gateway.plan import Plan
@@ -67,8 +69,7 @@ class GatewayServing:
         self.served_names = served_names
         self.planner = planner
         self.warmer = warmer
-        self.foreground = 0  # requests of this gateway at the backend now
-        self.planning = 0  # requests being tokenized and planned now
+        self.load = planner.load  # what the engine is doing: this gateway's requests there, and others'
         self._settling: set[asyncio.Task] = set()  # streams' ends being recorded
         self._mismatch_causes: set[str] = set()  # swap mismatches already logged
         self.pieces = PieceCache(tokenizer)  # chats' repeated parts are tokenized once
@@ -81,6 +82,7 @@ class GatewayServing:
         await asyncio.gather(*self._settling, return_exceptions=True)
         if self.warmer is not None:
             await self.warmer.close()
+        await self.load.close()
         await self.backend.close()
         await self.draft.close()
         await self.planner.close()
@@ -134,16 +136,17 @@ class GatewayServing:
             raise NotFoundError(f"model {model!r} does not exist; this gateway serves {self.model_name!r}",
                                 param="model", code="model_not_found")
 
-    async def _planned(self, request: ChatCompletionRequest | CompletionRequest, headers) -> tuple[Plan, Prompt]:
-        if self.warmer is not None:  # a request arrived: warming yields now, not after the draft competed with it
-            self.warmer.yield_to_foreground()
-        self.planning += 1
+    @contextlib.asynccontextmanager
+    async def _arrival(self):
+        """A client's request, from its arrival until it is at the backend (which then holds it until it is
+        answered): the engine's idle gaps are measured between these, and no warming piece starts within one."""
+        self.load.enter()
         try:
-            return await self._plan(request, headers)
+            yield
         finally:
-            self.planning -= 1
+            self.load.leave()
 
-    async def _plan(self, request: ChatCompletionRequest | CompletionRequest, headers) -> tuple[Plan, Prompt]:
+    async def _planned(self, request: ChatCompletionRequest | CompletionRequest, headers) -> tuple[Plan, Prompt]:
         self.check_model(request.model)
         options = request_options(headers, request.specprefill, self.settings.keep_rate)
         if isinstance(request, ChatCompletionRequest) and not all(m.has_only_text() for m in request.messages):
@@ -164,6 +167,18 @@ class GatewayServing:
     # --- requests ---
 
     async def chat(self, request: ChatCompletionRequest, headers) -> Answer:
+        async with self._arrival():
+            return await self._chat(request, headers)
+
+    async def completion(self, request: CompletionRequest, headers) -> Answer:
+        async with self._arrival():
+            return await self._completion(request, headers)
+
+    async def responses(self, request: ResponsesRequest, headers) -> Answer:
+        async with self._arrival():
+            return await self._responses(request, headers)
+
+    async def _chat(self, request: ChatCompletionRequest, headers) -> Answer:
         plan, prompt = await self._planned(request, headers)
         backend_model = await self.backend.model_name()
         kind = self.backend.kind
@@ -176,7 +191,7 @@ class GatewayServing:
         body = token_body(kind, backend_model, plan.kept_token_ids(), plan.kept_indices, request.completion_params())
         return await self._forward(plan, body, chat=False, converter=ChatChunkConverter(self.model_name))
 
-    async def completion(self, request: CompletionRequest, headers) -> Answer:
+    async def _completion(self, request: CompletionRequest, headers) -> Answer:
         plan, _ = await self._planned(request, headers)
         backend_model = await self.backend.model_name()
         kind = self.backend.kind
@@ -217,7 +232,7 @@ class GatewayServing:
             logger.warning("the backend renders prompts differently from the gateway (%s); such requests go whole. "
                            "Check that --target-model has the backend's tokenizer and chat template.", message)
 
-    async def responses(self, request: ResponsesRequest, headers) -> Answer:
+    async def _responses(self, request: ResponsesRequest, headers) -> Answer:
         """OpenAI's Responses API: rendered as the backend renders it (``ResponsesRequest.as_chat``), planned like
         a chat, and the client's own body forwarded to the backend's ``/v1/responses`` with the swap. A request
         the gateway cannot render (reasoning items, a stored previous response), or a backend kind without the
@@ -308,15 +323,14 @@ class GatewayServing:
     async def _forward(self, plan: Plan, body: dict, *, chat: bool, converter: ChatChunkConverter | None = None,
                        endpoint: str | None = None) -> Answer:
         """Sends ``body`` to the backend's chat or completions endpoint (or ``endpoint``, as Responses);
-        ``converter`` turns completion answers into chat answers. Warming yields to it; when it is answered, the
-        planner learns what happened."""
+        ``converter`` turns completion answers into chat answers. When it is answered, the planner learns what
+        happened."""
         streamed = bool(body.get("stream"))
         wants_usage = bool((body.get("stream_options") or {}).get("include_usage")) or not streamed
         if streamed and endpoint is None:  # ask for the usage: it says how much the engine served from its cache
             body = {**body, "stream_options": {"include_usage": True}}
-        if self.warmer is not None:
-            self.warmer.yield_to_foreground()
         self._foreground(+1)
+        ticket = self.load.begin(plan.target_s)
         try:
             if endpoint is not None:
                 call = self.backend.stream(endpoint, body) if streamed else self.backend.post(endpoint, body)
@@ -326,19 +340,24 @@ class GatewayServing:
                 call = self.backend.chat(body) if chat else self.backend.completion(body)
             answer = await self._timed(plan, call)
         except BaseException:
+            self.load.end(ticket)
             self._foreground(-1)
             raise
+        plan.background_ms = self.load.answered(ticket) * 1e3
+        if ticket.behind:
+            self.metrics.behind_background.observe(plan.background_ms / 1e3)
         if streamed:
-            stream = self._observed(answer, plan, wants_usage or endpoint is not None)
+            stream = self._observed(answer, plan, ticket, wants_usage or endpoint is not None)
             if converter is not None:
                 stream = as_chat_chunks(stream, converter)
             return Answer(plan, stream=self._rewrite_stream(stream, plan))
-        await self._settle(plan, answer.get("usage"))
+        await self._settle(plan, ticket, answer.get("usage"))
         if converter is not None:
             answer = completion_to_chat(answer, self.model_name)
         return Answer(plan, body=self._rewrite(answer, plan))
 
-    async def _observed(self, chunks: AsyncIterator[dict], plan: Plan, wants_usage: bool) -> AsyncIterator[dict]:
+    async def _observed(self, chunks: AsyncIterator[dict], plan: Plan, ticket: Ticket,
+                        wants_usage: bool) -> AsyncIterator[dict]:
         """The backend's stream, its usage kept for the planner (and hidden from a client that did not ask).
         The stream opened with the backend's first event, so the engine holds the prompt whether or not the
         client reads to the end: the planner learns either way (the usage, if it came, says what was cached)."""
@@ -353,32 +372,38 @@ class GatewayServing:
                 yield chunk
         finally:
             # a task: a client's disconnect cancels this generator, and an await here would be cancelled too
-            task = asyncio.ensure_future(self._settle(plan, usage, chunks))
+            task = asyncio.ensure_future(self._settle(plan, ticket, usage, chunks))
             self._settling.add(task)
             task.add_done_callback(self._settling.discard)
 
-    async def _settle(self, plan: Plan, usage: dict | None, chunks: AsyncIterator[dict] | None = None) -> None:
+    async def _settle(self, plan: Plan, ticket: Ticket, usage: dict | None,
+                      chunks: AsyncIterator[dict] | None = None) -> None:
         """The end of a backend request: the stream closed (the backend stops generating for a client that
-        left), the planner told, and the context warmed if idle. The request counts as under way until its warm
-        has started, so that no one watching sees the backend idle in between."""
+        left), the planner told, and a recurring context offered for warming. The request counts as under way
+        until then, so that no one watching sees the backend idle in between."""
         try:
             if chunks is not None:
                 await chunks.aclose()
-            await self._answered(plan, usage)
+            await self._answered(plan, usage, ticket.contended)
         finally:
+            self.load.end(ticket)
             self._foreground(-1)
 
-    async def _answered(self, plan: Plan, usage: dict | None) -> None:
-        """The planner learns from an answered request; a compressed context may then be warmed."""
+    async def _answered(self, plan: Plan, usage: dict | None, contended: bool) -> None:
+        """The planner learns from an answered request; a compressed recurring context is offered for warming."""
         try:
-            await self.planner.completed(plan, usage, plan.backend_ms / 1e3)
+            await self.planner.completed(plan, usage, plan.backend_ms / 1e3, contended=contended)
         except Exception:  # learning is best effort: never an error for the client
             logger.exception("could not record the plan's outcome")
         if self.warmer is not None and plan.status == "compressed" and plan.recurring:
-            self.warmer.maybe_warm(plan, self.foreground - 1 + self.planning)  # others (this one is still counted)
+            self.warmer.offer(plan)
 
     def _foreground(self, delta: int) -> None:
-        self.foreground += delta
+        """A request of this gateway at the backend (+1) or done there (-1)."""
+        if delta > 0:
+            self.load.enter()
+        else:
+            self.load.leave()
         self.metrics.in_flight.labels("foreground").inc(delta)
 
     @staticmethod

@@ -61,11 +61,20 @@ class GatewaySettings(ServerOptions, DeviceOptions, ScoringOptions):
     reuse_threshold: float = Field(0.9, ge=0, le=1, description="an earlier selection is reused only if it keeps "
                                                                 "this share of what a fresh one would keep (1.01 "
                                                                 "never reuses)")
-    warming: bool = Field(True, description="after a compressed request, send the whole prompt to an idle engine "
-                                            "in the background, so the next request on that context reads it whole")
-    warming_priority: int | None = Field(None, description="priority of warming requests (vLLM with "
-                                                           "--scheduling-policy priority; the reference engine "
-                                                           "always gets 10)")
+    warming: bool = Field(True, description="after a compressed request on a recurring context, send its whole "
+                                            "prompt to the engine in pieces in its idle time, so the next request "
+                                            "on that context can read it whole")
+    warming_piece_ms: float = Field(100.0, gt=0, description="engine time of one warming piece (at least one cache "
+                                                            "block): a request that arrives during a warm waits "
+                                                            "for at most one piece")
+    warming_confidence: float = Field(0.9, gt=0, le=1, description="a piece starts only where, by the recent idle "
+                                                                   "gaps between requests, the next request comes "
+                                                                   "after it ends with this likelihood")
+    warming_priority: int = Field(10, ge=0, description="priority of warming pieces (vLLM honours it under "
+                                                        "--scheduling-policy priority and ignores it otherwise; the "
+                                                        "reference engine always does; 0: none)")
+    engine_poll_interval: float = Field(1.0, ge=0, description="seconds between reads of the engine's /metrics for "
+                                                               "requests it runs for other clients (0: never)")
     engine_cache_tokens: int | None = Field(None, ge=0, description="the engine's prefix-cache capacity in tokens "
                                                                     "(default: asked from the engine)")
     engine_block_size: int | None = Field(None, gt=0, description="the engine's prefix-cache block size "

@@ -1,10 +1,19 @@
-"""Warming: after a compressed request, the whole prompt goes to the engine in the background.
+"""Warming: after a compressed request on a recurring context, its whole prompt goes to the engine in the
+background, in pieces, in the engine's idle time.
 
-The next request on that context (a chat's next turn, the same document with a new question, the next user
-of a shared system prompt) then finds the whole prompt in the engine's prefix cache and goes whole at the
-price of its new tokens, reading the full context. Warming yields to real traffic: it starts only when no
-request of this gateway is at the backend, at the lowest priority where the engine has priorities, at most
-``concurrency`` at a time, and a foreground request cancels it (what the engine computed stays in its cache).
+The next request on that context (a chat's next turn, the same document with a new question, the next user of
+a shared system prompt) then finds the prompt in the engine's prefix cache and can go whole at the price of its
+new tokens. Each piece is one short request through the engine's normal API that extends what the engine
+already holds (``prompt[:end]``, one token; about ``piece_s`` of engine time, at least one cache block), so:
+  a request that arrives during a warm waits for at most one piece (an engine runs what it has first, and
+  cancelling a request does not stop a forward already under way);
+  a piece starts only where the engine is idle, no one else's request is there, and the gateway's recent idle
+  gaps say the next request most likely comes after the piece ends (``EngineLoad.quiet_for``): back-to-back
+  traffic is never warmed, traffic with think time is warmed within it;
+  what each piece computed is recorded as it lands, so a warm interrupted by traffic resumes where it stopped,
+  and the planner counts on what has landed, never on what is still to come.
+Pieces carry a low ``priority``: vLLM under ``--scheduling-policy priority`` and the reference engine let any
+request overtake a waiting piece (vLLM under its default first-come-first-served policy ignores the field).
 """
 
 from __future__ import annotations
@@ -14,55 +23,140 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
+from common.errors import APIError
+from gateway.costs import CostModel
+from gateway.engine_cache import EngineCacheModel
+from gateway.engine_load import EngineLoad
 from gateway.metrics import GatewayMetrics
 from gateway.plan import Plan
 
 logger = logging.getLogger("specprefill.gateway")
+SAFETY = 2.0  # a piece needs an idle window of twice its predicted time: predictions are within 2x
 
 
 class Warmer:
-    def __init__(self, send: Callable[[list[int]], Awaitable[dict]], completed: Callable, metrics: GatewayMetrics,
-                 *, concurrency: int = 1) -> None:
-        self.send = send  # one token for these prompt tokens; answers the completion (with its usage)
-        self.completed = completed  # Planner.completed
+    def __init__(self, send: Callable[[list[int], int | None], Awaitable[dict]], landed: Callable, load: EngineLoad,
+                 cache: EngineCacheModel, cost: CostModel, metrics: GatewayMetrics, *, piece_s: float = 0.1,
+                 priority: int | None = 10, confidence: float = 0.9, max_jobs: int = 4, recheck_s: float = 0.05
+                 ) -> None:
+        self.send = send  # (prompt tokens, priority) -> the one-token completion answer, with its usage
+        self.landed = landed  # Planner.completed
+        self.load = load
+        self.cache = cache
+        self.cost = cost
         self.metrics = metrics
-        self.concurrency = concurrency
-        self._tasks: set[asyncio.Task] = set()
+        self.piece_s = piece_s
+        self.priority = priority or None
+        self.confidence = confidence
+        self.max_jobs = max_jobs
+        self.recheck_s = recheck_s
+        self._jobs: list[list[int]] = []  # prompts to warm, the newest last
+        self._next: tuple[list[int], int, float] | None = None  # the piece to send when the engine is quiet
+        self._task: asyncio.Task | None = None
 
-    def maybe_warm(self, plan: Plan, foreground: int) -> None:
-        """Warms ``plan``'s whole prompt if the backend is idle (``foreground`` requests under way)."""
-        if foreground > 0 or len(self._tasks) >= self.concurrency:
-            self.metrics.warming.labels("skipped_busy").inc()
-            return
-        self.metrics.in_flight.labels("warm").inc()  # from now: a watcher never sees an idle gap before it
-        task = asyncio.ensure_future(self._warm(plan.token_ids))
-        self._tasks.add(task)
-        task.add_done_callback(self._done)
+    def offer(self, plan: Plan) -> None:
+        """Warms ``plan``'s whole prompt when the engine has time. A prompt that begins with an earlier job's
+        (the chat's next turn) replaces it; the oldest job goes past ``max_jobs``."""
+        prompt = plan.token_ids
+        if len(prompt) > self.cache.max_blocks * self.cache.block_size:
+            return  # more than the engine keeps: it would evict its own head
+        kept = []
+        for job in self._jobs:
+            if len(job) <= len(prompt) and prompt[: len(job)] == job:
+                self.metrics.warming.labels("superseded").inc()
+            elif len(prompt) <= len(job) and job[: len(prompt)] == prompt:
+                return  # already on its way
+            else:
+                kept.append(job)
+        self._jobs = [*kept, prompt][-self.max_jobs:]
+        self._next = None
+        self.metrics.warming_pending.set(len(self._jobs))
+        self.metrics.warming.labels("offered").inc()
+        if self._task is None or self._task.done():
+            self._task = asyncio.ensure_future(self._run())
 
-    def _done(self, task: asyncio.Task) -> None:
-        self._tasks.discard(task)
-        self.metrics.in_flight.labels("warm").dec()
+    async def _run(self) -> None:
+        while self._jobs:
+            if not self.load.idle:
+                self._next = None  # what the engine holds may change meanwhile
+                await self.load.changed(1.0)
+                continue
+            if self._next is None and (piece := await self._next_piece()) is not None:
+                self._next = piece
+            if self._next is None:
+                continue
+            job, end, predicted = self._next
+            if not self.load.quiet_for(SAFETY * predicted, self.confidence):
+                await self.load.changed(self.recheck_s)
+                continue
+            self._next = None
+            if not await self._piece(job[:end], predicted):
+                self._drop(job)
 
-    def yield_to_foreground(self) -> None:
-        for task in list(self._tasks):
-            if task.cancel():
-                self.metrics.warming.labels("cancelled").inc()
+    def _drop(self, job: list[int]) -> None:
+        if job in self._jobs:
+            self._jobs.remove(job)
+        self.metrics.warming_pending.set(len(self._jobs))
 
-    async def _warm(self, token_ids: list[int]) -> None:
-        self.metrics.warming.labels("started").inc()
+    async def _next_piece(self) -> tuple[list[int], int, float] | None:
+        """The newest job's next piece (its prompt, where the piece ends, its predicted time), from what the
+        engine holds of it; None when the job is done (it is dropped)."""
+        job = self._jobs[-1]
+        start = await self.cache.cached_tokens(job, None)
+        if start >= (len(job) - 1) // self.cache.block_size * self.cache.block_size:
+            self._drop(job)
+            self.metrics.warming.labels("done").inc()
+            return None
+        end = self._piece_end(len(job), start)
+        return job, end, self.cost.predict(end - start, start)
+
+    def _piece_end(self, n: int, start: int) -> int:
+        """Where the next piece ends: the most whole blocks after ``start`` whose predicted time is within
+        ``piece_s`` (one block at least); the rest of the prompt if that is within one more piece."""
+        block = self.cache.block_size
+        blocks, low, high = 1, 1, max(1, (n - start) // block)
+        while low <= high:  # predicted time grows with the piece: the largest that fits
+            middle = (low + high) // 2
+            if self.cost.predict(middle * block, start) <= self.piece_s:
+                blocks, low = middle, middle + 1
+            else:
+                high = middle - 1
+        end = start + blocks * block
+        return n if end + block > n else end
+
+    async def _piece(self, prompt: list[int], predicted: float) -> bool:
+        """One piece; False if the warm should stop (the backend refused it)."""
+        ticket = self.load.begin(predicted, background=True)
+        self.metrics.in_flight.labels("warm").inc()
         start = time.perf_counter()
         try:
-            answer = await self.send(token_ids)
-        except asyncio.CancelledError:
-            raise
+            answer = await self._send(prompt)
         except Exception as exc:  # a warm is optional: its failure is a log line, never an error
             self.metrics.warming.labels("failed").inc()
-            logger.warning("warming failed: %s", type(exc).__name__)
-            return
-        self.metrics.warming.labels("done").inc()
-        await self.completed(Plan(token_ids, kind="warm"), answer.get("usage"), time.perf_counter() - start)
+            logger.warning("warming failed: %s", type(exc).__name__ + (f": {exc}" if str(exc) else ""))
+            return False
+        finally:
+            self.load.answered(ticket)
+            self.load.end(ticket)
+            self.metrics.in_flight.labels("warm").dec()
+        self.metrics.warming.labels("piece").inc()
+        await self.landed(Plan(prompt, kind="warm"), answer.get("usage"), time.perf_counter() - start,
+                          contended=ticket.contended)
+        return True
+
+    async def _send(self, prompt: list[int]) -> dict:
+        try:
+            return await self.send(prompt, self.priority)
+        except APIError as exc:  # an engine without priorities that refuses the field: send none from now on
+            if self.priority is None or exc.status_code != 400 or "priority" not in exc.message.lower():
+                raise
+            logger.info("the backend refuses request priorities; warming pieces go without one")
+            self.priority = None
+            return await self.send(prompt, None)
 
     async def close(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._jobs.clear()
+        self.metrics.warming_pending.set(0)
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)

@@ -12,6 +12,7 @@ from gateway.cache import MemoryScoreCache, RedisScoreCache, ScoreCache
 from gateway.costs import cost_models
 from gateway.draft import DraftClient, LocalDraft, RemoteDraft
 from gateway.engine_cache import EngineCacheModel, MemoryEngineCache, RedisEngineCache
+from gateway.engine_load import EngineLoad
 from gateway.metrics import GatewayMetrics
 from gateway.planner import Planner
 from gateway.scores import ScoreProvider
@@ -43,17 +44,20 @@ async def build_serving(settings: GatewaySettings, metrics: GatewayMetrics, draf
     engine_cache = await _engine_cache(settings, backend) if backend.kind != "text" else None
     costs = cost_models(settings.cost_coefficients)
     metrics.expose_costs({"target": costs[0], "draft": costs[1]})
+    load = EngineLoad()
     planner = Planner(settings, draft, scores, metrics, tokenizer.all_special_ids, engine_cache, costs,
-                      positional=backend.kind in ("reference", "vllm"))
-    priority = settings.warming_priority if settings.warming_priority is not None else (
-        10 if backend.kind == "reference" else None)
+                      positional=backend.kind in ("reference", "vllm"), load=load)
     warmer = None
     if settings.warming and engine_cache is not None and engine_cache.max_blocks > 0:
-        warmer = Warmer(lambda ids: _one_token(backend, ids, priority), planner.completed, metrics)
+        warmer = Warmer(lambda ids, priority: _one_token(backend, ids, priority), planner.completed, load,
+                        engine_cache, planner.target_cost, metrics, piece_s=settings.warming_piece_ms / 1e3,
+                        priority=settings.warming_priority, confidence=settings.warming_confidence)
     if settings.calibrate and settings.cost_coefficients is None:
         vocab = sorted(set(range(len(tokenizer))) - set(tokenizer.all_special_ids))
         await planner.calibrate(lambda ids: _one_token(backend, ids, None), vocab,
                                 limit=prompt_limit(settings, tokenizer))
+    if settings.engine_poll_interval > 0 and backend.kind != "text":
+        load.watch(backend.load, settings.engine_poll_interval)
     return GatewayServing(settings, tokenizer, draft, backend, metrics, names, planner, warmer)
 
 

@@ -170,11 +170,60 @@ class RecordingApp:
 
 # --- the engine's activity ---
 
+class FCFSEngine:
+    """A stand-in engine for the gateway's timing logic: one request at a time, first come first served (as vLLM
+    runs a prefill that holds its whole token budget), each taking ``fixed + per_token × new + per_cached ×
+    cached`` seconds, with a prefix cache of whole blocks. ``complete(token_ids, priority)`` answers as a
+    backend does, with the cached tokens in its usage."""
+
+    def __init__(self, *, block_size: int = 16, fixed: float = 0.01, per_token: float = 1e-4,
+                 per_cached: float = 1e-6) -> None:
+        from gateway.engine_cache import MemoryEngineCache
+
+        self.cache = MemoryEngineCache(block_size, 1 << 20)
+        self.coefficients = (fixed, per_token, per_cached)
+        self.lock = asyncio.Lock()
+        self.requests: list[dict] = []  # length, cached, priority, start and end times
+
+    def seconds(self, new: int, cached: int) -> float:
+        fixed, per_token, per_cached = self.coefficients
+        return fixed + per_token * new + per_cached * cached
+
+    async def complete(self, token_ids: list[int], priority: int | None = None,
+                       position_ids: list[int] | None = None) -> dict:
+        async with self.lock:
+            start = time.monotonic()
+            cached = await self.cache.cached_tokens(token_ids, position_ids)
+            await asyncio.sleep(self.seconds(len(token_ids) - cached, cached))
+            await self.cache.record(token_ids, position_ids)
+        self.requests.append({"tokens": len(token_ids), "cached": cached, "priority": priority, "start": start,
+                              "end": time.monotonic()})
+        return {"usage": {"prompt_tokens_details": {"cached_tokens": cached}}}
+
+
 def engine_active(engine_url: str) -> float:
     """Requests waiting or running in a reference engine, from its /metrics."""
     text = httpx.get(f"{engine_url}/metrics").text
     return float(next(line.split()[-1] for line in text.splitlines()
                       if line.startswith("specprefill_engine_active_requests ")))
+
+
+def requests_with_gaps(gateway_url: str, n: int = 4, pause: float = 0.3, model: str = "tiny") -> None:
+    """``n`` short requests ``pause`` seconds apart: a gateway warms only in idle gaps its history says are long
+    enough, and a new one has none."""
+    for _ in range(n):
+        time.sleep(pause)
+        body = {"model": model, "prompt": "Hello", "max_tokens": 1}
+        response = httpx.post(f"{gateway_url}/v1/completions", json=body,
+                              headers={"x-specprefill": "off"}, timeout=60)
+        assert response.status_code == 200, response.text
+
+
+def gateway_settled(gateway_url: str) -> bool:
+    """No request of the gateway at the backend, and no context waiting to be warmed (its /metrics)."""
+    text = httpx.get(f"{gateway_url}/metrics").text
+    return all(float(line.rsplit(" ", 1)[1]) == 0 for line in text.splitlines()
+               if line.startswith(("specprefill_backend_requests_in_flight{", "specprefill_warming_pending_contexts ")))
 
 
 async def eventually(predicate: Callable[[], bool], within: float) -> bool:

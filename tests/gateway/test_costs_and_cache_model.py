@@ -1,8 +1,7 @@
-"""The cost models' fit, the engine-cache model (in memory and in a real Redis), and warming's manners."""
+"""The cost models' fit and the engine-cache model (in memory and in a real Redis)."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
 import numpy as np
@@ -10,9 +9,6 @@ import pytest
 
 from gateway.costs import cost_models
 from gateway.engine_cache import MemoryEngineCache, RedisEngineCache
-from gateway.metrics import GatewayMetrics
-from gateway.plan import Plan
-from gateway.warming import Warmer
 
 
 def test_the_fit_recovers_the_coefficients_and_never_goes_negative():
@@ -63,63 +59,6 @@ async def test_replicas_share_the_model_in_redis_and_an_outage_predicts_nothing(
             await down.record(prompt, None)
     assert sum("Redis unavailable" in r.message for r in caplog.records) == 1
     await down.close()
-
-
-async def test_warming_waits_for_an_idle_backend_and_yields_to_real_traffic():
-    metrics = GatewayMetrics()
-    sent, recorded, release = [], [], asyncio.Event()
-
-    async def send(token_ids):
-        sent.append(token_ids)
-        await release.wait()
-        return {"usage": {"prompt_tokens_details": {"cached_tokens": 0}}}
-
-    async def completed(plan, usage, seconds):
-        recorded.append(plan)
-
-    warmer = Warmer(send, completed, metrics, concurrency=1)
-    plan = Plan(list(range(50)), status="compressed", kept_indices=list(range(10)))
-    warmer.maybe_warm(plan, foreground=1)  # the backend is busy: skipped
-    assert sent == [] and metrics.warming.labels("skipped_busy")._value.get() == 1
-    warmer.maybe_warm(plan, foreground=0)
-    warmer.maybe_warm(plan, foreground=0)  # at most one at a time
-    await asyncio.sleep(0.01)
-    assert sent == [list(range(50))] and metrics.warming.labels("skipped_busy")._value.get() == 2
-    warmer.yield_to_foreground()  # a client's request: the warm steps aside
-    await asyncio.sleep(0.01)
-    assert metrics.warming.labels("cancelled")._value.get() == 1 and recorded == []
-    warmer.maybe_warm(plan, foreground=0)
-    await asyncio.sleep(0.01)
-    release.set()
-    await asyncio.sleep(0.01)
-    assert [p.kind for p in recorded] == ["warm"] and recorded[0].kept_indices is None  # the whole prompt
-    await warmer.close()
-
-
-async def test_a_warm_counts_as_in_flight_from_the_moment_it_is_scheduled():
-    """No idle moment between a request and its warm for anyone watching /metrics, and a warm cancelled before
-    it ever ran leaves nothing counted."""
-    metrics = GatewayMetrics()
-    in_flight = metrics.in_flight.labels("warm")._value
-
-    async def send(token_ids):
-        await asyncio.sleep(10)
-
-    async def completed(plan, usage, seconds):
-        pass
-
-    warmer = Warmer(send, completed, metrics)
-    plan = Plan(list(range(50)), status="compressed", kept_indices=list(range(10)))
-    warmer.maybe_warm(plan, foreground=0)
-    assert in_flight.get() == 1  # before the task has run at all
-    warmer.yield_to_foreground()  # cancelled before it started
-    await asyncio.sleep(0.01)
-    assert in_flight.get() == 0
-    warmer.maybe_warm(plan, foreground=0)
-    await asyncio.sleep(0.01)  # now running
-    assert in_flight.get() == 1
-    await warmer.close()
-    assert in_flight.get() == 0
 
 
 def test_the_block_hasher_reuses_chains_and_gives_exactly_the_block_hashes(monkeypatch):

@@ -210,7 +210,7 @@ def test_server_timing_breaks_the_request_down(gateway_url):
         model="tiny", messages=_messages("timing?"), max_tokens=2, stream=True, extra_headers={"x-keep-rate": "0.3"})
     list(raw.parse())
     parts = parse_server_timing(raw.headers["server-timing"])
-    assert set(parts) == {"tokenize", "draft", "select", "backend", "predicted"}
+    assert set(parts) == {"tokenize", "draft", "select", "backend", "predicted", "wait", "background"}
     assert all(v >= 0 for v in parts.values()) and parts["backend"] > 0
     assert parts["draft"] == float(raw.headers["x-specprefill-draft-ms"])
     assert 'plan;desc="fresh"' in raw.headers["server-timing"] and raw.headers["x-specprefill-plan"] == "fresh"

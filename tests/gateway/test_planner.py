@@ -6,6 +6,7 @@ Costs are a 30x-the-draft target, as for a large model, so that compression pays
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 import pytest
@@ -19,11 +20,24 @@ from gateway.app import create_app
 from gateway.costs import cost_models
 from gateway.engine_cache import MemoryEngineCache
 from gateway.metrics import GatewayMetrics
+from gateway.plan import Plan
 from gateway.planner import Planner
 from gateway.policy import RequestOptions
 from gateway.scores import ScoreProvider
 from gateway.settings import GatewaySettings
-from tests.helpers import LONG_DOC, RecordingApp, engine_app, eventually, gateway_settings, serve
+from gateway.warming import Warmer
+from specprefill.lab.bench import parse_server_timing
+from tests.helpers import (
+    LONG_DOC,
+    FCFSEngine,
+    RecordingApp,
+    engine_app,
+    eventually,
+    gateway_settings,
+    gateway_settled,
+    requests_with_gaps,
+    serve,
+)
 
 COSTS = {"target": [0.01, 1e-3, 1e-6, 3e-8], "draft": [0.002, 3e-5, 1e-9, 1e-6]}
 CHUNK = 16
@@ -179,8 +193,8 @@ async def test_the_outcome_teaches_the_cost_model_and_the_cache_model():
 
 def test_no_plan_changes_an_answer(model_pair, tmp_path):
     """Through a live gateway (cost planner, warming, an engine with its prefix cache): a fresh selection, an
-    extension, the whole prompt after warming, and an extension again each answer exactly as a fresh engine without a cache does when
-    fed the same tokens at the same positions."""
+    extension, the whole prompt after warming, and an extension again each answer exactly as a fresh engine
+    without a cache does when fed the same tokens at the same positions."""
     engine = RecordingApp(engine_app(model_pair, block_size=16))
     oracle = ReferenceEngine(load_causal_lm(model_pair / "target", device="cpu"),
                              load_tokenizer(model_pair / "target"))
@@ -188,6 +202,7 @@ def test_no_plan_changes_an_answer(model_pair, tmp_path):
         settings = gateway_settings(model_pair, backend_url=engine_url, planner="cost", warming=True,
                                     cost_coefficients=COSTS, reuse_threshold=0.0)
         with serve(create_app(settings)) as gw:
+            requests_with_gaps(gw)
             document = LONG_DOC * 2  # about 3,000 tokens of the 4,096 positions
             body = {"model": "tiny", "max_tokens": 6, "temperature": 0, "logprobs": 3, "ignore_eos": True}
             # the second turn begins like the first: a context that comes back, so it is warmed
@@ -206,54 +221,67 @@ def test_no_plan_changes_an_answer(model_pair, tmp_path):
                 expected = asyncio.run(_oracle(oracle, tokens, positions))
                 answer = raw.json()["choices"][0]["logprobs"]
                 assert answer["token_logprobs"] == pytest.approx(expected, abs=1e-4)
-                assert asyncio.run(_eventually_idle(gw))  # the warm, if any, is done
+                assert asyncio.run(eventually(lambda: gateway_settled(gw), within=60))  # the warm, if any
     oracle.close()
     assert plans == ["fresh", "extend", "whole", "extend"]
 
 
 def test_a_client_that_leaves_after_the_first_token_still_teaches_the_planner(model_pair):
     """A streaming client that drops the stream at its first token (as a TTFT probe does): the engine holds the
-    prompt all the same, so the planner records it and warms it, and the next request on it goes whole. The
-    gateway counts as busy from the request until its warm is done, with no idle moment in between."""
+    prompt all the same, so the planner records it and offers it for warming, and once the warm has landed the
+    next request on it goes whole."""
     engine = RecordingApp(engine_app(model_pair, block_size=16))
     with serve(engine) as engine_url:
         settings = gateway_settings(model_pair, backend_url=engine_url, planner="cost", warming=True,
                                     cost_coefficients=COSTS)
         with serve(create_app(settings)) as gw:
+            requests_with_gaps(gw)
             body = {"model": "tiny", "prompt": LONG_DOC * 2, "max_tokens": 8, "temperature": 0, "stream": True}
             first = httpx.post(f"{gw}/v1/completions", json={**body, "stream": False}, timeout=120)
             assert first.headers["x-specprefill-plan"] == "fresh"  # seen once: not warmed
-            assert 'specprefill_warming_total{outcome="started"}' not in httpx.get(f"{gw}/metrics").text
+            assert 'specprefill_warming_total{outcome="offered"}' not in httpx.get(f"{gw}/metrics").text
             body["prompt"] += " A question?"  # it comes back: worth warming
             with httpx.stream("POST", f"{gw}/v1/completions", json=body, timeout=120) as response:
                 assert response.headers["x-specprefill-status"] == "compressed"
                 next(line for line in response.iter_lines() if line.startswith("data:"))
-            idle_seen_before_warm = False
-            for _ in range(600):
-                text = httpx.get(f"{gw}/metrics").text
-                busy = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                           if line.startswith("specprefill_backend_requests_in_flight{"))
-                warmed = 'specprefill_warming_total{outcome="done"} 1.0' in text
-                if busy == 0:
-                    idle_seen_before_warm = not warmed
-                    break
-            assert not idle_seen_before_warm and warmed
+            assert asyncio.run(eventually(lambda: gateway_settled(gw), within=60))
+            text = httpx.get(f"{gw}/metrics").text
+            assert 'specprefill_warming_total{outcome="done"} 1.0' in text
             again = httpx.post(f"{gw}/v1/completions", json={**body, "stream": False}, timeout=120)
             assert again.headers["x-specprefill-plan"] == "whole"
+
+
+def test_back_to_back_requests_never_meet_warming_and_think_time_gaps_take_it(model_pair):
+    """Requests on a recurring context that follow each other at once: no warming piece ever starts, so none
+    is found at the engine by a request (Server-Timing ``background``). With a think time between requests the
+    warm goes in pieces within the gaps and lands."""
+    engine = RecordingApp(engine_app(model_pair, block_size=16))
+    with serve(engine) as engine_url:
+        settings = gateway_settings(model_pair, backend_url=engine_url, planner="cost", warming=True,
+                                    cost_coefficients=COSTS)
+        with serve(create_app(settings)) as gw:
+            body = {"model": "tiny", "max_tokens": 1, "temperature": 0}
+            timings = []
+            for i in range(8):
+                raw = httpx.post(f"{gw}/v1/completions", json={**body, "prompt": LONG_DOC * 2 + f" Question {i}?"},
+                                 timeout=120)
+                timings.append(parse_server_timing(raw.headers["server-timing"]))
+            text = httpx.get(f"{gw}/metrics").text
+            assert 'specprefill_warming_total{outcome="offered"}' in text
+            assert 'specprefill_warming_total{outcome="piece"}' not in text
+            assert all(t["background"] == 0 for t in timings)
+            assert "specprefill_foreground_behind_background_seconds_count 0.0" in text
+            for i in range(4):  # the same context with a user's think time
+                time.sleep(1.0)
+                httpx.post(f"{gw}/v1/completions", json={**body, "prompt": LONG_DOC * 2 + f" Later {i}?"},
+                           timeout=120)
+            assert asyncio.run(eventually(lambda: gateway_settled(gw), within=60))
+            assert 'specprefill_warming_total{outcome="done"}' in httpx.get(f"{gw}/metrics").text
 
 
 async def _oracle(engine: ReferenceEngine, ids: list[int], positions: list[int]) -> list[float]:
     params = SamplingParams(max_tokens=6, temperature=0, logprobs=0, ignore_eos=True)
     return [s.logprob async for s in engine.generate(ids, positions, params)]
-
-
-async def _eventually_idle(gateway_url: str) -> bool:
-    def idle() -> bool:
-        text = httpx.get(f"{gateway_url}/metrics").text
-        return all(float(line.rsplit(" ", 1)[1]) == 0 for line in text.splitlines()
-                   if line.startswith("specprefill_backend_requests_in_flight{"))
-
-    return await eventually(idle, within=60)
 
 
 async def test_a_system_prompt_the_engine_holds_stays_whole_and_the_draft_is_skipped():
@@ -339,3 +367,90 @@ async def test_the_start_up_probe_fits_the_prompt_limit_and_a_refused_probe_does
     refusing, _ = _planner(cost_coefficients=None)
     await refusing.calibrate(refuses_long_prompts, list(range(10, 5000)))  # returns: the gateway starts
     assert len(refusing.target_cost._probe) == 2  # the two prompts it took
+
+
+# --- the engine as it is now: the wait ahead, contended timings, warms that land between requests ---
+
+async def test_timings_that_shared_the_engine_never_enter_the_fit():
+    """A burst of requests queued behind other work measures 2-6x their cost. Fitted in, they would price a cold
+    prefill at over twice what it takes; flagged as contended (``EngineLoad`` tickets), they change nothing."""
+    import copy
+    import random
+
+    planner, _ = _planner(cost_coefficients=None)
+    engine = FCFSEngine(fixed=0.005, per_token=2e-5, per_cached=1e-6)
+    await planner.calibrate(lambda ids: engine.complete(ids), list(range(10, 5000)), limit=8192)
+    truth = engine.seconds(8000, 0)
+    assert planner.target_cost.predict(8000, 0) == pytest.approx(truth, rel=0.2)
+    before = planner.target_cost.coefficients.copy()
+    unfiltered = copy.deepcopy(planner.target_cost)
+    rng = random.Random(0)
+    for _ in range(256):
+        new, cached = rng.randrange(100, 2000), rng.randrange(0, 8000)
+        seconds = engine.seconds(new, cached) * rng.uniform(2, 6)
+        plan = Plan(list(range(new + cached)), engine_cached=cached)
+        await planner.completed(plan, {"prompt_tokens_details": {"cached_tokens": cached}}, seconds, contended=True)
+        unfiltered.observe(new, cached, seconds)
+    assert planner.target_cost.coefficients.tolist() == before.tolist()
+    assert unfiltered.predict(8000, 0) > 2 * truth  # what the filter keeps out
+
+
+async def test_the_draft_costs_only_what_outlasts_the_wait_ahead():
+    """With the engine idle, a slow draft makes the whole prompt the cheaper plan; with the engine busy for
+    longer than the draft takes, the draft runs during the wait, and compressing wins. Predictions carry the wait."""
+    planner, draft = _planner(cost_coefficients={"target": COSTS["target"], "draft": [3.0, 0.0, 0.0, 0.0]})
+    prompt = _ids(4000, 40)
+    idle = await planner.plan(prompt, OPTIONS, [])
+    assert (idle.kind, idle.reason, draft.calls, idle.wait_ms) == ("whole", "cheaper_whole", 0, 0)
+    assert idle.predicted_ms == pytest.approx(idle.target_s * 1e3)
+    ahead = planner.load.begin(4.0)  # another request's prefill, 4 s of it left
+    busy = await planner.plan(prompt, OPTIONS, [])
+    assert (busy.kind, busy.status, draft.calls) == ("fresh", "compressed", 1)
+    assert busy.wait_ms == pytest.approx(4000, rel=0.01)
+    assert busy.predicted_ms == pytest.approx(busy.wait_ms + busy.target_s * 1e3)
+    planner.load.end(ahead)
+
+
+async def test_a_shared_system_prompt_warmed_between_requests_lands_and_then_stays_whole():
+    """Users of one long system prompt, a short think time apart: the first request compresses it; the warm goes
+    in pieces within the gaps, each recorded as it lands, until the gateway knows the engine holds the system
+    prompt, which then stays whole. (Before, each request cancelled the warm before it had landed, and every
+    request compressed the system prompt afresh.)"""
+    costs = {"target": [0.005, 5e-5, 1e-6, 0.0], "draft": [0.001, 1e-6, 0.0, 1e-7]}
+    planner, _ = _planner(cost_coefficients=costs)
+    engine = FCFSEngine(fixed=0.005, per_token=5e-5, per_cached=1e-6)
+    warmer = Warmer(lambda ids, priority: engine.complete(ids, priority), planner.completed, planner.load,
+                    planner.engine_cache, planner.target_cost, planner.metrics, piece_s=0.03, recheck_s=0.01)
+    system, n_system = _ids(3000, 41), 3000
+    keep = torch.zeros(n_system + 30, dtype=torch.bool)
+    keep[:n_system] = True
+    plans = []
+    for i in range(12):
+        load = planner.load
+        load.enter()
+        plan = await planner.plan(system + _ids(30, 100 + i), OPTIONS, [], keep)
+        ticket = load.begin(plan.target_s)
+        answer = await engine.complete(plan.kept_token_ids(), None, plan.kept_indices)
+        load.answered(ticket), load.end(ticket)
+        await planner.completed(plan, answer["usage"], 0.01, contended=ticket.contended)
+        if plan.status == "compressed" and plan.recurring:
+            warmer.offer(plan)
+        load.leave()
+        plans.append((plan.kind, plan.protected))
+        await asyncio.sleep(0.25)  # the user's think time: warming's window
+    await warmer.close()
+    assert plans[0] == ("fresh", False)  # the system prompt compressed with the rest, on its first request
+    held = next(i for i, (kind, protected) in enumerate(plans) if kind == "whole" or protected)
+    assert held < 10 and all(kind == "whole" or protected for kind, protected in plans[held:])
+    assert planner.metrics.warming.labels("piece")._value.get() >= 3  # it landed in pieces
+
+
+async def test_an_engine_that_does_not_report_its_cache_hits_is_named(caplog):
+    planner, _ = _planner(cost_coefficients=None)
+
+    async def silent(token_ids: list[int]) -> dict:
+        return {"usage": {"prompt_tokens": len(token_ids)}}
+
+    with caplog.at_level("WARNING", logger="specprefill.gateway"):
+        await planner.calibrate(silent, list(range(10, 5000)), limit=1024)
+    assert any("--enable-prompt-tokens-details" in r.message for r in caplog.records)

@@ -1,0 +1,185 @@
+"""What the engine is doing now, as far as the gateway can tell.
+
+Three sources: this gateway's own requests at the backend (foreground, and its background warming pieces), the
+engine's own count of running and waiting requests (polled from its ``/metrics``: the part that is someone
+else's), and the idle gaps between this gateway's requests. Three uses:
+  the planner prices a plan with the wait ahead of it (``wait_s``);
+  the cost models learn only from timings that nothing else shared the engine with (``Ticket.contended``);
+  warming starts a piece only while the engine is idle and likely to stay idle until it ends (``quiet_for``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import statistics
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+logger = logging.getLogger("specprefill.gateway")
+PAUSE_S = 2.0  # idle this long, and twice the longest recent gap, the traffic has paused: no request is due
+
+
+@dataclass(slots=True, eq=False)
+class Ticket:
+    """One request of this gateway at the backend, from its send until the engine is done with it."""
+
+    background: bool
+    predicted_s: float  # the engine's own time for it (no wait)
+    started: float
+    first_event: float | None = None  # its prefill is over
+    ended: float | None = None
+    contended: bool = False  # something else ran at the engine before its first event
+    behind: list[Ticket] = field(default_factory=list)  # background work it found at the engine
+
+    def remaining(self, now: float) -> float:
+        """Predicted prefill seconds left (0 once it is decoding)."""
+        return 0.0 if self.first_event is not None else max(0.0, self.predicted_s - (now - self.started))
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    epoch: int
+    at: float
+
+
+class EngineLoad:
+    def __init__(self, *, history: int = 64, min_history: int = 4, clock: Callable[[], float] = time.monotonic
+                 ) -> None:
+        self.clock = clock
+        self.min_history = min_history
+        self.external = 0  # requests the engine runs or queues beyond this gateway's (its /metrics)
+        self._alive: list[Ticket] = []
+        self._epoch = 0  # tickets begun so far
+        self._active = 0  # foreground requests being planned or at the backend
+        self._idle_since: float | None = clock()
+        self._gaps: collections.deque[float] = collections.deque(maxlen=history)
+        self._typical: collections.deque[float] = collections.deque(maxlen=32)  # clean foreground seconds
+        self._changed = asyncio.Event()
+        self._watcher: asyncio.Task | None = None
+
+    # --- foreground activity: idle gaps ---
+
+    def enter(self) -> None:
+        """A foreground request arrived (it is planned, then sent)."""
+        now = self.clock()
+        if self._active == 0 and self._idle_since is not None:
+            self._gaps.append(now - self._idle_since)
+            self._idle_since = None
+        self._active += 1
+        self._notify()
+
+    def leave(self) -> None:
+        self._active -= 1
+        assert self._active >= 0
+        if self._active == 0:
+            self._idle_since = self.clock()
+        self._notify()
+
+    @property
+    def idle(self) -> bool:
+        return self._active == 0 and not self._alive and self.external == 0
+
+    def quiet_for(self, seconds: float, confidence: float) -> bool:
+        """Whether background work of ``seconds`` may start now: no foreground request here, nothing at the
+        engine, and either a pause (idle for twice the longest recent gap, and ``PAUSE_S`` at least: the
+        traffic stopped) or, among the recent idle gaps as long as this one has lasted so far, at least
+        ``confidence`` of them lasting ``seconds`` more. Idle for longer than every recent gap but not yet a
+        pause, or with too few gaps seen to tell, nothing starts."""
+        if not self.idle or self._idle_since is None:
+            return False
+        so_far = self.clock() - self._idle_since
+        if so_far >= max(PAUSE_S, 2 * max(self._gaps, default=0.0)):
+            return True
+        survived = [g for g in self._gaps if g > so_far]
+        if len(self._gaps) < self.min_history or not survived:
+            return False
+        return sum(g >= so_far + seconds for g in survived) >= confidence * len(survived)
+
+    async def changed(self, timeout: float) -> None:
+        """Until the activity changes, or ``timeout`` seconds."""
+        self._changed.clear()
+        try:
+            await asyncio.wait_for(self._changed.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
+
+    def _notify(self) -> None:
+        self._changed.set()
+
+    # --- requests at the backend ---
+
+    def begin(self, predicted_s: float, *, background: bool = False) -> Ticket:
+        now = self.clock()
+        ticket = Ticket(background, predicted_s, now, contended=bool(self._alive) or self.external > 0)
+        for other in self._alive:
+            if other.first_event is None:
+                other.contended = True
+            if other.background and not background:
+                ticket.behind.append(other)
+        self._alive.append(ticket)
+        self._epoch += 1
+        self._notify()
+        return ticket
+
+    def answered(self, ticket: Ticket) -> float:
+        """The ticket's first event came; the seconds it spent at the engine alongside background work."""
+        now = self.clock()
+        ticket.first_event = now
+        behind = sum(min(b.ended or now, now) - ticket.started for b in ticket.behind)
+        if not ticket.background and not ticket.contended:
+            self._typical.append(now - ticket.started)
+        return max(0.0, behind)
+
+    def end(self, ticket: Ticket) -> None:
+        if ticket.first_event is None:
+            ticket.first_event = self.clock()
+        ticket.ended = self.clock()
+        if ticket in self._alive:
+            self._alive.remove(ticket)
+        self._notify()
+
+    def wait_s(self) -> float:
+        """Predicted seconds before the engine starts on a new foreground request: the prefill left of every
+        request ahead of it (an engine runs what it has first: vLLM schedules running requests before waiting
+        ones, whatever their priority), and a typical request for each of someone else's."""
+        now = self.clock()
+        own = sum(t.remaining(now) for t in self._alive)
+        typical = statistics.median(self._typical) if self._typical else 0.0
+        return own + self.external * typical
+
+    def snapshot(self) -> Snapshot:
+        return Snapshot(self._epoch, self.clock())
+
+    def undisturbed(self, since: Snapshot) -> bool:
+        """Whether nothing ran at the engine since ``since`` (a draft timed then shared no hardware with it)."""
+        return self._epoch == since.epoch and not self._alive and self.external == 0
+
+    # --- the engine's own count ---
+
+    def watch(self, read: Callable[[], Awaitable[int | None]], interval: float) -> None:
+        """Reads the engine's running + waiting requests every ``interval`` seconds, in the background; what this
+        gateway did not send is someone else's. A failed read counts as nobody else's."""
+        self._watcher = asyncio.ensure_future(self._watch(read, interval))
+
+    async def _watch(self, read: Callable[[], Awaitable[int | None]], interval: float) -> None:
+        while True:
+            own_before = len(self._alive)
+            try:
+                count = await read()
+            except Exception as exc:  # the engine's metrics are a hint, never an error
+                logger.debug("engine load unreadable: %s", type(exc).__name__)
+                count = None
+            own = max(own_before, len(self._alive))
+            external = max(0, count - own) if count is not None else 0
+            if external != self.external:
+                self.external = external
+                self._notify()
+            await asyncio.sleep(interval)
+
+    async def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
+            await asyncio.gather(self._watcher, return_exceptions=True)

@@ -1,0 +1,141 @@
+"""What the engine is doing now: the wait ahead of a request, contended timings, idle gaps, others' requests."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from gateway.engine_load import EngineLoad
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _load(**kwargs) -> tuple[EngineLoad, Clock]:
+    clock = Clock()
+    return EngineLoad(clock=clock, **kwargs), clock
+
+
+def test_a_request_waits_for_the_prefill_left_ahead_of_it():
+    load, clock = _load()
+    assert load.wait_s() == 0
+    first = load.begin(2.0)
+    clock.now += 0.5
+    second = load.begin(1.0, background=True)
+    assert load.wait_s() == pytest.approx(1.5 + 1.0)
+    clock.now += 1.0
+    assert load.wait_s() == pytest.approx(0.5 + 0.0)  # the second ran past its prediction: nothing left of it
+    load.answered(first)  # decoding now: a new request is not held up by it
+    assert load.wait_s() == 0
+    load.end(first), load.end(second)
+    assert load.wait_s() == 0 and load.idle
+
+
+def test_others_requests_at_the_engine_count_as_typical_requests():
+    load, clock = _load()
+    for seconds in (0.2, 0.3, 0.4):  # clean requests, one at a time
+        ticket = load.begin(0.3)
+        clock.now += seconds
+        load.answered(ticket), load.end(ticket)
+    load.external = 2
+    assert load.wait_s() == pytest.approx(0.6) and not load.idle
+
+
+def test_timings_that_shared_the_engine_are_contended():
+    load, clock = _load()
+    alone = load.begin(0.1)
+    clock.now += 0.1
+    load.answered(alone), load.end(alone)
+    assert not alone.contended
+    first = load.begin(0.5)
+    second = load.begin(0.5)  # arrives while the first is still in its prefill: both slowed
+    assert first.contended and second.contended
+    load.answered(first)
+    third = load.begin(0.5)  # the first was answered already: its timing stands
+    load.answered(second), load.answered(third)
+    assert third.contended
+    for ticket in (first, second, third):
+        load.end(ticket)
+    load.external = 1  # someone else's request at the engine
+    assert load.begin(0.1).contended
+
+
+def test_a_request_behind_background_work_counts_the_time_it_spent_beside_it():
+    load, clock = _load()
+    piece = load.begin(0.3, background=True)
+    clock.now += 0.1
+    request = load.begin(0.2)
+    clock.now += 0.15
+    load.answered(piece), load.end(piece)
+    clock.now += 0.2
+    assert request.behind == [piece] and load.answered(request) == pytest.approx(0.15)
+    load.end(request)
+    clean = load.begin(0.2)
+    assert load.answered(clean) == 0 and not clean.behind
+
+
+def test_background_work_starts_only_in_an_idle_gap_likely_to_outlast_it():
+    load, clock = _load(min_history=4)
+
+    def requests(gap: float, n: int) -> None:
+        for _ in range(n):
+            clock.now += gap
+            load.enter()
+            clock.now += 0.3
+            load.leave()
+
+    assert not load.quiet_for(0.1, 0.9)  # no history: no one knows when the next request comes
+    fresh, fresh_clock = _load()
+    fresh_clock.now += 2.0
+    assert fresh.quiet_for(0.1, 0.9)  # but two seconds of nothing is a pause
+    requests(0.02, 8)  # back to back
+    assert not load.quiet_for(0.1, 0.9)
+    clock.now += 0.5  # idle longer than any gap seen, yet not long: the next gap may be a little longer
+    assert not load.quiet_for(0.1, 0.9)
+    clock.now += 1.5  # a pause: the traffic stopped
+    assert load.quiet_for(0.1, 0.9)
+    load.enter()
+    assert not load.quiet_for(0.1, 0.9)  # a request is here
+    load.leave()
+    requests(1.0, 64)  # a user's think time
+    assert load.quiet_for(0.5, 0.9)
+    clock.now += 0.6
+    assert not load.quiet_for(0.5, 0.9)  # it would end after the next request is due
+    assert load.quiet_for(0.3, 0.9)
+    clock.now += 0.5
+    assert not load.quiet_for(0.01, 0.9)  # past every gap, not yet twice the longest
+    clock.now += 1.0
+    assert load.quiet_for(0.01, 0.9)
+    ticket = load.begin(0.1, background=True)
+    assert not load.quiet_for(0.01, 0.9)  # one piece at a time
+    load.end(ticket)
+    load.external = 1
+    assert not load.quiet_for(0.01, 0.9)  # someone else's request
+
+
+async def test_the_engine_count_beyond_this_gateways_is_someone_elses():
+    load = EngineLoad()
+    counts = [3, 1, None]
+    read = asyncio.Event()
+
+    async def engine_count() -> int | None:
+        read.set()
+        if not counts:
+            raise RuntimeError("metrics unreadable")
+        return counts.pop(0)
+
+    ours = load.begin(0.1)
+    load.watch(engine_count, 0.01)
+    for external in (2, 0, 0, 0):
+        read.clear()
+        await asyncio.wait_for(read.wait(), 1)
+        await asyncio.sleep(0)
+        assert load.external == external
+    load.end(ours)
+    await load.close()
