@@ -13,7 +13,7 @@ from pydantic_settings import BaseSettings
 
 from common.options import SETTINGS_CONFIG
 from specprefill.lab.launch import Stack, launched
-from specprefill.lab.workloads import WORKLOADS
+from specprefill.lab.workloads import MODES, WORKLOADS
 
 
 class Bench(BaseSettings):
@@ -40,11 +40,22 @@ class Bench(BaseSettings):
     load_direct: bool = Field(True, description="load mode: also load the engine directly (off: the gateway only, "
                                                 "as when comparing gateway settings)")
     workloads: bool = Field(False, description="run the workload mode (repeated contexts) instead of the sweep")
+    arrivals: list[str] = Field(["back-to-back", "think", "poisson"], description="workloads: how requests "
+                                "arrive, one run each: back-to-back (the next request when the previous answer "
+                                "ends), think (after --think-time), poisson (mixed sessions at --session-rates), "
+                                "idle (after the engines and the gateway are idle, warming included: flatters "
+                                "warming, for comparison only)")
+    think_time: float = Field(1.0, description="workloads: seconds between an answer and the next request (think)")
     workload_names: list[str] = Field(list(WORKLOADS), description="workloads: which ones")
-    workload_requests: int = Field(5, description="workloads: requests per workload")
-    workload_tokens: int = Field(12000, description="workloads: prompt tokens of each workload's context")
+    workload_requests: int = Field(7, description="workloads: requests per workload")
+    workload_tokens: int = Field(8000, description="workloads: prompt tokens of each workload's context")
     step_tokens: int = Field(1000, description="workloads: tokens an agent step adds")
     workload_keep_rate: float = Field(0.3, description="workloads: keep rate through the gateway")
+    session_rates: list[float] = Field([0.03, 0.06, 0.1, 0.15], description="poisson: sessions started per "
+                                       "second, one run each")
+    sessions_per_rate: int = Field(12, description="poisson: sessions per rate (kinds in equal shares)")
+    vllm_scheduling: str = Field("fcfs", description="launched vLLM: fcfs (its default) or priority "
+                                                     "(--scheduling-policy priority), for both instances")
     shared_engine: bool = Field(False, description="workloads: one engine for both paths, the direct path's "
                                                    "requests over other documents of the same length (neither "
                                                    "warms the other's cache, and no two instances differ)")
@@ -73,8 +84,12 @@ def run_bench(options: Bench) -> int:
         context = contextlib.nullcontext(Stack(*urls, list(urls)))
     else:
         engines = 1 if options.workloads and options.shared_engine else 2
+        if options.vllm_scheduling not in ("fcfs", "priority"):
+            print("specprefill bench: --vllm-scheduling is fcfs or priority", file=sys.stderr)
+            return 2
+        vllm_args = ("--scheduling-policy", "priority") if options.vllm_scheduling == "priority" else ()
         context = launched(engines, gateway_args(options), options.vllm_python, out,
-                           Path(options.pair) if options.pair else None)
+                           Path(options.pair) if options.pair else None, vllm_args=vllm_args)
     with context as stack, httpx.Client(timeout=60) as client:
         model = options.model or client.get(f"{stack.gateway_url}/v1/models").json()["data"][0]["id"]
         direct_model = options.backend_model or client.get(f"{stack.direct_url}/v1/models").json()["data"][0]["id"]
@@ -146,7 +161,9 @@ def _sweep_and_load(options: Bench, stack: Stack, prompts, models: tuple[str, st
 
 def _workloads(options: Bench, stack: Stack, prompts, models: tuple[str, str], meta: dict) -> list[Path]:
     from specprefill.lab.report import write_workloads
+    from specprefill.lab.sessions import format_sessions
     from specprefill.lab.workloads import (
+        PathTarget,
         build_workloads,
         compare_engines,
         format_workloads,
@@ -155,19 +172,37 @@ def _workloads(options: Bench, stack: Stack, prompts, models: tuple[str, str], m
         summarize_workloads,
     )
 
-    workloads = build_workloads(prompts, options.workload_names, options.workload_requests, options.workload_tokens,
-                                options.step_tokens)
-    mirrored = build_workloads(prompts, options.workload_names, options.workload_requests,
-                               options.workload_tokens, options.step_tokens) if options.shared_engine else None
-    samples = asyncio.run(run_workloads(workloads, (stack.gateway_url, models[0]), (stack.direct_url, models[1]),
-                                        stack.idle_urls, {"x-keep-rate": f"{options.workload_keep_rate:g}"},
-                                        options.max_tokens, direct_workloads=mirrored))
-    rows = summarize_workloads(samples)
-    print(format_workloads(rows))
-    messages = last_whole_request(workloads, samples)
-    if stack.gateway_engine_url is not None and messages is not None:
+    unknown = sorted(set(options.arrivals) - {*MODES, "poisson"})
+    if unknown:
+        raise SystemExit(f"specprefill bench: unknown arrival mode {unknown[0]!r}: use {', '.join(MODES)} or poisson")
+    paths = [PathTarget("gateway", stack.gateway_url, models[0], {"x-keep-rate": f"{options.workload_keep_rate:g}"},
+                        stack.gateway_engine_url),
+             PathTarget("direct", stack.direct_url, models[1], {}, stack.direct_url)]
+    modes: dict[str, list[dict]] = {}
+    samples, last = [], None
+    for number, mode in enumerate(m for m in options.arrivals if m != "poisson"):
+        # new documents for every mode (the engines have seen none of them); the direct path's over other
+        # documents when both paths share one engine
+        workloads = build_workloads(prompts, options.workload_names, options.workload_requests,
+                                    options.workload_tokens, options.step_tokens)
+        direct = build_workloads(prompts, options.workload_names, options.workload_requests, options.workload_tokens,
+                                 options.step_tokens) if options.shared_engine else workloads
+        mode_samples = asyncio.run(run_workloads(mode, {"gateway": workloads, "direct": direct}, paths,
+                                                 stack.idle_urls, think_s=options.think_time,
+                                                 max_tokens=options.max_tokens,
+                                                 first="gateway" if number % 2 == 0 else "direct"))
+        modes[mode] = summarize_workloads(mode_samples)
+        print(f"arrivals: {mode}\n" + format_workloads(modes[mode]))
+        samples += mode_samples
+        # the engine check's request: one both engines hold whole, else the last one sent
+        last = last_whole_request(workloads, mode_samples) or last or workloads[-1].requests[-1]
+    sessions = None
+    if "poisson" in options.arrivals:
+        sessions = _poisson(options, stack, prompts, paths)
+        print("arrivals: poisson, mixed sessions\n" + format_sessions(sessions["summary"]))
+    if stack.gateway_engine_url is not None and last is not None:
         engines = asyncio.run(compare_engines({"gateway's engine": stack.gateway_engine_url,
-                                               "direct's engine": stack.direct_url}, models[1], messages,
+                                               "direct's engine": stack.direct_url}, models[1], last,
                                               stack.idle_urls, max_tokens=options.max_tokens))
         meta["engines"] = engines
         print("the last request sent whole, with a new last line each time, directly to each engine (alternating, "
@@ -175,9 +210,34 @@ def _workloads(options: Bench, stack: Stack, prompts, models: tuple[str, str], m
               + f"; ratio {engines['ratio']:.2f} (the engines' difference, no gateway in it)")
     meta |= {"workload_tokens": options.workload_tokens, "step_tokens": options.step_tokens,
              "keep_rate": options.workload_keep_rate, "baseline": options.baseline,
-             "shared_engine": options.shared_engine,
-             "cost_coefficients": _cost_coefficients(stack.gateway_url)}
-    return write_workloads(Path(options.out), rows, samples, meta)
+             "shared_engine": options.shared_engine, "arrivals": options.arrivals, "think_time": options.think_time,
+             "vllm_scheduling": options.vllm_scheduling if options.vllm_python else None,
+             "cost_coefficients": _cost_coefficients(stack.gateway_url),
+             "gateway_counters": _gateway_counters(stack.gateway_url)}
+    return write_workloads(Path(options.out), modes, samples, sessions, meta)
+
+
+def _poisson(options: Bench, stack: Stack, prompts, paths) -> dict:
+    """Each rate's schedule through both paths, one after the other (which first alternating), each once
+    everything is idle: the boundary between two systems under test."""
+    from specprefill.lab.bench import wait_idle
+    from specprefill.lab.sessions import as_dicts, run_sessions, session_schedule, summarize_sessions
+
+    async def run() -> list:
+        samples = []
+        async with httpx.AsyncClient(timeout=60) as client:
+            for number, rate in enumerate(options.session_rates):
+                schedule = session_schedule(prompts, rate, options.sessions_per_rate, options.workload_tokens,
+                                            options.step_tokens, seed=number)
+                for path in paths if number % 2 == 0 else paths[::-1]:
+                    await wait_idle(client, stack.idle_urls)
+                    print(f"poisson: {rate:g} sessions/s through {path.name} "
+                          f"({schedule[-1].start_s:.0f} s of arrivals)", flush=True)
+                    samples += await run_sessions(path, schedule, rate, options.max_tokens)
+        return samples
+
+    samples = asyncio.run(run())
+    return {"summary": summarize_sessions(samples), "samples": as_dicts(samples)}
 
 
 def _cost_coefficients(gateway_url: str) -> dict[str, dict[str, float]]:
@@ -194,6 +254,26 @@ def _cost_coefficients(gateway_url: str) -> dict[str, dict[str, float]]:
         if family.name == "specprefill_cost_coefficient":
             for sample in family.samples:
                 out.setdefault(sample.labels.get("model", "?"), {})[sample.labels.get("term", "?")] = sample.value
+    return out
+
+
+def _gateway_counters(gateway_url: str) -> dict[str, float]:
+    """What the gateway's background work did over the run, from its /metrics: warming by outcome, and the
+    requests that found a warming piece at the engine (how many, and their time beside it)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        text = httpx.get(f"{gateway_url}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return {}
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "specprefill_warming_total":
+                out[f"warming_{sample.labels['outcome']}"] = sample.value
+            elif sample.name in ("specprefill_foreground_behind_background_seconds_count",
+                                 "specprefill_foreground_behind_background_seconds_sum"):
+                out[sample.name.removeprefix("specprefill_")] = sample.value
     return out
 
 

@@ -116,11 +116,12 @@ class PromptMaker:
 
 
 ACTIVITY_METRICS = ("specprefill_engine_active_requests", "vllm:num_requests_running", "vllm:num_requests_waiting",
-                    "specprefill_backend_requests_in_flight")
+                    "specprefill_backend_requests_in_flight", "specprefill_warming_pending_contexts")
 
 
 async def wait_idle(client: httpx.AsyncClient, urls: list[str], timeout: float = 600.0) -> None:
-    """Until no engine or gateway in ``urls`` reports a request running, waiting or in flight (their /metrics)."""
+    """Until no engine or gateway in ``urls`` reports a request running, waiting or in flight, or a context
+    waiting to be warmed (their /metrics)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         busy = 0.0

@@ -24,11 +24,11 @@ class Stack:
 
 @contextlib.contextmanager
 def launched(engines: int, gateway_args: list[str], vllm_python: str | None, out: Path,
-             pair: Path | None = None) -> Iterator[Stack]:
+             pair: Path | None = None, vllm_args: tuple[str, ...] = ()) -> Iterator[Stack]:
     """The pair's target (``pair/target``; default: the demo pair) on ``engines`` engines (reference engines, or
-    vLLM: the gateway's with the plugin, the direct one stock) and a gateway in front of the first with
-    ``pair/draft``, as local processes. With two, the direct path has its own engine, so neither warms the
-    other's prefix cache."""
+    vLLM: the gateway's with the plugin, the direct one stock, both with ``vllm_args``) and a gateway in front
+    of the first with ``pair/draft``, as local processes. With two, the direct path has its own engine, so
+    neither warms the other's prefix cache."""
     from specprefill.lab.demo_models import ensure_demo_models
     from specprefill.lab.vllm_server import VLLMServer
 
@@ -39,7 +39,7 @@ def launched(engines: int, gateway_args: list[str], vllm_python: str | None, out
             if vllm_python:
                 server = VLLMServer(vllm_python, root / "target", out / f"vllm-{index}.log", plugin=index == 0,
                                     served_name="specprefill-demo", max_model_len=32768, kv_cache_gib=4,
-                                    extra_args=("--enable-prompt-tokens-details",))
+                                    extra_args=("--enable-prompt-tokens-details", *vllm_args))
                 vllm_servers.append(server)
                 urls.append(server.url)
             else:

@@ -63,28 +63,54 @@ def plot(out_dir: Path, rows: list[Row], load: dict | None) -> list[Path]:
     return written
 
 
-def write_workloads(out_dir: Path, rows: list[dict], samples: list, meta: dict) -> list[Path]:
-    """``workloads.json`` and a plot: per workload, both paths' TTFT request by request."""
+def write_workloads(out_dir: Path, modes: dict[str, list[dict]], samples: list, sessions: dict | None,
+                    meta: dict) -> list[Path]:
+    """``workloads.json`` and the plots: per arrival mode and workload, both paths' TTFT request by request
+    (``workloads.png``); with Poisson sessions, TTFT p50 and p90 against the rate (``sessions.png``)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "workloads.json"
-    path.write_text(json.dumps({"meta": meta, "workloads": rows, "samples": [asdict(s) for s in samples]}, indent=2))
+    payload = {"meta": meta, "modes": modes, "samples": [asdict(s) for s in samples]}
+    if sessions is not None:
+        payload["sessions"] = sessions
+    path.write_text(json.dumps(payload, indent=2))
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(rows), figsize=(3.2 * len(rows), 3.4), squeeze=False)
-    for ax, row in zip(axes[0], rows):
-        index = [r["index"] + 1 for r in row["requests"]]
-        ax.plot(index, [r["direct_s"] for r in row["requests"]], "k-o", label="direct")
-        ax.plot(index, [r["gateway_s"] for r in row["requests"]], "-o", color="tab:blue", label="gateway")
-        ax.set(title=row["workload"], xlabel="request", yscale="log", xticks=index)
-    axes[0][0].set(ylabel="TTFT (s)")
-    axes[0][0].legend(fontsize=8)
-    fig.suptitle(f"Time to first token, request by request ({meta.get('engine', '')}, "
-                 f"{meta.get('workload_tokens', '')} tokens, keep {meta.get('keep_rate', '')})", fontsize=10)
-    fig.tight_layout()
-    plot = out_dir / "workloads.png"
-    fig.savefig(plot, dpi=110)
-    plt.close(fig)
-    return [path, plot]
+    written = [path]
+    if modes:
+        columns = max(len(rows) for rows in modes.values())
+        fig, axes = plt.subplots(len(modes), columns, figsize=(3.2 * columns, 3.0 * len(modes)), squeeze=False)
+        for line, (mode, rows) in zip(axes, modes.items()):
+            for ax, row in zip(line, rows):
+                index = [r["index"] + 1 for r in row["requests"]]
+                ax.plot(index, [r["direct_s"] for r in row["requests"]], "k-o", label="direct")
+                ax.plot(index, [r["gateway_s"] for r in row["requests"]], "-o", color="tab:blue", label="gateway")
+                ax.set(title=f"{row['workload']} ({mode})", xlabel="request", yscale="log", xticks=index)
+            line[0].set(ylabel="TTFT (s)")
+        axes[0][0].legend(fontsize=8)
+        fig.suptitle(f"Time to first token, request by request ({meta.get('engine', '')}, "
+                     f"{meta.get('workload_tokens', '')} tokens, keep {meta.get('keep_rate', '')})", fontsize=10)
+        fig.tight_layout()
+        written.append(out_dir / "workloads.png")
+        fig.savefig(written[-1], dpi=110)
+        plt.close(fig)
+    if sessions is not None:
+        summary = sessions["summary"]
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for name, color in (("gateway", "tab:blue"), ("direct", "black")):
+            entries = [e for e in summary["rates"] if name in e["paths"]]
+            rates = [e["rate"] for e in entries]
+            ax.plot(rates, [e["paths"][name]["p50_s"] for e in entries], "-o", color=color, label=f"{name} p50")
+            ax.plot(rates, [e["paths"][name]["p90_s"] for e in entries], "--o", color=color, label=f"{name} p90")
+        if "objective_s" in summary:
+            ax.axhline(summary["objective_s"], color="grey", lw=0.8, label="objective (2x direct p90, lowest rate)")
+        ax.set(xlabel="sessions started per second", ylabel="TTFT (s)", yscale="log",
+               title=f"Mixed sessions, Poisson arrivals ({meta.get('engine', '')})")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        written.append(out_dir / "sessions.png")
+        fig.savefig(written[-1], dpi=110)
+        plt.close(fig)
+    return written

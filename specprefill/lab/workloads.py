@@ -7,20 +7,33 @@ Each workload is a sequence of chat requests, as clients send them:
   agent         an agent loop: each step adds a tool call and its output (``step_tokens`` tokens)
   system        one long system prompt shared by users who each ask a short question
 The gateway and the direct path each talk to their own instance of the same engine, so neither warms the
-other's prefix cache. Before each request the bench waits until every engine and the gateway are idle (a
-user's think time), so that on a shared machine no path's background work lands in the other's timing.
+other's prefix cache. How requests follow each other is the arrival mode (``MODES``):
+  back-to-back  the next request leaves the moment the previous answer ends (an agent whose tool returned)
+  think         the next request leaves ``think_s`` after the previous answer ends (a user who reads, then asks)
+  idle          before each request the bench waits until the engines and the gateway are idle, warming
+                included: a user who always waits long enough. It never lets background work meet a request,
+                so it is the one mode that flatters warming; it is kept, labelled, for comparison.
+In back-to-back and think modes each path sends its whole sequence (every workload in turn, with no wait between
+them) on its own, one path after the other, and the bench waits for idle only between the two paths: the
+boundary between the two systems under test. On a shared machine (2 cores here) the engines share the CPU, so
+one path's background work would otherwise land in the other's timings. In idle mode the two paths alternate
+request by request (which goes first alternating too), as the waits keep them apart.
 """
 
 from __future__ import annotations
 
+import asyncio
 import statistics
+import time
 from dataclasses import dataclass, field
 
 import httpx
 from tqdm import tqdm
 
 from specprefill.lab.bench import PromptMaker, parse_server_timing, stream_ttft, wait_idle
+from specprefill.lab.engine_metrics import EngineQueue
 
+MODES = ("back-to-back", "think", "idle")
 WORKLOADS = ("fresh", "document", "chat", "agent", "system")
 
 
@@ -85,35 +98,71 @@ class WorkloadSample:
     reason: str | None = None
     timing_ms: dict[str, float] = field(default_factory=dict)
     cached_tokens: int | None = None  # prompt tokens the engine served from its prefix cache (its usage)
+    mode: str = "idle"
+    at_s: float = 0.0  # when it was sent, from the start of its path's run
+    queue_s: float | None = None  # the engine's queue time over this request (its requests that ended meanwhile)
+    queued: int | None = None  # how many requests that queue time covers (a warm's pieces too)
 
 
-async def run_workloads(workloads: list[Workload], gateway: tuple[str, str], direct: tuple[str, str],
-                        idle_urls: list[str], headers: dict[str, str], max_tokens: int = 1,
-                        direct_workloads: list[Workload] | None = None) -> list[WorkloadSample]:
-    """Each request through the gateway and directly, (base URL, model) for each path; which goes first
-    alternates from one request to the next, so that neither path always runs right after the other's
-    request (a CPU, its caches and the engines' threads warm from it) or right after the idle wait. With
-    ``direct_workloads`` (the same workloads over other documents) the direct path sends those: both paths
-    can then share one engine without either warming the other's cache."""
-    samples = []
-    total = sum(len(w.requests) for w in workloads)
+@dataclass
+class PathTarget:
+    """One path of the comparison: where its requests go, and the engine behind it (for its queue time)."""
+
+    name: str  # "gateway" or "direct"
+    url: str
+    model: str
+    headers: dict[str, str]
+    engine_url: str | None = None
+
+
+async def run_workloads(mode: str, workloads: dict[str, list[Workload]], paths: list[PathTarget],
+                        idle_urls: list[str], *, think_s: float = 1.0, max_tokens: int = 1,
+                        first: str = "gateway") -> list[WorkloadSample]:
+    """Every workload through each path in arrival ``mode``; ``workloads[path.name]`` are that path's (the
+    direct path may get the same workloads over other documents, when both share one engine)."""
+    if mode not in MODES:
+        raise ValueError(f"arrival mode {mode!r}: one of {', '.join(MODES)}")
+    samples: list[WorkloadSample] = []
+    total = sum(len(w.requests) for w in workloads[paths[0].name])
     async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0)) as client:
-        progress = tqdm(total=total, desc="workloads", unit="request")
-        for number, workload in enumerate(workloads):
-            mirror = (direct_workloads or workloads)[number]
-            for index, messages in enumerate(workload.requests):
-                paths = (("gateway", gateway, headers, messages), ("direct", direct, {}, mirror.requests[index]))
-                for path, (url, model), extra, messages in paths if index % 2 == 0 else paths[::-1]:
-                    await wait_idle(client, idle_urls)
-                    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0}
-                    usage: dict = {}
-                    ttft, answer_headers = await stream_ttft(client, f"{url}/v1/chat/completions", body, extra, usage)
-                    sample = _sample(workload.name, index, path, ttft, answer_headers)
-                    sample.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-                    samples.append(sample)
-                progress.update(1)
-        progress.close()
+        queues = {p.name: EngineQueue(client, p.engine_url) for p in paths}
+        for queue in queues.values():
+            await queue.read()
+        if mode == "idle":
+            progress = tqdm(total=total, desc=f"workloads, {mode}", unit="request")
+            for number, workload in enumerate(workloads[paths[0].name]):
+                for index in range(len(workload.requests)):
+                    for path in paths if index % 2 == 0 else paths[::-1]:
+                        await wait_idle(client, idle_urls)
+                        request = workloads[path.name][number].requests[index]
+                        samples.append(await _send(client, path, queues[path.name], workload.name, index, request,
+                                                   mode, max_tokens, 0.0))
+                    progress.update(1)
+            progress.close()
+            return samples
+        for path in sorted(paths, key=lambda p: p.name != first):
+            await wait_idle(client, idle_urls)  # between the two systems under test, never inside one's run
+            await queues[path.name].read()
+            start = time.perf_counter()
+            for workload in tqdm(workloads[path.name], desc=f"workloads, {mode}, {path.name}", unit="workload"):
+                for index, request in enumerate(workload.requests):
+                    if mode == "think" and (index or workload is not workloads[path.name][0]):
+                        await asyncio.sleep(think_s)
+                    samples.append(await _send(client, path, queues[path.name], workload.name, index, request, mode,
+                                               max_tokens, time.perf_counter() - start))
     return samples
+
+
+async def _send(client: httpx.AsyncClient, path: PathTarget, queue: EngineQueue, workload: str, index: int,
+                messages: list[dict], mode: str, max_tokens: int, at_s: float) -> WorkloadSample:
+    body = {"model": path.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0}
+    usage: dict = {}
+    ttft, headers = await stream_ttft(client, f"{path.url}/v1/chat/completions", body, path.headers, usage)
+    sample = _sample(workload, index, path.name, ttft, headers)
+    sample.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    sample.mode, sample.at_s = mode, at_s
+    sample.queue_s, sample.queued = await queue.read()
+    return sample
 
 
 async def compare_engines(urls: dict[str, str], model: str, messages: list[dict], idle_urls: list[str],
@@ -158,8 +207,30 @@ def _sample(workload: str, index: int, path: str, ttft: float, headers: httpx.He
                           parse_server_timing(headers.get("server-timing")))
 
 
+def percentile(values: list[float], q: float) -> float:
+    """The ``q`` quantile, interpolated between the nearest ranks (numpy's default): the 90th percentile of
+    six requests lies between the fifth and the sixth, not at the worst."""
+    ordered = sorted(values)
+    if len(ordered) == 1:
+        return ordered[0]
+    position = q * (len(ordered) - 1)
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def within_2x(predicted_ms: float | None, measured_ms: float | None) -> bool | None:
+    """Whether the plan's predicted backend time is within a factor of 2 of the measured one (None: unknown)."""
+    if predicted_ms is None or measured_ms is None or measured_ms <= 0:
+        return None
+    return 0.5 <= max(predicted_ms, 1e-3) / measured_ms <= 2.0
+
+
 def summarize_workloads(samples: list[WorkloadSample]) -> list[dict]:
-    """Per workload and request: both TTFTs, their ratio, and what the gateway did; per workload, the medians."""
+    """Per workload and request: both TTFTs, their ratio, and what the gateway did (its plan, predicted and
+    measured backend time, the wait it predicted, the time it spent beside the gateway's own background work,
+    the engine's queue time); per workload, the first request's ratio and the later requests' median, 90th
+    percentile and worst. ``samples`` are one arrival mode's."""
     rows = []
     for name in dict.fromkeys(s.workload for s in samples):
         pairs = {}
@@ -169,30 +240,49 @@ def summarize_workloads(samples: list[WorkloadSample]) -> list[dict]:
         requests = []
         for index, pair in sorted(pairs.items()):
             gateway, direct = pair["gateway"], pair["direct"]
+            timing = gateway.timing_ms
             requests.append({"index": index, "tokens": gateway.prompt_tokens, "kept": gateway.kept_tokens,
                              "direct_s": direct.ttft_s, "gateway_s": gateway.ttft_s,
                              "ratio": gateway.ttft_s / direct.ttft_s, "status": gateway.status,
-                             "plan": gateway.plan or gateway.reason, "timing_ms": gateway.timing_ms,
+                             "plan": gateway.plan or gateway.reason, "timing_ms": timing,
+                             "predicted_within_2x": within_2x(timing.get("predicted"), timing.get("backend")),
+                             "behind_background_ms": timing.get("background"),
+                             "queue_s": {"gateway": gateway.queue_s, "direct": direct.queue_s},
                              "cached": {"gateway": gateway.cached_tokens, "direct": direct.cached_tokens}})
         later = [r["ratio"] for r in requests[1:]] or [requests[0]["ratio"]]
         rows.append({"workload": name, "requests": requests, "first_ratio": requests[0]["ratio"],
-                     "later_median_ratio": statistics.median(later), "later_max_ratio": max(later)})
+                     "later_median_ratio": statistics.median(later), "later_p90_ratio": percentile(later, 0.9),
+                     "later_max_ratio": max(later)})
     return rows
 
 
-def _count(value: int | None) -> str:
-    return "-" if value is None else str(value)
+def prediction_share(rows: list[dict]) -> float | None:
+    """The share of the gateway's requests whose predicted backend time was within 2x of the measured one."""
+    checks = [r["predicted_within_2x"] for row in rows for r in row["requests"] if r["predicted_within_2x"] is not None]
+    return sum(checks) / len(checks) if checks else None
+
+
+def _count(value: int | float | None, digits: int = 0) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
 
 
 def format_workloads(rows: list[dict]) -> str:
     lines = [f"{'workload':>9} {'req':>3} {'tokens':>7} {'kept':>6} {'direct s':>9} {'gateway s':>10} "
-             f"{'gw/direct':>9} {'cached gw':>9} {'direct':>6}  plan"]
+             f"{'gw/direct':>9} {'cached gw':>9} {'direct':>6} {'pred ms':>8} {'backend':>8} {'behind':>7} "
+             f"{'queue gw':>8} {'direct':>6}  plan"]
     for row in rows:
         for r in row["requests"]:
-            cached = r.get("cached") or {}
+            cached, timing, queue = r.get("cached") or {}, r.get("timing_ms") or {}, r.get("queue_s") or {}
             lines.append(f"{row['workload']:>9} {r['index'] + 1:>3} {r['tokens'] or 0:>7} {r['kept'] or 0:>6} "
                          f"{r['direct_s']:>9.3f} {r['gateway_s']:>10.3f} {r['ratio']:>9.2f} "
-                         f"{_count(cached.get('gateway')):>9} {_count(cached.get('direct')):>6}  {r['plan'] or ''}")
+                         f"{_count(cached.get('gateway')):>9} {_count(cached.get('direct')):>6} "
+                         f"{_count(timing.get('predicted')):>8} {_count(timing.get('backend')):>8} "
+                         f"{_count(timing.get('background')):>7} {_count(queue.get('gateway'), 3):>8} "
+                         f"{_count(queue.get('direct'), 3):>6}  {r['plan'] or ''}")
         lines.append(f"{row['workload']:>9}   first {row['first_ratio']:.2f}, later: median "
-                     f"{row['later_median_ratio']:.2f}, max {row['later_max_ratio']:.2f}")
+                     f"{row['later_median_ratio']:.2f}, p90 {row['later_p90_ratio']:.2f}, "
+                     f"max {row['later_max_ratio']:.2f}")
+    share = prediction_share(rows)
+    if share is not None:
+        lines.append(f"predicted backend time within 2x of the measured: {share:.0%} of the gateway's requests")
     return "\n".join(lines)

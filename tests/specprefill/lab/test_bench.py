@@ -89,24 +89,92 @@ def test_a_live_sweep_and_load_run(gateway_url, engine_backend, tmp_path):
     assert (tmp_path / "ttft.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_a_live_workload_run_alternates_the_paths_and_compares_the_engines(gateway_url, engine_backend):
-    """Each request goes through both paths, the first path alternating from one request to the next; the
-    last request sent whole then goes directly to both engines (here one engine twice: only the mechanics)."""
+def _paths(gateway_url: str, engine_url: str, keep: str = "1"):
+    from specprefill.lab.workloads import PathTarget
+
+    return [PathTarget("gateway", gateway_url, "tiny", {"x-keep-rate": keep}, engine_url),
+            PathTarget("direct", engine_url, "target", {}, engine_url)]
+
+
+def test_a_live_idle_run_alternates_the_paths_and_compares_the_engines(gateway_url, engine_backend):
+    """Idle mode: each request goes through both paths, the first path alternating from one request to the next;
+    the last request sent whole then goes directly to both engines (here one engine twice: only the mechanics)."""
     from specprefill.lab.workloads import build_workloads, compare_engines, last_whole_request, run_workloads
 
     engine_url, _ = engine_backend
     with httpx.Client(timeout=60) as client:
         prompts = PromptMaker(client, gateway_url, "tiny")
         workloads = build_workloads(prompts, ["system", "chat"], 3, 200, 50)
-    samples = asyncio.run(run_workloads(workloads, (gateway_url, "tiny"), (engine_url, "target"), [gateway_url],
-                                        {"x-keep-rate": "1"}))
+    samples = asyncio.run(run_workloads("idle", {"gateway": workloads, "direct": workloads},
+                                        _paths(gateway_url, engine_url), [gateway_url]))
     order = [(s.workload, s.index, s.path) for s in samples]
     assert order[:6] == [("system", 0, "gateway"), ("system", 0, "direct"), ("system", 1, "direct"),
                          ("system", 1, "gateway"), ("system", 2, "gateway"), ("system", 2, "direct")]
+    assert all(s.queue_s is not None and s.queued >= 1 for s in samples)  # the engine's queue time, per request
     messages = last_whole_request(workloads, samples)  # keep rate 1: every request went whole
     assert messages == workloads[-1].requests[-1]
     engines = asyncio.run(compare_engines({"a": engine_url, "b": engine_url}, "target", messages, [], rounds=2))
     assert [len(v) for v in engines["seconds"].values()] == [2, 2] and engines["ratio"] > 0
+
+
+@pytest.mark.parametrize("mode", ["back-to-back", "think"])
+def test_a_live_run_as_traffic_arrives_sends_each_paths_sequence_on_its_own(gateway_url, engine_backend, mode):
+    """Back-to-back and think modes: one path's whole sequence, every workload in turn, then the other's; a
+    request leaves when the previous answer ended, or a think time after it."""
+    from specprefill.lab.workloads import build_workloads, run_workloads, summarize_workloads
+
+    engine_url, _ = engine_backend
+    with httpx.Client(timeout=60) as client:
+        prompts = PromptMaker(client, gateway_url, "tiny")
+        workloads = build_workloads(prompts, ["document", "agent"], 3, 200, 50)
+    samples = asyncio.run(run_workloads(mode, {"gateway": workloads, "direct": workloads},
+                                        _paths(gateway_url, engine_url, keep="0.3"), [gateway_url],
+                                        think_s=0.2, first="direct"))
+    assert [s.path for s in samples] == ["direct"] * 6 + ["gateway"] * 6
+    assert [(s.workload, s.index) for s in samples[:6]] == [("document", 0), ("document", 1), ("document", 2),
+                                                            ("agent", 0), ("agent", 1), ("agent", 2)]
+    for path in ("gateway", "direct"):
+        mine = [s for s in samples if s.path == path]
+        gaps = [b.at_s - a.at_s - a.ttft_s for a, b in zip(mine, mine[1:])]
+        assert all((g >= 0.2) == (mode == "think") for g in gaps), gaps
+    rows = summarize_workloads(samples)
+    assert [r["workload"] for r in rows] == ["document", "agent"]
+    assert all("later_p90_ratio" in r and r["requests"][0]["predicted_within_2x"] is not None for r in rows)
+
+
+def test_the_percentile_interpolates_and_predictions_are_checked_within_2x():
+    from specprefill.lab.workloads import percentile, within_2x
+
+    assert percentile([1, 2, 3, 4, 5, 6], 0.9) == pytest.approx(5.5) and percentile([3.0], 0.9) == 3.0
+    assert within_2x(100, 60) and within_2x(100, 200) and not within_2x(100, 201) and within_2x(None, 5) is None
+
+
+def test_mixed_sessions_run_the_same_schedule_through_both_paths_and_give_the_max_rate(gateway_url, engine_backend):
+    from specprefill.lab.sessions import KINDS, SessionSample, run_sessions, session_schedule, summarize_sessions
+
+    engine_url, _ = engine_backend
+    with httpx.Client(timeout=60) as client:
+        prompts = PromptMaker(client, gateway_url, "tiny")
+        schedule = session_schedule(prompts, 20.0, 6, 200, 50, seed=1, think=(0.01, 0.02))
+        again = session_schedule(prompts, 20.0, 6, 200, 50, seed=1, think=(0.01, 0.02))
+    assert sorted(s.kind for s in schedule) == sorted(KINDS)  # each kind once in six
+    assert [s.start_s for s in schedule] == sorted(s.start_s for s in schedule)
+    assert [(s.kind, s.start_s) for s in again] == [(s.kind, s.start_s) for s in schedule]  # seeded
+    samples = []
+    for path in _paths(gateway_url, engine_url, keep="0.3"):
+        samples += asyncio.run(run_sessions(path, schedule, 20.0))
+    assert len(samples) == 2 * sum(len(s.requests) for s in schedule) and all(s.ttft_s for s in samples)
+    summary = summarize_sessions(samples)
+    assert set(summary["rates"][0]["ratios"]["kinds"]) == set(KINDS)
+
+    def synthetic(rate: float, path: str, p90: float) -> list[SessionSample]:
+        return [SessionSample(rate, path, i, "fresh", 0, p90 * (i + 1) / 10) for i in range(10)]
+
+    fake = [*synthetic(0.1, "direct", 1.0), *synthetic(0.1, "gateway", 0.5), *synthetic(0.2, "direct", 3.0),
+            *synthetic(0.2, "gateway", 0.8), *synthetic(0.4, "direct", 9.0), *synthetic(0.4, "gateway", 3.0)]
+    summary = summarize_sessions(fake)
+    assert summary["objective_s"] == pytest.approx(2 * 0.91)
+    assert summary["max_rate"] == {"gateway": 0.2, "direct": 0.1} and summary["max_rate_ratio"] == 2.0
 
 
 def test_a_shared_engine_workload_run_sends_the_direct_path_other_documents(gateway_url, engine_backend):
@@ -121,8 +189,8 @@ def test_a_shared_engine_workload_run_sends_the_direct_path_other_documents(gate
             prompts.text(10)
         workloads = build_workloads(prompts, ["document"], 2, 200, 50)
         mirrored = build_workloads(prompts, ["document"], 2, 200, 50)
-    samples = asyncio.run(run_workloads(workloads, (gateway_url, "tiny"), (engine_url, "target"), [gateway_url],
-                                        {"x-keep-rate": "1"}, direct_workloads=mirrored))
+    samples = asyncio.run(run_workloads("idle", {"gateway": workloads, "direct": mirrored},
+                                        _paths(gateway_url, engine_url), [gateway_url]))
     assert [(s.index, s.path) for s in samples] == [(0, "gateway"), (0, "direct"), (1, "direct"), (1, "gateway")]
     cached = {(s.index, s.path): s.cached_tokens for s in samples}
     # the gateway's document went first, whole: had the direct path sent it too, the engine would serve it
