@@ -56,6 +56,7 @@ class Candidate:
     kept: list[int] | None
     cached: int  # predicted engine cache hit
     seconds: float  # predicted target time
+    protected: bool = False  # keeps the system prompt whole
 
 
 class Planner:
@@ -122,9 +123,8 @@ class Planner:
         compressed = await self._compressed(token_ids, tokens, scores, options.keep_rate, keep, earlier, held > 0)
         chosen = self._choose([whole, *compressed]) if priced else compressed[0]
         reason = Reason.CHEAPER_WHOLE if chosen.kind == "whole" else None
-        protected = keep is not None and chosen.kind != "fresh_unprotected"
         plan = self._as_plan(chosen, token_ids, options, reason=reason, cache=cache, draft_ms=draft_ms,
-                             protected=protected, wait=max(0.0, wait - draft_ms / 1e3))
+                             protected=chosen.protected, wait=max(0.0, wait - draft_ms / 1e3))
         plan.select_ms = (time.perf_counter() - start) * 1e3
         plan.recurring = recurring
         if not dry_run and plan.status == "compressed":
@@ -146,11 +146,12 @@ class Planner:
             return Plan(token_ids, reason=Reason.PROMPT_TOO_LONG)
         return None
 
-    async def _candidate(self, kind: str, tokens: np.ndarray, kept: list[int] | None) -> Candidate:
+    async def _candidate(self, kind: str, tokens: np.ndarray, kept: list[int] | None,
+                         protected: bool = False) -> Candidate:
         sent = tokens if kept is None else tokens[kept]
         positions = kept if self.positional else None
         cached = await self.engine_cache.cached_tokens(sent, positions) if self.engine_cache is not None else 0
-        return Candidate(kind, kept, cached, self.target_cost.predict(len(sent) - cached, cached))
+        return Candidate(kind, kept, cached, self.target_cost.predict(len(sent) - cached, cached), protected)
 
     def _held_system(self, keep: torch.Tensor | None, cached: int) -> int:
         """The system prompt's length if it must stay whole: the engine holds it (warming put it there), so
@@ -181,18 +182,26 @@ class Planner:
                           keep: torch.Tensor | None, earlier: tuple[Selection, int] | None,
                           held: bool) -> list[Candidate]:
         config = self.draft.config
+        has_system = keep is not None and bool(keep.any())
         fresh = select_tokens(token_ids, scores, keep_rate, config, self.special_ids, keep)
-        candidates = [await self._candidate("fresh", tokens, fresh)]
-        if keep is not None and bool(keep.any()) and self.settings.planner == "cost" and not held:
+        candidates = [await self._candidate("fresh", tokens, fresh, protected=has_system)]
+        plain = fresh
+        if has_system:
             plain = select_tokens(token_ids, scores, keep_rate, config, self.special_ids)
-            candidates.append(await self._candidate("fresh_unprotected", tokens, plain))
+            if self.settings.planner == "cost" and not held:
+                candidates.append(await self._candidate("fresh_unprotected", tokens, plain))
         if earlier is not None:
             selection, shared = earlier
             start = (min(shared, len(token_ids) - 1) // config.chunk_size) * config.chunk_size
-            if start > 0 and selection.keep_rate >= keep_rate and self._covers(scores, selection.kept, fresh, start):
+            # an earlier selection is held against a fresh one of its own kind: one that compressed the system
+            # prompt against one that does too (no compressed selection covers a system prompt kept whole)
+            reference = fresh if selection.protected else plain
+            if start > 0 and selection.keep_rate >= keep_rate and self._covers(scores, selection.kept, reference,
+                                                                                start):
                 extended = extend_selection(token_ids, scores, keep_rate, config, selection.kept, start,
-                                            self.special_ids, keep)
-                candidates.append(await self._candidate("extend", tokens, extended))
+                                            self.special_ids, keep if selection.protected else None)
+                candidates.append(await self._candidate("extend", tokens, extended,
+                                                        protected=has_system and selection.protected))
         return candidates
 
     def _covers(self, scores: torch.Tensor, reused: tuple[int, ...], fresh: list[int], end: int) -> bool:

@@ -51,6 +51,7 @@ class FakeDraft:
     def __init__(self) -> None:
         self.calls = 0
         self.peaks: list[int] = []  # chunks that score high; the rest score low
+        self.values: dict[int, float] = {}  # chunks with a score of their own
 
     async def identity(self) -> str:
         return "fake"
@@ -61,6 +62,8 @@ class FakeDraft:
         scores += torch.linspace(0, 0.001, len(token_ids))  # ties broken, stably
         for chunk in self.peaks:
             scores[chunk * CHUNK : (chunk + 1) * CHUNK] = 1.0
+        for chunk, value in self.values.items():
+            scores[chunk * CHUNK : (chunk + 1) * CHUNK] = value
         return scores
 
     def reusable_prefix(self, token_ids: list[int]) -> int:
@@ -298,6 +301,27 @@ async def test_a_system_prompt_the_engine_holds_stays_whole_and_the_draft_is_ski
     calls = draft.calls
     second = await planner.plan(prompt[:4000] + _ids(30, 11), OPTIONS, [], system)
     assert second.kind == "whole" and second.reason == "cheaper_whole" and draft.calls == calls
+
+
+async def test_a_system_prompt_the_engine_does_not_hold_extends_the_earlier_selection_of_it():
+    """Users of a long system prompt the engine does not hold yet: the first request compresses it; the next
+    user's question moves the fresh selection a little (here one chunk near the start), which would leave
+    the engine's cache behind from there on. The earlier selection still keeps what matters, so it is
+    extended. (It was checked against a selection that keeps the system prompt whole, which no compressed
+    selection covers: every request was compressed afresh, and the engine re-read most of it each time.)"""
+    planner, draft = _planner()
+    system = torch.zeros(4000, dtype=torch.bool)
+    system[:3968] = True
+    prompt = _ids(3968, 14)
+    draft.values = {5: 0.02}
+    first = await planner.plan(prompt + _ids(32, 15), OPTIONS, [], system)
+    assert (first.kind, first.protected) == ("fresh", False) and 5 * CHUNK in first.kept_indices
+    await planner.completed(first, None, 1.0)
+    draft.values = {6: 0.02}  # the next question: another chunk of the system prompt a little higher
+    second = await planner.plan(prompt + _ids(32, 16), OPTIONS, [], system)
+    assert (second.kind, second.protected) == ("extend", False)
+    reused = [i for i in first.kept_indices if i < 3968]
+    assert second.kept_indices[: len(reused)] == reused and second.engine_cached >= len(reused) - CHUNK
 
 
 async def test_a_held_system_prompt_that_ends_inside_a_block_does_not_wake_the_draft():
