@@ -6,6 +6,7 @@ eval's baselines and the inspector all call it, so they all show the same tokens
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Collection, Sequence
 from dataclasses import replace
@@ -49,12 +50,12 @@ def always_kept(token_ids: Sequence[int], config: ScoringConfig, special_ids: Co
 def extend_selection(token_ids: Sequence[int], scores: torch.Tensor, keep_rate: float, config: ScoringConfig,
                      reused: Sequence[int], start: int, special_ids: Collection[int] = (),
                      keep: torch.Tensor | None = None) -> list[int]:
-    """An earlier selection's kept indices below ``start`` (a chunk boundary up to which the earlier prompt and
-    this one agree), then ``select_tokens`` on the rest of the prompt, as if it began at ``start``.
+    """An earlier selection's kept indices below ``start`` (the point up to which the earlier prompt and this
+    one agree), then ``select_tokens`` on the rest of the prompt, as if it began at ``start``.
 
-    The kept run below ``start`` is the earlier request's, so the engine's prefix cache already holds it.
+    The kept run below ``start`` is exactly the earlier request's, so the engine's prefix cache already holds it.
     """
-    assert start % config.chunk_size == 0 and 0 < start < len(token_ids)
+    assert 0 < start < len(token_ids)
     head = [i for i in reused if i < start]
     tail_config = replace(config, protect_first=0)
     tail_keep = keep[start:] if keep is not None else None
@@ -62,14 +63,34 @@ def extend_selection(token_ids: Sequence[int], scores: torch.Tensor, keep_rate: 
     return head + [start + i for i in tail]
 
 
+def fill_blocks(kept: Sequence[int], boundary: int, block: int) -> list[int]:
+    """``kept`` (sorted) with the free positions nearest below ``boundary`` added until the kept tokens below it
+    fill whole blocks of ``block`` tokens; fewer than ``block`` are added, none where too few are free.
+
+    An engine's prefix cache holds whole blocks (vLLM's CPU build: 128 tokens): a later prompt that begins like
+    this one up to ``boundary`` (the next user of a system prompt, the next question about a document) then
+    finds every kept token before it cached, where it would otherwise read the last part-filled block anew.
+    """
+    below = bisect.bisect_left(kept, boundary)
+    missing = -below % block if block > 1 and boundary > 0 else 0
+    if not missing:
+        return list(kept)
+    taken, fill, position = set(kept[:below]), [], boundary - 1
+    while len(fill) < missing and position >= 0:
+        if position not in taken:
+            fill.append(position)
+        position -= 1
+    return sorted([*kept, *fill]) if len(fill) == missing else list(kept)
+
+
 def kept_importance(scores: torch.Tensor, kept: Sequence[int], end: int, chunk_size: int) -> float:
-    """The importance a selection keeps below ``end`` (a chunk boundary): the sum of the mean scores of the
+    """The importance a selection keeps in the whole chunks below ``end``: the sum of the mean scores of the
     chunks it keeps there, chunks cut as ``select_chunks`` cuts them."""
     n_chunks = end // chunk_size
     if n_chunks == 0:
         return 0.0
     chunk_scores = scores[: n_chunks * chunk_size].float().view(n_chunks, chunk_size).mean(dim=1)
-    chunks = sorted({i // chunk_size for i in kept if i < end})
+    chunks = sorted({i // chunk_size for i in kept if i < n_chunks * chunk_size})
     return float(chunk_scores[chunks].sum()) if chunks else 0.0
 
 

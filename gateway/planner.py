@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from draft_worker.selector import extend_selection, kept_importance, select_tokens
+from draft_worker.selector import extend_selection, fill_blocks, kept_importance, select_tokens
 from gateway.costs import CostModel
 from gateway.draft import DraftClient
 from gateway.engine_cache import EngineCacheModel
@@ -76,10 +76,12 @@ class Planner:
         self.selections: RecentPrompts[Selection] = RecentPrompts(capacity=64)
 
     async def plan(self, token_ids: list[int], options: RequestOptions, unsupported: list[str],
-                   keep: torch.Tensor | None = None, *, dry_run: bool = False,
+                   keep: torch.Tensor | None = None, *, boundary: int | None = None, dry_run: bool = False,
                    scored: tuple[torch.Tensor, str] | None = None) -> Plan:
         """The plan for this prompt. ``keep`` marks tokens to keep whole if affordable (a system prompt);
-        ``scored``: the prompt's scores and their cache status when already at hand (the inspector's keep rates)."""
+        ``boundary``: where the last message begins (a chat's), the point another user's request would leave
+        this one's; ``scored``: the prompt's scores and their cache status when already at hand (the
+        inspector's keep rates)."""
         n = len(token_ids)
         if not dry_run:
             self.metrics.original_tokens.observe(n)
@@ -97,6 +99,7 @@ class Planner:
         held = self._held_system(keep, whole.cached)
         if held and earlier is not None and not earlier[0].protected:
             earlier = None  # it compressed the system prompt, which is to stay whole now
+        divergence = self._divergence(keep, boundary, seen)
         draft_new = n - self.draft.reusable_prefix(tokens)
         draft_s = self.draft_cost.predict(draft_new, n - draft_new)
         # the draft runs while the requests ahead are at the engine: only what outlasts that wait costs more
@@ -120,7 +123,8 @@ class Planner:
             if self.load.undisturbed(before):  # a draft that shared the hardware with the engine's work: not its cost
                 self.draft_cost.observe(draft_new, n - draft_new, draft_ms / 1e3)
         start = time.perf_counter()
-        compressed = await self._compressed(token_ids, tokens, scores, options.keep_rate, keep, earlier, held > 0)
+        compressed = await self._compressed(token_ids, tokens, scores, options.keep_rate, keep, earlier, held > 0,
+                                            divergence)
         chosen = self._choose([whole, *compressed]) if priced else compressed[0]
         reason = Reason.CHEAPER_WHOLE if chosen.kind == "whole" else None
         plan = self._as_plan(chosen, token_ids, options, reason=reason, cache=cache, draft_ms=draft_ms,
@@ -153,6 +157,19 @@ class Planner:
         cached = await self.engine_cache.cached_tokens(sent, positions) if self.engine_cache is not None else 0
         return Candidate(kind, kept, cached, self.target_cost.predict(len(sent) - cached, cached), protected)
 
+    @staticmethod
+    def _divergence(keep: torch.Tensor | None, boundary: int | None,
+                    seen: tuple[Selection, int] | None) -> int | None:
+        """Where the next request on this context most likely leaves this prompt: the last message, after a
+        shared system prompt (its next user); else where this prompt left the earlier one it began like, when
+        it replaced that one's end (the same document, another question) rather than continued it (a chat's
+        next turn, which leaves at this prompt's end)."""
+        if keep is not None and bool(keep.any()) and boundary:
+            return boundary
+        if seen is not None and 0 < seen[1] < seen[0].length:
+            return seen[1]
+        return None
+
     def _held_system(self, keep: torch.Tensor | None, cached: int) -> int:
         """The system prompt's length if it must stay whole: the engine holds it (warming put it there), so
         keeping it costs nothing more, shared prefixes stay cacheable and instructions do not fade. Else 0."""
@@ -172,27 +189,33 @@ class Planner:
         served = min(held, cached)
         least = self.target_cost.predict(kept - served, served)
         if earlier is not None and earlier[0].keep_rate >= options.keep_rate:
-            start = (min(earlier[1], n - 1) // chunk) * chunk
+            start = min(earlier[1], n - 1)
             head = sum(1 for i in earlier[0].kept if i < start)
             tail = math.ceil(math.ceil((n - start) / chunk) * options.keep_rate) * chunk
             least = min(least, self.target_cost.predict(tail, head))
         return least
 
     async def _compressed(self, token_ids: list[int], tokens: np.ndarray, scores: torch.Tensor, keep_rate: float,
-                          keep: torch.Tensor | None, earlier: tuple[Selection, int] | None,
-                          held: bool) -> list[Candidate]:
+                          keep: torch.Tensor | None, earlier: tuple[Selection, int] | None, held: bool,
+                          divergence: int | None) -> list[Candidate]:
+        """The compressed candidates, each filled to whole engine blocks below ``divergence`` (``fill_blocks``)."""
         config = self.draft.config
+        block = self.engine_cache.block_size if self.engine_cache is not None and divergence else 1
+
+        def filled(kept: list[int]) -> list[int]:
+            return fill_blocks(kept, divergence, block) if block > 1 else kept
+
         has_system = keep is not None and bool(keep.any())
         fresh = select_tokens(token_ids, scores, keep_rate, config, self.special_ids, keep)
-        candidates = [await self._candidate("fresh", tokens, fresh, protected=has_system)]
+        candidates = [await self._candidate("fresh", tokens, filled(fresh), protected=has_system)]
         plain = fresh
         if has_system:
             plain = select_tokens(token_ids, scores, keep_rate, config, self.special_ids)
             if self.settings.planner == "cost" and not held:
-                candidates.append(await self._candidate("fresh_unprotected", tokens, plain))
+                candidates.append(await self._candidate("fresh_unprotected", tokens, filled(plain)))
         if earlier is not None:
             selection, shared = earlier
-            start = (min(shared, len(token_ids) - 1) // config.chunk_size) * config.chunk_size
+            start = min(shared, len(token_ids) - 1)
             # an earlier selection is held against a fresh one of its own kind: one that compressed the system
             # prompt against one that does too (no compressed selection covers a system prompt kept whole)
             reference = fresh if selection.protected else plain
@@ -200,7 +223,7 @@ class Planner:
                                                                                 start):
                 extended = extend_selection(token_ids, scores, keep_rate, config, selection.kept, start,
                                             self.special_ids, keep if selection.protected else None)
-                candidates.append(await self._candidate("extend", tokens, extended,
+                candidates.append(await self._candidate("extend", tokens, filled(extended),
                                                         protected=has_system and selection.protected))
         return candidates
 
@@ -256,7 +279,8 @@ class Planner:
         if self.engine_cache is not None:
             await self.engine_cache.record(sent, plan.kept_indices if self.positional else None)
         if plan.status == "compressed":
-            self.selections.add(plan.token_ids, Selection(tuple(plan.kept_indices), plan.keep_rate, plan.protected))
+            self.selections.add(plan.token_ids, Selection(tuple(plan.kept_indices), plan.keep_rate, plan.protected,
+                                                          len(plan.token_ids)))
         self.metrics.plans.labels(plan.kind).inc()
 
     async def calibrate(self, complete, vocab: list[int], sizes: tuple[int, ...] = (256, 1024, 4096),

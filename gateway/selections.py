@@ -27,6 +27,7 @@ class Selection:
     kept: tuple[int, ...]  # the earlier prompt's kept indices, sorted
     keep_rate: float
     protected: bool  # whether its system prompt was kept whole
+    length: int  # the earlier prompt's tokens
 
 
 class RecentPrompts(Generic[T]):

@@ -55,6 +55,7 @@ class Prompt:
     token_ids: list[int]
     rendered: RenderedChat | None = None  # a chat's template text and offsets
     keep: torch.Tensor | None = None  # [S] bool: the system prompt, kept whole where affordable
+    boundary: int | None = None  # where a chat's last message begins: another user's request leaves this one there
 
 
 class GatewayServing:
@@ -97,7 +98,8 @@ class GatewayServing:
                                           f"most {self.settings.max_messages}", param="messages")
             rendered = render_chat(self.tokenizer, request.messages, self.pieces.encode, tools=request.tools,
                                    add_special_tokens=request.add_special_tokens)
-            return Prompt(rendered.token_ids, rendered, self._system_tokens(request, rendered))
+            return Prompt(rendered.token_ids, rendered, self._system_tokens(request, rendered),
+                          _last_message_start(request, rendered))
         return Prompt(request.prompt_token_ids(self.tokenizer))
 
     def _system_tokens(self, request: ChatCompletionRequest, rendered: RenderedChat) -> torch.Tensor | None:
@@ -155,7 +157,8 @@ class GatewayServing:
         prompt = self.prompt(request)
         tokenize_ms = (time.perf_counter() - start) * 1e3
         self.check_limits(request, prompt.token_ids)
-        plan = await self.planner.plan(prompt.token_ids, options, self._unsupported(request), prompt.keep)
+        plan = await self.planner.plan(prompt.token_ids, options, self._unsupported(request), prompt.keep,
+                                       boundary=prompt.boundary)
         plan.tokenize_ms = tokenize_ms
         return plan, prompt
 
@@ -259,7 +262,7 @@ class GatewayServing:
         request, options, prompt = self._dry_request(body, headers)
         scored = await self._scores(prompt.token_ids) if return_scores else None
         plan = await self.planner.plan(prompt.token_ids, options, self._unsupported(request), prompt.keep,
-                                       dry_run=True, scored=scored)
+                                       boundary=prompt.boundary, dry_run=True, scored=scored)
         answer = {
             "original_tokens": plan.original_tokens,
             "kept_tokens": plan.kept_tokens,
@@ -286,7 +289,8 @@ class GatewayServing:
         plans = {}
         for rate in KEEP_RATES:
             plan = await self.planner.plan(prompt.token_ids, RequestOptions(rate, options.enabled), unsupported,
-                                           prompt.keep, dry_run=True, scored=(scores, cache))
+                                           prompt.keep, boundary=prompt.boundary, dry_run=True,
+                                           scored=(scores, cache))
             entry = {"status": plan.status, "reason": plan.reason, "plan": plan.kind,
                      "kept": runs(plan.position_ids())}
             if plan.status != "compressed" and rate < 1:  # sent whole: what the rule would have dropped
@@ -446,6 +450,14 @@ def _passthrough_body(request, backend_model: str) -> dict:
     body = request.model_dump(exclude_unset=True, exclude={"specprefill"})
     body["model"] = backend_model
     return body
+
+
+def _last_message_start(request: ChatCompletionRequest, rendered: RenderedChat) -> int | None:
+    """The first token of the chat's last message content (None where the template changed it)."""
+    span = rendered.content_spans(request.messages)[-1] if request.messages else None
+    if span is None:
+        return None
+    return int(np.searchsorted(rendered.offsets[:, 0], span[0]))
 
 
 def prompt_limit(settings: GatewaySettings, tokenizer) -> int | None:

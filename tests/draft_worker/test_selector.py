@@ -1,12 +1,13 @@
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 import torch
 
 from draft_worker.config import ConfigError, ScoringConfig, validate_keep_rate
-from draft_worker.selector import protected_mask, select_chunks
+from draft_worker.selector import fill_blocks, protected_mask, select_chunks
 
 
 def test_top_chunks_by_mean_score_sorted():
@@ -90,3 +91,22 @@ def test_bad_keep_rates(rate):
 def test_bad_scoring_config(kwargs):
     with pytest.raises(ConfigError):
         ScoringConfig(**kwargs)
+
+
+def test_fill_blocks_completes_the_block_before_the_boundary_with_the_nearest_free_positions():
+    kept = [0, 1, 2, 10, 11, 12, 13, 30, 31]  # 7 kept below 20
+    assert fill_blocks(kept, 20, 4) == [0, 1, 2, 10, 11, 12, 13, 19, 30, 31]  # 8: two whole blocks of 4
+    assert fill_blocks(kept, 20, 8) == kept[:7] + [19] + kept[7:]
+    assert fill_blocks(kept, 20, 16) == sorted(kept + [14, 15, 16, 17, 18, 19, 9, 8, 7])  # walks back past kept ones
+    assert fill_blocks(kept, 14, 4) == sorted(kept + [9])  # the nearest free position below 14 is 9
+    assert fill_blocks([0, 1, 2, 3, 4], 5, 8) == [0, 1, 2, 3, 4]  # too few free below the boundary: unchanged
+    assert fill_blocks(kept, 20, 1) == kept and fill_blocks(kept, 0, 16) == kept
+    rng = random.Random(0)
+    for _ in range(200):
+        kept = sorted(rng.sample(range(500), rng.randrange(1, 300)))
+        boundary, block = rng.randrange(1, 500), rng.choice([2, 16, 128])
+        filled = fill_blocks(kept, boundary, block)
+        below = sum(i < boundary for i in filled)
+        assert set(kept) <= set(filled) and filled == sorted(set(filled))
+        assert below % block == 0 or filled == kept
+        assert len(filled) - len(kept) < block and all(i < boundary for i in set(filled) - set(kept))

@@ -20,6 +20,7 @@ from gateway.app import create_app
 from gateway.costs import cost_models
 from gateway.engine_cache import MemoryEngineCache
 from gateway.metrics import GatewayMetrics
+from draft_worker.selector import select_tokens
 from gateway.plan import Plan
 from gateway.planner import Planner
 from gateway.policy import RequestOptions
@@ -322,6 +323,25 @@ async def test_a_system_prompt_the_engine_does_not_hold_extends_the_earlier_sele
     assert (second.kind, second.protected) == ("extend", False)
     reused = [i for i in first.kept_indices if i < 3968]
     assert second.kept_indices[: len(reused)] == reused and second.engine_cached >= len(reused) - CHUNK
+
+
+async def test_kept_tokens_fill_whole_engine_blocks_up_to_where_the_next_user_leaves():
+    """An engine caches whole blocks (vLLM's CPU build: 128 tokens). The kept part of a shared system prompt is
+    filled to whole blocks, so the next user's request finds all of it cached and the engine reads only the new
+    question, not also the last part-filled block of the system prompt again."""
+    planner, draft = _planner()
+    planner.engine_cache = MemoryEngineCache(64, 1 << 20)
+    system = torch.zeros(3040, dtype=torch.bool)
+    system[:3000] = True
+    prompt = _ids(3000, 17)
+    first = await planner.plan(prompt + _ids(40, 18), OPTIONS, [], system, boundary=3000)
+    unfilled = select_tokens(prompt + _ids(40, 18), await draft.score(prompt + _ids(40, 18)), 0.3, draft.config)
+    below = sum(i < 3000 for i in first.kept_indices)
+    assert below % 64 == 0 and sum(i < 3000 for i in unfilled) % 64 != 0  # it took filling
+    await planner.completed(first, None, 1.0)
+    second = await planner.plan(prompt + _ids(40, 19), OPTIONS, [], system, boundary=3000)
+    assert second.kind == "extend" and second.engine_cached == below
+    assert second.kept_tokens - second.engine_cached <= 40  # the question alone is read anew
 
 
 async def test_a_held_system_prompt_that_ends_inside_a_block_does_not_wake_the_draft():
