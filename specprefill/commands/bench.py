@@ -51,9 +51,9 @@ class Bench(BaseSettings):
     workload_tokens: int = Field(8000, description="workloads: prompt tokens of each workload's context")
     step_tokens: int = Field(1000, description="workloads: tokens an agent step adds")
     workload_keep_rate: float = Field(0.3, description="workloads: keep rate through the gateway")
-    session_rates: list[float] = Field([0.03, 0.06, 0.1, 0.15], description="poisson: sessions started per "
+    session_rates: list[float] = Field([0.04, 0.08, 0.12, 0.2, 0.3], description="poisson: sessions started per "
                                        "second, one run each")
-    sessions_per_rate: int = Field(12, description="poisson: sessions per rate (kinds in equal shares)")
+    sessions_per_rate: int = Field(18, description="poisson: sessions per rate (kinds in equal shares)")
     vllm_scheduling: str = Field("fcfs", description="launched vLLM: fcfs (its default) or priority "
                                                      "(--scheduling-policy priority), for both instances")
     shared_engine: bool = Field(False, description="workloads: one engine for both paths, the direct path's "
