@@ -29,6 +29,7 @@ class Ticket:
     background: bool
     predicted_s: float  # the engine's own time for it (no wait)
     started: float
+    expected_s: float = 0.0  # its backend time as predicted at the send, at the engine's idle speed
     first_event: float | None = None  # its prefill is over
     ended: float | None = None
     contended: bool = False  # something else ran at the engine before its first event
@@ -57,6 +58,7 @@ class EngineLoad:
         self._idle_since: float | None = clock()
         self._gaps: collections.deque[float] = collections.deque(maxlen=history)
         self._typical: collections.deque[float] = collections.deque(maxlen=32)  # clean foreground seconds
+        self._slowdowns: collections.deque[float] = collections.deque(maxlen=32)  # busy engine: measured/expected
         self._changed = asyncio.Event()
         self._watcher: asyncio.Task | None = None
 
@@ -111,9 +113,9 @@ class EngineLoad:
 
     # --- requests at the backend ---
 
-    def begin(self, predicted_s: float, *, background: bool = False) -> Ticket:
+    def begin(self, predicted_s: float, *, background: bool = False, expected_s: float = 0.0) -> Ticket:
         now = self.clock()
-        ticket = Ticket(background, predicted_s, now, contended=bool(self._alive) or self.external > 0)
+        ticket = Ticket(background, predicted_s, now, expected_s, contended=bool(self._alive) or self.external > 0)
         for other in self._alive:
             if other.first_event is None:
                 other.contended = True
@@ -131,6 +133,8 @@ class EngineLoad:
         behind = sum(min(b.ended or now, now) - ticket.started for b in ticket.behind)
         if not ticket.background and not ticket.contended:
             self._typical.append(now - ticket.started)
+        elif not ticket.background and ticket.expected_s > 0:
+            self._slowdowns.append((now - ticket.started) / ticket.expected_s)
         return max(0.0, behind)
 
     def end(self, ticket: Ticket) -> None:
@@ -144,7 +148,27 @@ class EngineLoad:
     def wait_s(self) -> float:
         """Predicted seconds before the engine starts on a new foreground request: the prefill left of every
         request ahead of it (an engine runs what it has first: vLLM schedules running requests before waiting
-        ones, whatever their priority), and a typical request for each of someone else's."""
+        ones, whatever their priority), and a typical request for each of someone else's; at the busy engine's
+        speed."""
+        return self._idle_wait() * self.slowdown()
+
+    def estimate(self, target_s: float) -> tuple[float, float, float]:
+        """For a request whose own engine time is ``target_s`` (on an idle engine), sent now: the wait ahead of it,
+        its predicted backend time (the wait, then its own time, both at the busy engine's speed), and that
+        time at the idle engine's speed (what the slowdown is learnt against)."""
+        idle = self._idle_wait()
+        factor = self.slowdown() if self._alive or self.external else 1.0
+        return idle * factor, (idle + target_s) * factor, idle + target_s
+
+    def slowdown(self) -> float:
+        """How much slower the engine has answered while it was shared than its idle speed predicts (the median
+        of recent busy requests' measured over expected time; 1 until four are seen): a CPU engine shares its
+        cores with the gateway's draft, and a busy one batches requests whose costs do not simply add."""
+        if len(self._slowdowns) < 4:
+            return 1.0
+        return min(20.0, max(1.0, statistics.median(self._slowdowns)))
+
+    def _idle_wait(self) -> float:
         now = self.clock()
         own = sum(t.remaining(now) for t in self._alive)
         typical = statistics.median(self._typical) if self._typical else 0.0

@@ -22,8 +22,8 @@ class Plan:
     recurring: bool = False  # a context likely to come back (a system prompt, or the start of an earlier prompt)
     engine_cached: int = 0  # prompt tokens the engine is expected to serve from its prefix cache
     target_s: float = 0.0  # the target's predicted time for what is sent, on an idle engine
-    wait_ms: float = 0.0  # the predicted wait for the requests ahead of it at the engine
-    predicted_ms: float = 0.0  # the predicted backend time: the wait, then the target's time
+    wait_ms: float = 0.0  # the predicted wait for the requests ahead of it at the engine (when it was sent)
+    predicted_ms: float = 0.0  # the predicted backend time: the wait, then the target's time (when it was sent)
     background_ms: float = 0.0  # time at the backend alongside this gateway's own background work
     tokenize_ms: float = 0.0
     select_ms: float = 0.0

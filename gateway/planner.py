@@ -160,15 +160,18 @@ class Planner:
     @staticmethod
     def _divergence(keep: torch.Tensor | None, boundary: int | None,
                     seen: tuple[Selection, int] | None) -> int | None:
-        """Where the next request on this context most likely leaves this prompt: the last message, after a
-        shared system prompt (its next user); else where this prompt left the earlier one it began like, when
-        it replaced that one's end (the same document, another question) rather than continued it (a chat's
-        next turn, which leaves at this prompt's end)."""
-        if keep is not None and bool(keep.any()) and boundary:
-            return boundary
-        if seen is not None and 0 < seen[1] < seen[0].length:
-            return seen[1]
-        return None
+        """Where the next request on this context most likely leaves this prompt, from how this one left the
+        earlier prompt it began like: continued it (a chat's next turn, an agent's next step): the next one
+        continues this one, past its end, so nowhere inside; replaced its end (the same document, another
+        question): there again, or where the last message begins if that came first (the next user of a
+        system prompt). Without an earlier prompt, where the last message begins after a system prompt."""
+        has_system = keep is not None and bool(keep.any()) and bool(boundary)
+        if seen is not None and seen[1] > 0:
+            selection, shared = seen
+            if shared >= selection.length:
+                return None
+            return boundary if has_system and shared >= boundary else shared
+        return boundary if has_system else None
 
     def _held_system(self, keep: torch.Tensor | None, cached: int) -> int:
         """The system prompt's length if it must stay whole: the engine holds it (warming put it there), so

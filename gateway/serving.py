@@ -334,7 +334,10 @@ class GatewayServing:
         if streamed and endpoint is None:  # ask for the usage: it says how much the engine served from its cache
             body = {**body, "stream_options": {"include_usage": True}}
         self._foreground(+1)
-        ticket = self.load.begin(plan.target_s)
+        # what the engine holds ahead of it now, after the draft (requests planned meanwhile went first)
+        wait, predicted, expected = self.load.estimate(plan.target_s)
+        plan.wait_ms, plan.predicted_ms = wait * 1e3, predicted * 1e3
+        ticket = self.load.begin(plan.target_s, expected_s=expected)
         try:
             if endpoint is not None:
                 call = self.backend.stream(endpoint, body) if streamed else self.backend.post(endpoint, body)

@@ -47,6 +47,27 @@ def test_others_requests_at_the_engine_count_as_typical_requests():
     assert load.wait_s() == pytest.approx(0.6) and not load.idle
 
 
+def test_a_shared_engine_is_predicted_at_the_speed_it_has_shown_while_shared():
+    """While requests share the engine (and, on a CPU, the gateway's draft shares its cores), they take longer
+    than their idle-speed predictions say; the predictions of requests sent into a busy engine take the
+    measured slowdown, those sent into an idle one do not."""
+    load, clock = _load()
+    assert load.estimate(0.2) == (0.0, 0.2, 0.2)
+    for _ in range(6):
+        first = load.begin(0.2)
+        _, _, expected = load.estimate(0.1)
+        second = load.begin(0.1, expected_s=expected)  # expected: 0.2 ahead, then 0.1 of its own
+        clock.now += 0.9  # three times as long
+        load.answered(first), load.answered(second), load.end(first), load.end(second)
+    assert load.slowdown() == pytest.approx(3.0)
+    assert load.estimate(0.2) == (0.0, 0.2, 0.2)  # an idle engine: its own speed
+    busy = load.begin(0.5)
+    wait, predicted, expected = load.estimate(0.2)
+    assert (wait, predicted, expected) == pytest.approx((1.5, 2.1, 0.7))
+    assert load.wait_s() == pytest.approx(1.5)
+    load.end(busy)
+
+
 def test_timings_that_shared_the_engine_are_contended():
     load, clock = _load()
     alone = load.begin(0.1)

@@ -344,6 +344,21 @@ async def test_kept_tokens_fill_whole_engine_blocks_up_to_where_the_next_user_le
     assert second.kept_tokens - second.engine_cached <= 40  # the question alone is read anew
 
 
+def test_where_the_next_request_leaves_follows_how_this_one_left_the_last():
+    from gateway.selections import Selection
+
+    system = torch.zeros(3040, dtype=torch.bool)
+    system[:3000] = True
+    earlier = Selection((0, 1, 2), 0.3, False, length=3040)
+    assert Planner._divergence(system, 3005, None) == 3005  # a new system prompt: its next user asks anew
+    assert Planner._divergence(None, 3005, None) is None  # a new document: no one knows
+    assert Planner._divergence(system, 3005, (earlier, 3008)) == 3005  # another question under it: the message
+    assert Planner._divergence(None, 5, (earlier, 3008)) == 3008  # the same document, another question
+    assert Planner._divergence(system, 3005, (earlier, 2000)) == 2000  # it replaced part of the system prompt
+    grown = Selection((0, 1, 2), 0.3, False, length=2900)
+    assert Planner._divergence(system, 3005, (grown, 2900)) is None  # a chat's next turn: it leaves at the end
+
+
 async def test_a_held_system_prompt_that_ends_inside_a_block_does_not_wake_the_draft():
     """The engine caches whole blocks, so the system prompt's last few tokens are read anew whatever the plan:
     the lower bound of a compressed plan counts them too, and a short question goes whole without the draft
