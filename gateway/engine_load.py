@@ -3,7 +3,7 @@
 Three sources: this gateway's own requests at the backend (foreground, and its background warming pieces), the
 engine's own count of running and waiting requests (polled from its ``/metrics``: the part that is someone
 else's), and the idle gaps between this gateway's requests. Three uses:
-  the planner prices a plan with the wait ahead of it (``wait_s``);
+  a plan is priced with the wait ahead of it, at the speed the engine has shown while shared (``estimate``);
   the cost models learn only from timings that nothing else shared the engine with (``Ticket.contended``);
   warming starts a piece only while the engine is idle and likely to stay idle until it ends (``quiet_for``).
 """
@@ -42,8 +42,7 @@ class Ticket:
 
 @dataclass(frozen=True, slots=True)
 class Snapshot:
-    epoch: int
-    at: float
+    epoch: int  # tickets begun by then
 
 
 class EngineLoad:
@@ -175,7 +174,7 @@ class EngineLoad:
         return own + self.external * typical
 
     def snapshot(self) -> Snapshot:
-        return Snapshot(self._epoch, self.clock())
+        return Snapshot(self._epoch)
 
     def undisturbed(self, since: Snapshot) -> bool:
         """Whether nothing ran at the engine since ``since`` (a draft timed then shared no hardware with it)."""

@@ -86,3 +86,12 @@ def test_the_image_copies_every_package_it_installs():
     assert packages == {p.name for p in ROOT.iterdir() if (p / "__init__.py").exists() and p.name != "tests"}
     copied = set(re.findall(r"^COPY (\w+) \./\1$", (ROOT / "docker" / "specprefill.Dockerfile").read_text(), re.M))
     assert packages <= copied, packages - copied
+
+
+def test_the_vllm_command_gives_what_the_planner_reads(compose):
+    """Prefix caching (what the planner plans around), cached-token counts in every answer (what its cost models
+    learn from), and a scheduling policy vLLM knows (priority lets a request overtake a waiting warming piece)."""
+    command = compose["services"]["vllm"]["command"]
+    assert {"--enable-prefix-caching", "--enable-prompt-tokens-details"} <= set(command)
+    policy = command[command.index("--scheduling-policy") + 1]
+    assert re.sub(r"\$\{[^}:]+:-([^}]*)\}", r"\1", policy) in ("fcfs", "priority")

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 import httpx
 
 from specprefill.lab.bench import PromptMaker, stream_ttft
-from specprefill.lab.workloads import PathTarget, _agent, _chat, percentile
+from specprefill.lab.workloads import PathTarget, _agent, _chat, percentile, within_2x
 
 KINDS = ("fresh", "document", "chat", "agent", "system", "short")
 QUESTIONS = [f"\n\nQuestion {i + 1}: which number appears in sentence {3 * i + 2} of the text above?"
@@ -121,7 +121,8 @@ async def run_sessions(path: PathTarget, sessions: list[Session], rate: float, m
 
 def summarize_sessions(samples: list[SessionSample]) -> dict:
     """Per rate: each path's TTFT p50, p90 and errors, each kind's median, and the gateway's ratios to direct;
-    then the max-QPS objective and each path's highest rate within it."""
+    then the max-QPS objective and each path's highest rate within it; the share of the gateway's compressed
+    requests whose predicted backend time was within 2x of the measured one."""
     rates = sorted({s.rate for s in samples})
     per_rate = []
     for rate in rates:
@@ -142,6 +143,9 @@ def summarize_sessions(samples: list[SessionSample]) -> dict:
                                          if k in direct["kinds"]}}
         per_rate.append(entry)
     summary: dict = {"rates": per_rate}
+    checks = [c for s in samples if s.path == "gateway"
+              if (c := within_2x(s.timing_ms.get("predicted"), s.timing_ms.get("backend"))) is not None]
+    summary["predicted_within_2x"] = sum(checks) / len(checks) if checks else None
     if per_rate and "direct" in per_rate[0]["paths"]:
         objective = 2 * per_rate[0]["paths"]["direct"]["p90_s"]
         best = {}
@@ -173,6 +177,9 @@ def format_sessions(summary: dict) -> str:
                      f"rate): gateway {best['gateway']}, direct {best['direct']}, ratio {summary['max_rate_ratio']}"
                      + (" (the gateway met it at the highest rate tried: a lower bound)"
                         if summary.get("gateway_passes_highest_rate") else ""))
+    if summary.get("predicted_within_2x") is not None:
+        lines.append(f"predicted backend time within 2x of the measured: {summary['predicted_within_2x']:.0%} "
+                     "of the gateway's requests")
     return "\n".join(lines)
 
 

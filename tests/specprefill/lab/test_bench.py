@@ -166,6 +166,7 @@ def test_mixed_sessions_run_the_same_schedule_through_both_paths_and_give_the_ma
     assert len(samples) == 2 * sum(len(s.requests) for s in schedule) and all(s.ttft_s for s in samples)
     summary = summarize_sessions(samples)
     assert set(summary["rates"][0]["ratios"]["kinds"]) == set(KINDS)
+    assert 0.0 <= summary["predicted_within_2x"] <= 1.0  # the gateway's compressed requests carry both times
 
     def synthetic(rate: float, path: str, p90: float) -> list[SessionSample]:
         return [SessionSample(rate, path, i, "fresh", 0, p90 * (i + 1) / 10) for i in range(10)]
@@ -175,6 +176,7 @@ def test_mixed_sessions_run_the_same_schedule_through_both_paths_and_give_the_ma
     summary = summarize_sessions(fake)
     assert summary["objective_s"] == pytest.approx(2 * 0.91)
     assert summary["max_rate"] == {"gateway": 0.2, "direct": 0.1} and summary["max_rate_ratio"] == 2.0
+    assert summary["predicted_within_2x"] is None  # no timings, no share
 
 
 def test_a_shared_engine_workload_run_sends_the_direct_path_other_documents(gateway_url, engine_backend):
