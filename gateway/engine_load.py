@@ -33,6 +33,7 @@ class Ticket:
     first_event: float | None = None  # its prefill is over
     ended: float | None = None
     contended: bool = False  # something else ran at the engine before its first event
+    busy_at_send: bool = False  # something was at the engine when it was sent
     behind: list[Ticket] = field(default_factory=list)  # background work it found at the engine
 
     def remaining(self, now: float) -> float:
@@ -57,7 +58,8 @@ class EngineLoad:
         self._idle_since: float | None = clock()
         self._gaps: collections.deque[float] = collections.deque(maxlen=history)
         self._typical: collections.deque[float] = collections.deque(maxlen=32)  # clean foreground seconds
-        self._slowdowns: collections.deque[float] = collections.deque(maxlen=32)  # busy engine: measured/expected
+        # measured/expected of recent foreground requests, by whether they were sent into a busy engine
+        self._slowdowns = {busy: collections.deque(maxlen=32) for busy in (True, False)}
         self._changed = asyncio.Event()
         self._watcher: asyncio.Task | None = None
 
@@ -114,7 +116,8 @@ class EngineLoad:
 
     def begin(self, predicted_s: float, *, background: bool = False, expected_s: float = 0.0) -> Ticket:
         now = self.clock()
-        ticket = Ticket(background, predicted_s, now, expected_s, contended=bool(self._alive) or self.external > 0)
+        busy = bool(self._alive) or self.external > 0
+        ticket = Ticket(background, predicted_s, now, expected_s, contended=busy, busy_at_send=busy)
         for other in self._alive:
             if other.first_event is None:
                 other.contended = True
@@ -132,8 +135,8 @@ class EngineLoad:
         behind = sum(min(b.ended or now, now) - ticket.started for b in ticket.behind)
         if not ticket.background and not ticket.contended:
             self._typical.append(now - ticket.started)
-        elif not ticket.background and ticket.expected_s > 0:
-            self._slowdowns.append((now - ticket.started) / ticket.expected_s)
+        if not ticket.background and ticket.expected_s > 0:
+            self._slowdowns[ticket.busy_at_send].append((now - ticket.started) / ticket.expected_s)
         return max(0.0, behind)
 
     def end(self, ticket: Ticket) -> None:
@@ -149,23 +152,26 @@ class EngineLoad:
         request ahead of it (an engine runs what it has first: vLLM schedules running requests before waiting
         ones, whatever their priority), and a typical request for each of someone else's; at the busy engine's
         speed."""
-        return self._idle_wait() * self.slowdown()
+        return self._idle_wait() * self.slowdown(busy=True)
 
     def estimate(self, target_s: float) -> tuple[float, float, float]:
         """For a request whose own engine time is ``target_s`` (on an idle engine), sent now: the wait ahead of it,
         its predicted backend time (the wait, then its own time, both at the busy engine's speed), and that
         time at the idle engine's speed (what the slowdown is learnt against)."""
         idle = self._idle_wait()
-        factor = self.slowdown() if self._alive or self.external else 1.0
+        factor = self.slowdown(busy=bool(self._alive) or self.external > 0)
         return idle * factor, (idle + target_s) * factor, idle + target_s
 
-    def slowdown(self) -> float:
-        """How much slower the engine has answered while it was shared than its idle speed predicts (the median
-        of recent busy requests' measured over expected time; 1 until four are seen): a CPU engine shares its
-        cores with the gateway's draft, and a busy one batches requests whose costs do not simply add."""
-        if len(self._slowdowns) < 4:
+    def slowdown(self, busy: bool) -> float:
+        """How much slower than its idle speed predicts the engine has answered recent requests sent into it
+        busy (``busy``) or idle: the median of their measured over expected times, 1 until four are seen. A CPU
+        engine shares its cores with the gateway's draft; a busy one batches requests whose costs do not
+        simply add; and under heavy traffic a request sent into an idle engine shares it with the requests that
+        arrive during its prefill (vLLM's chunked prefill runs them in the same steps), so it is slowed too."""
+        recent = self._slowdowns[busy]
+        if len(recent) < 4:
             return 1.0
-        return min(20.0, max(1.0, statistics.median(self._slowdowns)))
+        return min(20.0, max(1.0, statistics.median(recent)))
 
     def _idle_wait(self) -> float:
         now = self.clock()

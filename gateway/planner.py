@@ -92,14 +92,15 @@ class Planner:
             return self._priced(bypass, whole, wait)
         priced = self.settings.planner == "cost"
         seen = self.selections.longest_shared(tokens)
+        began_like = self._began_like(seen, n)
         # likely to come back, so worth warming: a system prompt (shared by users), or a prompt that begins with
         # most of an earlier one (a chat's next turn, the same document again); a fresh document each time is not
-        recurring = (keep is not None and bool(keep.any())) or (seen is not None and 2 * seen[1] >= n)
+        recurring = (keep is not None and bool(keep.any())) or began_like is not None
         earlier = seen if priced and self.engine_cache is not None else None
         held = self._held_system(keep, whole.cached)
         if held and earlier is not None and not earlier[0].protected:
             earlier = None  # it compressed the system prompt, which is to stay whole now
-        divergence = self._divergence(keep, boundary, seen)
+        divergence = self._divergence(keep, boundary, began_like)
         draft_new = n - self.draft.reusable_prefix(tokens)
         draft_s = self.draft_cost.predict(draft_new, n - draft_new)
         # the draft runs while the requests ahead are at the engine: only what outlasts that wait costs more
@@ -158,13 +159,20 @@ class Planner:
         return Candidate(kind, kept, cached, self.target_cost.predict(len(sent) - cached, cached), protected)
 
     @staticmethod
+    def _began_like(seen: tuple[Selection, int] | None, n: int) -> tuple[Selection, int] | None:
+        """The earlier selection this prompt of ``n`` tokens began like, where it shares most of it (a chat's
+        next turn, the same document again); not one that shares only a chat template's first tokens."""
+        return seen if seen is not None and 2 * seen[1] >= n else None
+
+    @staticmethod
     def _divergence(keep: torch.Tensor | None, boundary: int | None,
                     seen: tuple[Selection, int] | None) -> int | None:
         """Where the next request on this context most likely leaves this prompt, from how this one left the
         earlier prompt it began like: continued it (a chat's next turn, an agent's next step): the next one
         continues this one, past its end, so nowhere inside; replaced its end (the same document, another
         question): there again, or where the last message begins if that came first (the next user of a
-        system prompt). Without an earlier prompt, where the last message begins after a system prompt."""
+        system prompt). Without an earlier prompt (``seen``: the one it began like), where the last message begins
+        after a system prompt."""
         has_system = keep is not None and bool(keep.any()) and bool(boundary)
         if seen is not None and seen[1] > 0:
             selection, shared = seen

@@ -50,7 +50,7 @@ def test_others_requests_at_the_engine_count_as_typical_requests():
 def test_a_shared_engine_is_predicted_at_the_speed_it_has_shown_while_shared():
     """While requests share the engine (and, on a CPU, the gateway's draft shares its cores), they take longer
     than their idle-speed predictions say; the predictions of requests sent into a busy engine take the
-    measured slowdown, those sent into an idle one do not."""
+    measured slowdown; those sent into an idle one take their own (next test), 1 until four are seen."""
     load, clock = _load()
     assert load.estimate(0.2) == (0.0, 0.2, 0.2)
     for _ in range(6):
@@ -59,13 +59,39 @@ def test_a_shared_engine_is_predicted_at_the_speed_it_has_shown_while_shared():
         second = load.begin(0.1, expected_s=expected)  # expected: 0.2 ahead, then 0.1 of its own
         clock.now += 0.9  # three times as long
         load.answered(first), load.answered(second), load.end(first), load.end(second)
-    assert load.slowdown() == pytest.approx(3.0)
+    assert load.slowdown(busy=True) == pytest.approx(3.0)
     assert load.estimate(0.2) == (0.0, 0.2, 0.2)  # an idle engine: its own speed
     busy = load.begin(0.5)
     wait, predicted, expected = load.estimate(0.2)
     assert (wait, predicted, expected) == pytest.approx((1.5, 2.1, 0.7))
     assert load.wait_s() == pytest.approx(1.5)
     load.end(busy)
+
+
+def test_under_heavy_traffic_a_request_sent_into_an_idle_engine_is_predicted_shared_too():
+    """Requests arriving during a prefill share the engine's steps with it (vLLM's chunked prefill), so under
+    heavy traffic a request that found the engine idle is slowed as well: its prediction takes the slowdown that
+    requests sent into an idle engine have shown, learnt apart from those sent into a busy one."""
+    load, clock = _load()
+    for _ in range(4):
+        _, _, expected = load.estimate(0.1)
+        alone = load.begin(0.1, expected_s=expected)  # sent into an idle engine
+        arrived = load.begin(0.3)  # a request that arrives during its prefill
+        clock.now += 0.4
+        load.answered(alone), load.answered(arrived), load.end(alone), load.end(arrived)
+    assert load.slowdown(busy=False) == pytest.approx(4.0) and load.slowdown(busy=True) == 1.0
+    assert load.estimate(0.1) == pytest.approx((0.0, 0.4, 0.1))
+    for _ in range(4):  # the traffic thins out: requests sent into an idle engine run alone again
+        _, _, expected = load.estimate(0.1)
+        alone = load.begin(0.1, expected_s=expected)
+        clock.now += 0.1
+        load.answered(alone), load.end(alone)
+    assert load.slowdown(busy=False) == pytest.approx(2.5)  # the median of four at 4x and four at 1x
+    for _ in range(8):
+        alone = load.begin(0.1, expected_s=0.1)
+        clock.now += 0.1
+        load.answered(alone), load.end(alone)
+    assert load.estimate(0.1) == pytest.approx((0.0, 0.1, 0.1))
 
 
 def test_timings_that_shared_the_engine_are_contended():

@@ -334,6 +334,9 @@ async def test_kept_tokens_fill_whole_engine_blocks_up_to_where_the_next_user_le
     system = torch.zeros(3040, dtype=torch.bool)
     system[:3000] = True
     prompt = _ids(3000, 17)
+    # an earlier request that shares only the chat template's first tokens: not one this prompt began like
+    other = await planner.plan(prompt[:5] + _ids(2500, 20), OPTIONS, [])
+    await planner.completed(other, None, 1.0)
     first = await planner.plan(prompt + _ids(40, 18), OPTIONS, [], system, boundary=3000)
     unfilled = select_tokens(prompt + _ids(40, 18), await draft.score(prompt + _ids(40, 18)), 0.3, draft.config)
     below = sum(i < 3000 for i in first.kept_indices)
@@ -357,6 +360,9 @@ def test_where_the_next_request_leaves_follows_how_this_one_left_the_last():
     assert Planner._divergence(system, 3005, (earlier, 2000)) == 2000  # it replaced part of the system prompt
     grown = Selection((0, 1, 2), 0.3, False, length=2900)
     assert Planner._divergence(system, 3005, (grown, 2900)) is None  # a chat's next turn: it leaves at the end
+    # only an earlier prompt this one shares most of counts: not one that shares the chat template's head
+    assert Planner._began_like((earlier, 5), 3040) is None
+    assert Planner._began_like((earlier, 2000), 3040) == (earlier, 2000)
 
 
 async def test_a_held_system_prompt_that_ends_inside_a_block_does_not_wake_the_draft():
