@@ -121,8 +121,8 @@ async def run_sessions(path: PathTarget, sessions: list[Session], rate: float, m
 
 def summarize_sessions(samples: list[SessionSample]) -> dict:
     """Per rate: each path's TTFT p50, p90 and errors, each kind's median, and the gateway's ratios to direct;
-    then the max-QPS objective and each path's highest rate within it; the share of the gateway's compressed
-    requests whose predicted backend time was within 2x of the measured one."""
+    then the max-QPS objective and each path's highest rate within it; the share of the gateway's requests
+    with a prediction whose predicted backend time was within 2x of the measured one."""
     rates = sorted({s.rate for s in samples})
     per_rate = []
     for rate in rates:

@@ -177,6 +177,10 @@ def test_mixed_sessions_run_the_same_schedule_through_both_paths_and_give_the_ma
     assert summary["objective_s"] == pytest.approx(2 * 0.91)
     assert summary["max_rate"] == {"gateway": 0.2, "direct": 0.1} and summary["max_rate_ratio"] == 2.0
     assert summary["predicted_within_2x"] is None  # no timings, no share
+    fake[10].timing_ms = {"predicted": 100.0, "backend": 150.0}  # a gateway sample: within 2x
+    fake[11].timing_ms = {"predicted": 100.0, "backend": 500.0}  # 5x off
+    fake[0].timing_ms = {"predicted": 100.0, "backend": 500.0}  # the direct path's: not counted
+    assert summarize_sessions(fake)["predicted_within_2x"] == 0.5
 
 
 def test_a_shared_engine_workload_run_sends_the_direct_path_other_documents(gateway_url, engine_backend):
