@@ -57,7 +57,7 @@ def render_chat(tokenizer, messages: list[ChatMessage], encode=None, tools: list
     the template). ``encode(text) -> (ids, offsets)`` replaces a plain tokenization (a ``tokenize.PieceCache``'s)."""
     plain = [m.for_template() for m in messages]
     try:
-        text = tokenizer.apply_chat_template(plain, tools=tools or None, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(plain, tools=template_tools(tools), tokenize=False, add_generation_prompt=True)
     except (jinja2.TemplateError, TypeError) as exc:  # TypeError: a tool or tool call the template cannot print
         raise InvalidRequestError(f"the model's chat template rejected the messages or tools: {exc}",
                                   param="messages") from None
@@ -68,6 +68,30 @@ def render_chat(tokenizer, messages: list[ChatMessage], encode=None, tools: list
     encoding = tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
     return RenderedChat(text, encoding.input_ids,
                         np.asarray(encoding["offset_mapping"], dtype=np.int64).reshape(-1, 2))
+
+
+def template_tools(tools: list[dict] | None) -> list[dict] | None:
+    """Chat tools as vLLM hands them to the template (its request model's dump): ``type`` then ``function``
+    with ``name``, ``description`` (null where absent) and ``parameters``; ``strict`` only where set."""
+    if not tools:
+        return None
+    out = []
+    for tool in tools:
+        function = tool.get("function")
+        if tool.get("type", "function") != "function" or not isinstance(function, dict):
+            out.append(tool)
+            continue
+        dumped = {"name": function.get("name"), "description": function.get("description"),
+                  "parameters": function.get("parameters")}
+        if function.get("strict") is not None:
+            dumped["strict"] = function["strict"]
+        if (defer := function.get("defer_loading", tool.get("defer_loading"))) is not None:
+            dumped["defer_loading"] = defer
+        entry = {"type": "function", "function": dumped}
+        if tool.get("defer_loading") is not None:
+            entry["defer_loading"] = tool["defer_loading"]
+        out.append(entry)
+    return out
 
 
 def completion_to_chat(body: dict, model: str) -> dict:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -85,31 +87,50 @@ def _validation_error(errors: list[dict]) -> InvalidRequestError:
     return InvalidRequestError(f"{param}: {message}" if param else message, param=param)
 
 
-def install_error_handlers(app: FastAPI) -> None:
-    """Every non-2xx answer in OpenAI's shape, whatever raised it."""
-
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(_validation_error(list(exc.errors())))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+def to_api_error(exc: BaseException) -> APIError:
+    """Whatever a route raised, as the ``APIError`` its client sees."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, RequestValidationError):
+        return _validation_error(list(exc.errors()))
+    if isinstance(exc, StarletteHTTPException):
         kinds = {401: AuthenticationError, 404: NotFoundError}
         cls = kinds.get(exc.status_code, InvalidRequestError if exc.status_code < 500 else APIError)
-        return error_response(cls(str(exc.detail), status_code=exc.status_code))
+        return cls(str(exc.detail), status_code=exc.status_code)
+    if isinstance(exc, RecursionError):
+        return InvalidRequestError("the request body is nested too deeply")
+    logger.error("unhandled error", exc_info=exc)
+    return as_api_error(exc)
 
-    @app.exception_handler(RecursionError)
-    async def _too_deep(_: Request, exc: RecursionError) -> JSONResponse:
-        return error_response(InvalidRequestError("the request body is nested too deeply"))
 
-    @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error")
-        return error_response(as_api_error(exc))
+def install_error_handlers(app: FastAPI) -> None:
+    """Every non-2xx answer in OpenAI's shape, whatever raised it (routes of ``shaped_errors`` in their own)."""
+
+    async def handler(_: Request, exc: Exception) -> JSONResponse:
+        return error_response(to_api_error(exc))
+
+    for kind in (APIError, RequestValidationError, StarletteHTTPException, RecursionError, Exception):
+        app.add_exception_handler(kind, handler)
+
+
+def shaped_errors(shape: Callable[[APIError], dict[str, Any]]) -> type[APIRoute]:
+    """A route class whose errors, whatever raised them (validation, a dependency, the work), take ``shape``
+    rather than OpenAI's: another API's error shape (Anthropic's) on that API's routes."""
+
+    class ShapedRoute(APIRoute):
+        def get_route_handler(self) -> Callable:
+            handler = super().get_route_handler()
+
+            async def route(request: Request) -> Response:
+                try:
+                    return await handler(request)
+                except Exception as exc:
+                    error = to_api_error(exc)
+                    return JSONResponse(shape(error), status_code=error.status_code, headers=error.headers)
+
+            return route
+
+    return ShapedRoute
 
 
 def parse_body(model: type[BaseModel], body: dict):

@@ -77,6 +77,8 @@ class SamplingFields(WireModel):
             found.append("logit_bias")
         if self.response_format and self.response_format.get("type") not in (None, "text"):
             found.append("response_format")
+        if (self.model_extra or {}).get("top_k") not in (None, 0, -1):  # vLLM's (and Anthropic's) extension
+            found.append("top_k")
         return found
 
     def _sampling_params(self) -> dict[str, Any]:
@@ -131,6 +133,9 @@ class ChatMessage(WireModel):
             message["tool_call_id"] = self.tool_call_id
         if self.tool_calls:
             message["tool_calls"] = [_parsed_arguments(call) for call in self.tool_calls]
+        reasoning = (self.model_extra or {}).get("reasoning")
+        if self.role == "assistant" and isinstance(reasoning, str):  # interleaved thinking, as vLLM passes it
+            message["reasoning"] = message["reasoning_content"] = reasoning
         return message
 
 

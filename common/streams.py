@@ -7,7 +7,7 @@ import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from common.errors import as_api_error
+from common.errors import APIError, as_api_error
 
 SSE_DONE = b"data: [DONE]\n\n"
 
@@ -18,9 +18,14 @@ def sse(payload: dict[str, Any], named: bool = False) -> bytes:
     return head + b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
 
 
-def sse_error(exc: BaseException, named: bool = False) -> bytes:
-    """The frame sent when a stream has already begun: one error event (then the caller sends [DONE])."""
-    body = as_api_error(exc).body()
+def sse_error(exc: BaseException, named: bool = False,
+              shape: Callable[[APIError], dict[str, Any]] | None = None) -> bytes:
+    """The frame sent when a stream has already begun: one error event (then the caller sends [DONE]);
+    ``shape`` renders it in another API's error shape (an Anthropic stream's ``error`` event)."""
+    error = as_api_error(exc)
+    if shape is not None:
+        return sse(shape(error), named=named)
+    body = error.body()
     if named:  # the Responses stream's error event
         return sse({"type": "error", **body["error"]}, named=True)
     return sse(body)
@@ -79,9 +84,11 @@ async def merge(streams: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, A
 
 async def sse_body(chunks: AsyncIterator[dict], *, on_first: Callable[[], None] | None = None,
                    on_error: Callable[[BaseException], None] | None = None,
-                   on_done: Callable[[], None] | None = None, named: bool = False) -> AsyncIterator[bytes]:
+                   on_done: Callable[[], None] | None = None, named: bool = False,
+                   error_shape: Callable[[APIError], dict[str, Any]] | None = None) -> AsyncIterator[bytes]:
     """``chunks`` as SSE frames, then ``[DONE]``; the hooks observe the first chunk, a failure, a clean end.
-    ``named``: OpenAI's Responses stream (an event name on each frame, and no ``[DONE]``).
+    ``named``: an event name on each frame, and no ``[DONE]`` (OpenAI's Responses stream, Anthropic's Messages
+    stream); ``error_shape``: the error event in another API's shape.
 
     A failure after the first byte cannot change the HTTP status any more: it becomes one error event,
     then ``[DONE]``.
@@ -98,7 +105,7 @@ async def sse_body(chunks: AsyncIterator[dict], *, on_first: Callable[[], None] 
     except Exception as exc:
         if on_error is not None:
             on_error(exc)
-        yield sse_error(exc, named)
+        yield sse_error(exc, named, error_shape)
     finally:
         await chunks.aclose()
     if not named:

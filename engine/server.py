@@ -5,13 +5,14 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from common.cancellation import with_cancellation
-from common.errors import install_error_handlers
+from common import messages as anthropic
+from common.errors import install_error_handlers, shaped_errors
 from common.protocol import ChatCompletionRequest
 from common.responses import ResponsesRequest
 from common.streams import sse_body
@@ -43,9 +44,9 @@ def create_app(settings: EngineSettings | None = None, *, serving: EngineServing
     app.state.metrics = metrics
     install_error_handlers(app)
 
-    def streamed(chunks: AsyncIterator[dict], named: bool = False) -> StreamingResponse:
+    def streamed(chunks: AsyncIterator[dict], named: bool = False, error_shape=None) -> StreamingResponse:
         body = sse_body(chunks, on_error=lambda _: metrics.requests.labels("error").inc(),
-                        on_done=lambda: metrics.requests.labels("ok").inc(), named=named)
+                        on_done=lambda: metrics.requests.labels("ok").inc(), named=named, error_shape=error_shape)
         return StreamingResponse(body, media_type="text/event-stream")
 
     @app.post("/v1/completions")
@@ -79,6 +80,25 @@ def create_app(settings: EngineSettings | None = None, *, serving: EngineServing
         body = await serving_.responses(request)
         metrics.requests.labels("ok").inc()
         return JSONResponse(body)
+
+    messages_api = APIRouter(route_class=shaped_errors(anthropic.error_body))
+
+    @messages_api.post("/v1/messages")
+    @with_cancellation
+    async def messages(request: anthropic.MessagesRequest, raw_request: Request) -> Response:
+        """Anthropic's Messages API through the chat template, converted as vLLM converts it; takes the swap."""
+        serving_: EngineServing = raw_request.app.state.serving
+        if request.stream:
+            return streamed(await serving_.messages_stream(request), named=True, error_shape=anthropic.error_body)
+        body = await serving_.messages(request)
+        metrics.requests.labels("ok").inc()
+        return JSONResponse(body)
+
+    @messages_api.post("/v1/messages/count_tokens")
+    async def count_tokens(request: anthropic.Conversation, raw_request: Request) -> JSONResponse:
+        return JSONResponse(anthropic.count_tokens_body(raw_request.app.state.serving.count_tokens(request)))
+
+    app.include_router(messages_api)
 
     @app.get("/v1/models")
     async def models(raw_request: Request) -> JSONResponse:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 
 from common.chat import ChatChunkConverter, as_chat_chunks, completion_to_chat, render_chat
 from common.errors import InvalidRequestError, NotFoundError
+from common.messages import Conversation, MessagesRequest, chat_to_message, merges_inline_system, message_events
 from common.models import load_causal_lm, load_tokenizer
 from common.protocol import ChatCompletionRequest, SamplingFields
 from common.responses import ResponsesRequest, chat_to_response, response_events
@@ -41,6 +42,7 @@ class EngineServing:
         self.engine = engine
         self.served_names = served_names
         self.pieces = PieceCache(engine.tokenizer)  # chats' repeated parts tokenized once, long new ones in parallel
+        self.merge_inline_system = merges_inline_system(engine.tokenizer)  # for Messages, as vLLM decides it
 
     @classmethod
     def from_settings(cls, settings: EngineSettings, on_active_change=None) -> EngineServing:
@@ -194,6 +196,23 @@ class EngineServing:
     async def responses_stream(self, request: ResponsesRequest) -> AsyncIterator[dict]:
         chunks = await self.chat_completion_stream(request.as_chat())
         return response_events(request, chunks, self.model_name)
+
+    async def messages(self, request: MessagesRequest) -> dict:
+        """Anthropic's Messages API through the chat template (converted as vLLM converts it); takes the swap."""
+        chat = await self.chat_completion(request.as_chat(self.merge_inline_system))
+        return chat_to_message(chat, self.model_name)
+
+    async def messages_stream(self, request: MessagesRequest) -> AsyncIterator[dict]:
+        chunks = await self.chat_completion_stream(request.as_chat(self.merge_inline_system))
+        return message_events(chunks, self.model_name)
+
+    def count_tokens(self, request: Conversation) -> int:
+        """The prompt tokens a Messages request renders to."""
+        if request.model not in self.served_names:
+            raise NotFoundError(f"model {request.model!r} does not exist; this server serves {self.model_name!r}",
+                                param="model", code="model_not_found")
+        chat = request.as_chat(self.merge_inline_system)
+        return len(render_chat(self.engine.tokenizer, chat.messages, self.pieces.encode, tools=chat.tools).token_ids)
 
     def _logprobs(self, steps: list[StepOutput], offset: int) -> dict:
         decode = self.engine.tokenizer.decode

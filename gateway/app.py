@@ -1,4 +1,5 @@
-"""The gateway app: thin routers over ``GatewayServing``; models load in the lifespan."""
+"""The gateway app: thin routers over one serving object per API surface (``gateway.entrypoints``), which share
+``GatewayServing``; models load in the lifespan."""
 
 from __future__ import annotations
 
@@ -6,21 +7,27 @@ import base64
 import hmac
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from common.cancellation import with_cancellation
-from common.errors import APIError, AuthenticationError, install_error_handlers
+from common import messages as anthropic
+from common.errors import APIError, AuthenticationError, install_error_handlers, shaped_errors
 from common.protocol import ChatCompletionRequest, CompletionRequest
 from common.responses import ResponsesRequest
 from common.streams import sse_body
 from gateway.backends import Backend
 from gateway.draft import DraftClient
+from gateway.entrypoints.chat import ChatAPI
+from gateway.entrypoints.completions import CompletionsAPI
+from gateway.entrypoints.dry_run import DryRunAPI
+from gateway.entrypoints.messages import MessagesAPI
+from gateway.entrypoints.responses import ResponsesAPI
 from gateway.inspector import page
 from gateway.metrics import GatewayMetrics
 from gateway.serving import Answer, GatewayServing
@@ -38,13 +45,18 @@ def create_app(settings: GatewaySettings | None = None, *, draft: DraftClient | 
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        app.state.serving = await build_serving(settings, metrics, draft, backend)
-        logger.info("gateway ready: model %r, backend %s", app.state.serving.model_name,
+        serving = app.state.serving = await build_serving(settings, metrics, draft, backend)
+        chat = app.state.chat = ChatAPI(serving)  # one serving object per API surface, over the shared path
+        app.state.completions = CompletionsAPI(serving)
+        app.state.responses = ResponsesAPI(serving)
+        app.state.messages = MessagesAPI(serving, chat)
+        app.state.dry_run = DryRunAPI(serving)
+        logger.info("gateway ready: model %r, backend %s", serving.model_name,
                     settings.backend_url or "reference engine in-process")
         try:
             yield
         finally:
-            await app.state.serving.close()
+            await serving.close()
 
     app = FastAPI(title="SpecPrefill gateway", lifespan=lifespan)
     install_error_handlers(app)
@@ -53,25 +65,42 @@ def create_app(settings: GatewaySettings | None = None, *, draft: DraftClient | 
     @app.post("/v1/chat/completions", dependencies=auth)
     @with_cancellation
     async def chat_completions(request: ChatCompletionRequest, raw_request: Request) -> Response:
-        return await _respond("chat", raw_request, lambda s: s.chat(request, raw_request.headers))
+        return await _respond("chat", raw_request, raw_request.app.state.chat(request, raw_request.headers))
 
     @app.post("/v1/completions", dependencies=auth)
     @with_cancellation
     async def completions(request: CompletionRequest, raw_request: Request) -> Response:
-        return await _respond("completions", raw_request, lambda s: s.completion(request, raw_request.headers))
+        return await _respond("completions", raw_request,
+                              raw_request.app.state.completions(request, raw_request.headers))
 
     @app.post("/v1/responses", dependencies=auth)
     @with_cancellation
     async def responses(request: ResponsesRequest, raw_request: Request) -> Response:
-        return await _respond("responses", raw_request, lambda s: s.responses(request, raw_request.headers))
+        return await _respond("responses", raw_request, raw_request.app.state.responses(request, raw_request.headers),
+                              named=True)
+
+    messages_api = APIRouter(route_class=shaped_errors(anthropic.error_body), dependencies=auth)
+
+    @messages_api.post("/v1/messages")
+    @with_cancellation
+    async def messages(request: anthropic.MessagesRequest, raw_request: Request) -> Response:
+        """Anthropic's Messages API (its error shape on these routes)."""
+        return await _respond("messages", raw_request, raw_request.app.state.messages(request, raw_request.headers),
+                              named=True, error_shape=anthropic.error_body)
+
+    @messages_api.post("/v1/messages/count_tokens")
+    async def count_tokens(request: anthropic.Conversation, raw_request: Request) -> JSONResponse:
+        return JSONResponse(anthropic.count_tokens_body(raw_request.app.state.messages.count_tokens(request)))
+
+    app.include_router(messages_api)
 
     @app.post("/v1/specprefill/compress", dependencies=auth)
     async def compress(body: dict, raw_request: Request, return_scores: bool = False) -> JSONResponse:
-        return JSONResponse(await raw_request.app.state.serving.compress(body, raw_request.headers, return_scores))
+        return JSONResponse(await raw_request.app.state.dry_run.compress(body, raw_request.headers, return_scores))
 
     @app.post("/v1/specprefill/inspect", dependencies=auth)
     async def inspect_data(body: dict, raw_request: Request) -> JSONResponse:
-        return JSONResponse(await raw_request.app.state.serving.inspect(body, raw_request.headers))
+        return JSONResponse(await raw_request.app.state.dry_run.inspect(body, raw_request.headers))
 
     @app.get("/specprefill/inspect", dependencies=[Depends(_api_key_checker(settings, browser=True))])
     async def inspect_page() -> HTMLResponse:
@@ -100,12 +129,14 @@ def create_app(settings: GatewaySettings | None = None, *, draft: DraftClient | 
     return app
 
 
-async def _respond(endpoint: str, raw_request: Request, work: Callable) -> Response:
-    serving: GatewayServing = raw_request.app.state.serving
-    metrics = serving.metrics
+async def _respond(endpoint: str, raw_request: Request, work: Awaitable[Answer], *, named: bool = False,
+                   error_shape: Callable[[APIError], dict] | None = None) -> Response:
+    """``named``: a stream of named events without ``[DONE]`` (Responses, Messages); ``error_shape``: its error
+    event in that API's shape."""
+    metrics: GatewayMetrics = raw_request.app.state.serving.metrics
     start = time.perf_counter()
     try:
-        answer: Answer = await work(serving)
+        answer = await work
     except APIError as exc:
         metrics.errors.labels(endpoint, str(exc.status_code)).inc()
         raise
@@ -121,16 +152,17 @@ async def _respond(endpoint: str, raw_request: Request, work: Callable) -> Respo
         metrics.errors.labels(endpoint, str(getattr(exc, "status_code", 500))).inc()
 
     if answer.stream is not None:
-        return StreamingResponse(sse_body(answer.stream, on_first=first_byte, on_error=failed,
-                                          named=endpoint == "responses"),
+        return StreamingResponse(sse_body(answer.stream, on_first=first_byte, on_error=failed, named=named,
+                                          error_shape=error_shape),
                                  media_type="text/event-stream", headers=plan.headers())
     first_byte()
     return JSONResponse(answer.body, headers=plan.headers())
 
 
 def _api_key_checker(settings: GatewaySettings, *, browser: bool = False):
-    """The API key as a bearer token, or as the password of HTTP Basic credentials (any user name): a browser
-    asks for those on the inspector page and sends them again with the page's own requests."""
+    """The API key as a bearer token, as ``x-api-key`` (Anthropic's SDKs), or as the password of HTTP Basic
+    credentials (any user name): a browser asks for those on the inspector page and sends them again with the
+    page's own requests."""
     expected = settings.api_key.get_secret_value().encode() if settings.api_key else None
 
     async def check(request: Request) -> None:
@@ -138,6 +170,8 @@ def _api_key_checker(settings: GatewaySettings, *, browser: bool = False):
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         scheme, token = scheme.lower(), token.strip()
+        if "x-api-key" in request.headers:  # Anthropic's clients send the key so
+            scheme, token = "bearer", request.headers["x-api-key"].strip()
         if scheme == "basic":
             try:
                 token = base64.b64decode(token, validate=True).decode().partition(":")[2]
@@ -145,7 +179,7 @@ def _api_key_checker(settings: GatewaySettings, *, browser: bool = False):
                 token = ""
         if scheme not in ("bearer", "basic") or not hmac.compare_digest(token.encode(), expected):
             raise AuthenticationError(
-                "a valid API key is required: send 'Authorization: Bearer <key>'"
+                "a valid API key is required: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')"
                 + (" (in a browser: any user name, the key as password)" if browser else ""),
                 code="invalid_api_key",
                 headers={"www-authenticate": 'Basic realm="specprefill", charset="UTF-8"'} if browser else None)

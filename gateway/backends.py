@@ -18,6 +18,7 @@ from typing import Any, Protocol
 import aiohttp
 
 from common.errors import APIError, NotFoundError, UpstreamError, parse_body
+from common.messages import MessagesRequest
 from common.protocol import ChatCompletionRequest
 from common.responses import ResponsesRequest
 from common.streams import prepend
@@ -89,10 +90,14 @@ class InProcessBackend:
         return await self.serving.chat_completion_stream(parse_body(ChatCompletionRequest, body))
 
     async def post(self, path: str, body: dict) -> dict:
+        if path == "/v1/messages":
+            return await self.serving.messages(parse_body(MessagesRequest, body))
         self._check_path(path)
         return await self.serving.responses(parse_body(ResponsesRequest, body))
 
     async def stream(self, path: str, body: dict) -> AsyncIterator[dict]:
+        if path == "/v1/messages":
+            return await self.serving.messages_stream(parse_body(MessagesRequest, body))
         self._check_path(path)
         return await self.serving.responses_stream(parse_body(ResponsesRequest, body))
 
@@ -223,7 +228,8 @@ class HTTPBackend:
         return prepend(first, events)
 
 
-RESPONSES_LAST_EVENTS = ("response.completed", "response.incomplete", "response.failed")
+# streams that end with an event of their own, without [DONE]: OpenAI's Responses, Anthropic's Messages
+LAST_EVENTS = ("response.completed", "response.incomplete", "response.failed", "message_stop")
 
 
 def parse_cache_shape(metrics: str) -> tuple[int, int] | None:
@@ -274,7 +280,7 @@ async def _sse_events(response: aiohttp.ClientResponse) -> AsyncIterator[dict]:
                 error = event.get("error") or event
                 raise UpstreamError(f"the backend failed mid-stream: {error.get('message', 'unknown error')}")
             yield event
-            if event.get("type") in RESPONSES_LAST_EVENTS:  # a Responses stream ends here, without [DONE]
+            if event.get("type") in LAST_EVENTS:
                 return
         raise UpstreamError("the backend's stream ended without [DONE]")
     except asyncio.TimeoutError as exc:
@@ -314,13 +320,17 @@ def _transport_error(exc: Exception) -> APIError:
 
 def _status_error(status: int, content: bytes) -> APIError:
     try:
-        error = json.loads(content).get("error") or {}
+        error = json.loads(content).get("error") or {}  # OpenAI's shape, or Anthropic's (``{"type": "error", ...}``)
     except (ValueError, AttributeError):
         error = {}
-    message = error.get("message") if isinstance(error, dict) else None
+    if not isinstance(error, dict):
+        error = {}
+    message = error.get("message") if isinstance(error.get("message"), str) else None
     if 400 <= status < 500:  # the client's mistake, as the backend saw it: pass it through
+        # vLLM's errors name the parameter in the message too, and Anthropic's shape only there
+        named = re.search(r"\(parameter=([\w.\-\[\]]+)", message or "")
         exc = APIError(message or f"the backend rejected the request ({status})", status_code=status,
-                       param=error.get("param"), code=error.get("code"))
+                       param=error.get("param") or (named.group(1) if named else None), code=error.get("code"))
         exc.error_type = error.get("type") or "invalid_request_error"
         return exc
     return UpstreamError(f"the backend failed ({status}): {message or 'no details'}", code="backend_error")

@@ -370,8 +370,9 @@ class Planner:
 
 
 def _cached_tokens(usage: dict | None) -> int | None:
-    """Prompt tokens the engine served from its cache, from a chat/completion usage or a Responses usage."""
+    """Prompt tokens the engine served from its cache, from a chat/completion usage, a Responses usage or an
+    Anthropic usage."""
     usage = usage or {}
     details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details") or {}
-    cached = details.get("cached_tokens")
+    cached = details.get("cached_tokens", usage.get("cache_read_input_tokens"))
     return cached if isinstance(cached, int) else None

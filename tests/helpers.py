@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import shutil
 import subprocess
 import sys
 import threading
@@ -68,6 +69,23 @@ def assert_swap_mismatch_is_a_400(url: str) -> None:
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == "vllm_xargs.kept_token_ids" and "at position 0 differs" in error["message"]
+
+
+def target_with_another_template(model_pair, folder):
+    """A copy of the pair's target whose chat template differs from the engine's by one word (an ``x`` before
+    each role): its renderings, and so its kept tokens, are not the engine's."""
+    target = folder / "target"
+    shutil.copytree(model_pair / "target", target)
+    config = json.loads((target / "tokenizer_config.json").read_text())
+    template = config.get("chat_template") or (target / "chat_template.jinja").read_text()
+    changed = template.replace("<|start_header_id|>' + message['role']", "<|start_header_id|>' + 'x' + message['role']")
+    assert changed != template
+    if "chat_template" in config:
+        config["chat_template"] = changed
+        (target / "tokenizer_config.json").write_text(json.dumps(config))
+    else:
+        (target / "chat_template.jinja").write_text(changed)
+    return target
 
 
 OPEN_CLIENTS: list[openai.OpenAI] = []

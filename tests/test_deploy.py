@@ -95,3 +95,6 @@ def test_the_vllm_command_gives_what_the_planner_reads(compose):
     assert {"--enable-prefix-caching", "--enable-prompt-tokens-details"} <= set(command)
     policy = command[command.index("--scheduling-policy") + 1]
     assert re.sub(r"\$\{[^}:]+:-([^}]*)\}", r"\1", policy) in ("fcfs", "priority")
+    # an agent's tools (a Messages request with tools asks for automatic tool choice), as the README starts vLLM
+    assert "--enable-auto-tool-choice" in command
+    assert re.sub(r"\$\{[^}:]+:-([^}]*)\}", r"\1", command[command.index("--tool-call-parser") + 1]) == "llama3_json"

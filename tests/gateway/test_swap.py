@@ -5,7 +5,6 @@ does not share goes whole, unseen by the client."""
 from __future__ import annotations
 
 import json
-import shutil
 
 import httpx
 import pytest
@@ -20,6 +19,7 @@ from tests.helpers import (
     openai_client,
     reference_logits,
     serve,
+    target_with_another_template,
 )
 from tests.helpers import chat_messages as _messages
 
@@ -114,17 +114,7 @@ def test_a_swap_that_does_not_match_is_a_400_and_through_the_gateway_goes_whole(
     url, recorder = engine_backend
     assert_swap_mismatch_is_a_400(url)
     # a gateway whose chat template differs from the engine's (one word): its kept tokens are not the engine's
-    target = tmp_path / "target"
-    shutil.copytree(model_pair / "target", target)
-    config = json.loads((target / "tokenizer_config.json").read_text())
-    template = config.get("chat_template") or (target / "chat_template.jinja").read_text()
-    changed = template.replace("<|start_header_id|>' + message['role']", "<|start_header_id|>' + 'x' + message['role']")
-    assert changed != template
-    if "chat_template" in config:
-        config["chat_template"] = changed
-        (target / "tokenizer_config.json").write_text(json.dumps(config))
-    else:
-        (target / "chat_template.jinja").write_text(changed)
+    target = target_with_another_template(model_pair, tmp_path)
     settings = gateway_settings(model_pair, backend_url=url, target_model=str(target))
     with serve(create_app(settings)) as gw, openai_client(gw) as client:
         for _ in range(2):

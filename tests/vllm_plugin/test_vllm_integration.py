@@ -6,10 +6,12 @@ Both vLLM servers start side by side (about 1-2 minutes on 2 cores, torch.compil
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 from pathlib import Path
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -18,6 +20,8 @@ import torch
 from common.models import load_causal_lm, load_tokenizer
 from gateway.app import create_app
 from specprefill.lab.vllm_server import VLLMServer
+from tests.gateway.test_messages import GREEDY, SYSTEM, _transcript
+from tests.gateway.test_messages import TOOLS as ANTHROPIC_TOOLS
 from tests.gateway.test_swap import SCHEMA, TOOLS
 from tests.helpers import (
     assert_swap_mismatch_is_a_400,
@@ -226,3 +230,74 @@ def test_every_kind_of_request_is_compressed_on_vllms_own_endpoints(vllm_servers
 def test_a_swap_that_does_not_match_is_a_400_and_vllm_stays_up(vllm_servers):
     assert_swap_mismatch_is_a_400(vllm_servers["plugin"])
     assert _complete(vllm_servers["plugin"], prompt=[11, 12, 13], max_tokens=1)["finish_reason"]
+
+
+def test_the_anthropic_sdk_through_the_gateway_to_vllms_messages(vllm_servers, model_pair):
+    """Claude Code's traffic: a system prompt, tools and a transcript of tool_use / tool_result turns, through the
+    gateway to vLLM's own /v1/messages with the swap (sync, streamed, async). vLLM's Messages API has no
+    log-probabilities: the Messages request keeps what the equivalent chat keeps (the gateway's dry run of that
+    chat), the chat's first-token log-probability through the same gateway equals a plain forward of those kept
+    tokens at their positions, and the Messages answer's first token is the chat's."""
+    settings = gateway_settings(model_pair, backend_url=vllm_servers["plugin"], backend_kind="vllm")
+    keep = {"x-keep-rate": "0.3"}
+    messages = _transcript()
+    chat = [{"role": "system", "content": SYSTEM}, messages[0]]
+    for step in range(2):
+        chat.append({"role": "assistant", "content": "Let me look.", "tool_calls": [
+            {"id": f"toolu_{step}", "type": "function",
+             "function": {"name": "lookup_number", "arguments": json.dumps({"index": step})}}]})
+        chat.append({"role": "tool", "tool_call_id": f"toolu_{step}", "content": messages[2 * step + 2]["content"][0][
+            "content"][0]["text"]})
+    tools = [{"type": "function", "function": {"name": t["name"], "description": t["description"],
+                                               "parameters": t["input_schema"]}} for t in ANTHROPIC_TOOLS]
+    with serve(create_app(settings)) as gw, anthropic.Anthropic(base_url=gw, api_key="unused", max_retries=0) as client:
+
+        def anthropic_request():
+            raw = client.messages.with_raw_response.create(model="tiny", system=SYSTEM, messages=messages,
+                                                           tools=ANTHROPIC_TOOLS, max_tokens=1, extra_body=GREEDY,
+                                                           extra_headers=keep)
+            assert raw.headers["x-specprefill-status"] == "compressed"
+            message = raw.parse()
+            assert message.model == "tiny" and message.usage.input_tokens + (
+                message.usage.cache_read_input_tokens or 0) == int(raw.headers["x-specprefill-original-tokens"])
+            return raw.headers, message
+
+        anthropic_request()
+        # then the chat (its dry run and itself) and the Messages request again: a prompt the gateway has just
+        # sent is filled to whole engine blocks, so all three are planned in the same state
+        body = dict(model="tiny", messages=chat, tools=tools, max_tokens=1, temperature=0)
+        report = httpx.post(f"{gw}/v1/specprefill/compress", json=body, headers=keep, timeout=60).json()
+        with openai.OpenAI(base_url=f"{gw}/v1", api_key="unused", max_retries=0) as oai:
+            answer = oai.chat.completions.create(**body, logprobs=True, extra_headers=keep).choices[0]
+        headers, message = anthropic_request()
+        assert report["kept_tokens"] == int(headers["x-specprefill-kept-tokens"])
+        assert report["original_tokens"] == int(headers["x-specprefill-original-tokens"])
+        model = load_causal_lm(model_pair / "target", device="cpu")
+        expected = torch.log_softmax(reference_logits(model, report["token_ids"], report["position_ids"]), -1)
+        assert answer.logprobs.content[0].logprob == pytest.approx(float(expected.max()), abs=1e-4)
+        text = "".join(block.text for block in message.content if block.type == "text")
+        assert text == (answer.message.content or "")
+
+        with client.messages.stream(model="tiny", system=SYSTEM, messages=messages, tools=ANTHROPIC_TOOLS,
+                                    max_tokens=4, extra_body=GREEDY, extra_headers=keep) as stream:
+            assert stream.get_final_message().stop_reason in ("end_turn", "max_tokens", "tool_use")
+
+    async def asynchronous() -> None:
+        async with anthropic.AsyncAnthropic(base_url=gw, api_key="unused", max_retries=0) as aclient:
+            raw = await aclient.messages.with_raw_response.create(
+                model="tiny", system=SYSTEM, messages=messages, max_tokens=2, extra_headers=keep)
+            assert raw.headers["x-specprefill-status"] == "compressed"
+
+    with serve(create_app(settings)) as gw:
+        asyncio.run(asynchronous())
+
+
+def test_a_swap_that_does_not_match_on_messages_is_a_400_from_vllm(vllm_servers):
+    body = {"model": "target", "messages": [{"role": "user", "content": "Hello there, how are you?"}],
+            "max_tokens": 1, "vllm_xargs": {"kept_token_ids": [1, 2, 3], "position_ids": [0, 1, 2]}}
+    model = httpx.get(f"{vllm_servers['plugin']}/v1/models", timeout=30).json()["data"][0]["id"]
+    response = httpx.post(f"{vllm_servers['plugin']}/v1/messages", json={**body, "model": model}, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()
+    assert error["type"] == "error" and "at position 0 differs" in error["error"]["message"]
+    assert "parameter=vllm_xargs.kept_token_ids" in error["error"]["message"]  # what the gateway reads back

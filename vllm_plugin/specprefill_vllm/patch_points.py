@@ -44,6 +44,7 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
     PatchPoint("entrypoints/openai/chat_completion/protocol.py", "ChatCompletionRequest", "vllm_xargs", kind="field"),
     PatchPoint("entrypoints/openai/completion/protocol.py", "CompletionRequest", "vllm_xargs", kind="field"),
     PatchPoint("entrypoints/openai/responses/protocol.py", "ResponsesRequest", "vllm_xargs", kind="field"),
+    PatchPoint("entrypoints/anthropic/protocol.py", "AnthropicMessagesRequest", "vllm_xargs", kind="field"),
     # the models whose forward takes the positions (1-D from the [1, T] buffer)
     *(PatchPoint(f"model_executor/models/{module}.py", cls, "forward", ("input_ids", "positions"), required=False)
       for module, cls in (("llama", "LlamaForCausalLM"), ("mistral", "MistralForCausalLM"),

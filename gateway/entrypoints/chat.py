@@ -1,0 +1,39 @@
+"""OpenAI's chat completions: the chat planned as the target reads it, then the client's body to the backend's
+own endpoint with the swap, or (backends without the swap) the kept messages, or the kept tokens at their
+positions as a completion whose answers come back as chat."""
+
+from __future__ import annotations
+
+from common.chat import ChatChunkConverter, as_chat_chunks, completion_to_chat
+from common.protocol import ChatCompletionRequest
+from gateway.backends import token_body
+from gateway.entrypoints import answers
+from gateway.serving import CHAT, COMPLETIONS, Answer, GatewayServing
+from gateway.text_kind import kept_messages
+
+
+class ChatAPI:
+    def __init__(self, serving: GatewayServing) -> None:
+        self.serving = serving
+
+    async def __call__(self, request: ChatCompletionRequest, headers) -> Answer:
+        async with self.serving.arrival():
+            answer = await self.answer(request, headers)
+        return answers.shaped(answer, answers.openai, self.serving.model_name)
+
+    async def answer(self, request: ChatCompletionRequest, headers) -> Answer:
+        """The chat's answer in chat's shape, not yet rewritten for the client (other surfaces that convert
+        their requests to chat, on backends without the swap, take it from here)."""
+        serving, model = self.serving, self.serving.model_name
+        plan, prompt = await serving.planned(request, headers)
+        body = await serving.backend_body(request)
+        if serving.swaps or plan.passthrough or plan.kept_indices is None:
+            return await serving.swapped(plan, body, CHAT)
+        if serving.backend.kind == "text":
+            body["messages"] = kept_messages(serving.tokenizer, request.messages, prompt.rendered, plan.kept_indices)
+            return await serving.forward(plan, body, CHAT)
+        body = token_body(serving.backend.kind, body["model"], plan.kept_token_ids(), plan.kept_indices,
+                          request.completion_params())
+        answer = await serving.forward(plan, body, COMPLETIONS)
+        return answer.map(lambda b: completion_to_chat(b, model),
+                          lambda s: as_chat_chunks(s, ChatChunkConverter(model)))

@@ -1,0 +1,34 @@
+"""OpenAI's completions: the prompt planned as it is tokenized, then the client's body to the backend's own
+endpoint with the swap, or the kept text, or the kept tokens at their positions."""
+
+from __future__ import annotations
+
+from common.protocol import CompletionRequest
+from gateway.backends import token_body
+from gateway.entrypoints import answers
+from gateway.serving import COMPLETIONS, Answer, GatewayServing
+from gateway.text_kind import kept_text
+
+
+class CompletionsAPI:
+    def __init__(self, serving: GatewayServing) -> None:
+        self.serving = serving
+
+    async def __call__(self, request: CompletionRequest, headers) -> Answer:
+        async with self.serving.arrival():
+            answer = await self._answer(request, headers)
+        return answers.shaped(answer, answers.openai, self.serving.model_name)
+
+    async def _answer(self, request: CompletionRequest, headers) -> Answer:
+        serving = self.serving
+        plan, _ = await serving.planned(request, headers)
+        body = await serving.backend_body(request)
+        if serving.swaps or plan.passthrough or plan.kept_indices is None:
+            return await serving.swapped(plan, body, COMPLETIONS)
+        if serving.backend.kind == "text":
+            body = {"model": body["model"], "prompt": kept_text(serving.tokenizer, plan.token_ids, plan.kept_indices),
+                    **request.completion_params()}
+        else:
+            body = token_body(serving.backend.kind, body["model"], plan.kept_token_ids(), plan.kept_indices,
+                              request.completion_params())
+        return await serving.forward(plan, body, COMPLETIONS)

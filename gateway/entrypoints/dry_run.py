@@ -1,0 +1,96 @@
+"""The dry runs: what would be sent to the backend for a chat or completion body (``/v1/specprefill/compress``),
+and the inspector's data (every token's score, and the plan at every keep rate of its slider), without
+calling the backend."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import torch
+
+from common.errors import InvalidRequestError, OverloadedError, parse_body
+from common.protocol import ChatCompletionRequest, CompletionRequest
+from common.tokenize import token_pieces
+from draft_worker.selector import always_kept, select_tokens
+from gateway.inspector import KEEP_RATES, inspection, runs
+from gateway.policy import RequestOptions, request_options
+from gateway.serving import GatewayServing
+
+
+class DryRunAPI:
+    def __init__(self, serving: GatewayServing) -> None:
+        self.serving = serving
+
+    async def compress(self, body: dict, headers, return_scores: bool = False) -> dict:
+        """What would be sent to the backend for this chat or completion body, without sending it; with
+        ``return_scores`` (or ``"return_scores": true`` in the body) also the draft's score of every prompt token."""
+        serving = self.serving
+        return_scores = bool(body.pop("return_scores", False)) or return_scores
+        request, options, prompt = self._dry_request(body, headers)
+        scored = await self._scores(prompt.token_ids) if return_scores else None
+        plan = await serving.planner.plan(prompt.token_ids, options, serving.unsupported(request), prompt.keep,
+                                          boundary=prompt.boundary, dry_run=True, scored=scored)
+        answer = {
+            "original_tokens": plan.original_tokens,
+            "kept_tokens": plan.kept_tokens,
+            "keep_rate": plan.keep_rate,
+            "status": plan.status,
+            "reason": plan.reason,
+            "plan": plan.kind,
+            "token_ids": plan.kept_token_ids(),
+            "position_ids": plan.position_ids(),
+        }
+        if scored is not None:
+            answer["scores"] = [float(s) for s in scored[0].tolist()]
+        return answer
+
+    async def inspect(self, body: dict, headers) -> dict:
+        """The inspector's data: the prompt's tokens and scores, and the dry-run plan at every keep rate of
+        the slider's grid, all from one draft call (``gateway.inspector``)."""
+        serving = self.serving
+        request, options, prompt = self._dry_request(body, headers)
+        unsupported = serving.unsupported(request)
+        start = time.perf_counter()
+        scores, cache = await self._scores(prompt.token_ids)
+        draft_ms = (time.perf_counter() - start) * 1e3
+        config = serving.draft.config
+        plans = {}
+        for rate in KEEP_RATES:
+            plan = await serving.planner.plan(prompt.token_ids, RequestOptions(rate, options.enabled), unsupported,
+                                              prompt.keep, boundary=prompt.boundary, dry_run=True,
+                                              scored=(scores, cache))
+            entry = {"status": plan.status, "reason": plan.reason, "plan": plan.kind,
+                     "kept": runs(plan.position_ids())}
+            if plan.status != "compressed" and rate < 1:  # sent whole: what the rule would have dropped
+                entry["selected"] = runs(select_tokens(prompt.token_ids, scores, rate, config,
+                                                       serving.planner.special_ids, prompt.keep))
+            plans[rate] = entry
+        protected = always_kept(prompt.token_ids, config, serving.planner.special_ids, prompt.keep)
+        return inspection(token_pieces(serving.tokenizer, prompt.token_ids), scores, protected, config.chunk_size,
+                          options.keep_rate, plans, draft_ms=draft_ms, cache=cache, model=serving.model_name)
+
+    async def _scores(self, token_ids: list[int]) -> tuple[torch.Tensor, str]:
+        """The prompt's scores for a caller that asked for them: a draft fault is a 503 that says so."""
+        serving = self.serving
+        if len(token_ids) > serving.draft.max_prompt_tokens:
+            raise InvalidRequestError(f"the prompt has {len(token_ids)} tokens; the draft model scores at most "
+                                      f"{serving.draft.max_prompt_tokens}", param="prompt", code="prompt_too_long")
+        try:
+            return await asyncio.wait_for(serving.planner.scores.scores(token_ids), serving.settings.draft_timeout)
+        except Exception as exc:
+            raise OverloadedError(f"the draft model could not score this prompt ({type(exc).__name__}); "
+                                  "try again later", code="draft_unavailable") from None
+
+    def _dry_request(self, body: dict, headers):
+        """A chat or completion body checked as for a real request (the model name may be left out)."""
+        if not isinstance(body, dict):
+            raise InvalidRequestError("the body must be a JSON object: a chat body with messages, or a completion "
+                                      "body with a prompt")
+        serving = self.serving
+        body = {"model": serving.model_name, **body}
+        request = parse_body(ChatCompletionRequest if "messages" in body else CompletionRequest, body)
+        options = request_options(headers, request.specprefill, serving.settings.keep_rate)
+        prompt = serving.prompt(request)
+        serving.check_limits(request, prompt.token_ids)
+        return request, options, prompt

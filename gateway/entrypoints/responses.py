@@ -1,0 +1,42 @@
+"""OpenAI's Responses API: rendered as the backend renders it (``ResponsesRequest.as_chat``), planned like a chat,
+and the client's own body forwarded to the backend's ``/v1/responses`` with the swap. A request the gateway
+cannot render (reasoning items, a stored previous response), or a backend kind without the swap, goes whole."""
+
+from __future__ import annotations
+
+import logging
+
+from common.errors import InvalidRequestError
+from common.responses import ResponsesRequest
+from gateway.entrypoints import answers
+from gateway.plan import Plan
+from gateway.policy import Reason
+from gateway.serving import RESPONSES, Answer, GatewayServing
+
+logger = logging.getLogger("specprefill.gateway")
+
+
+class ResponsesAPI:
+    def __init__(self, serving: GatewayServing) -> None:
+        self.serving = serving
+
+    async def __call__(self, request: ResponsesRequest, headers) -> Answer:
+        async with self.serving.arrival():
+            answer = await self._answer(request, headers)
+        return answers.shaped(answer, answers.openai, self.serving.model_name)
+
+    async def _answer(self, request: ResponsesRequest, headers) -> Answer:
+        serving = self.serving
+        body = await serving.backend_body(request)
+        try:
+            chat = request.as_chat()
+        except InvalidRequestError as exc:
+            logger.debug("Responses request forwarded whole: %s", exc.message)
+            chat = None
+        if chat is None or not serving.swaps:
+            serving.check_model(request.model)
+            reason = Reason.UNSCORED_CONTENT if chat is None else Reason.unsupported("responses")
+            return await serving.forward(Plan([], reason=reason, passthrough=True), body, RESPONSES)
+        chat.specprefill = request.specprefill
+        plan, _ = await serving.planned(chat, headers)
+        return await serving.swapped(plan, body, RESPONSES)
