@@ -195,7 +195,8 @@ def _workloads(options: Bench, stack: Stack, prompts, models: tuple[str, str], m
         print(f"arrivals: {mode}\n" + format_workloads(modes[mode]))
         samples += mode_samples
         # the engine check's request: one both engines hold whole, else the last one sent
-        last = last_whole_request(workloads, mode_samples) or last or workloads[-1].requests[-1]
+        last = last_whole_request(workloads, mode_samples) or last or next(
+            (w.requests[-1] for w in reversed(workloads) if w.api == "chat"), None)
     sessions = None
     if "poisson" in options.arrivals:
         sessions = _poisson(options, stack, prompts, paths)

@@ -138,20 +138,28 @@ async def wait_idle(client: httpx.AsyncClient, urls: list[str], timeout: float =
     raise RuntimeError(f"{urls} stayed busy for {timeout:.0f} s")
 
 
+FIRST_MESSAGES_EVENTS = ("content_block_start", "content_block_delta", "message_delta")  # after the prefill
+
+
 async def stream_ttft(client: httpx.AsyncClient, url: str, body: dict, headers: dict,
                       usage: dict | None = None) -> tuple[float, httpx.Headers]:
     """Seconds from sending the request to the first streamed event with content. The stream is then dropped, or,
     given ``usage``, read to its end with the answer's usage (the prompt tokens served from the engine's cache:
-    ``usage["prompt_tokens_details"]["cached_tokens"]``) put into ``usage``."""
+    ``usage["prompt_tokens_details"]["cached_tokens"]``; an Anthropic stream's ``cache_read_input_tokens``) put into
+    ``usage``. A URL ending in ``/v1/messages`` is read as Anthropic's Messages stream."""
     start = time.perf_counter()
-    if usage is not None:
+    messages = url.endswith("/v1/messages")  # Anthropic's stream: content in content_block_delta, usage at the end
+    if usage is not None and not messages:
         body = {**body, "stream_options": {"include_usage": True}}
     ttft = None
     async with client.stream("POST", url, json={**body, "stream": True}, headers=headers) as response:
         if response.status_code != 200:
             raise RuntimeError(f"{url} answered {response.status_code}: {(await response.aread())[:300]!r}")
         async for line in response.aiter_lines():
-            if ttft is None and line.startswith("data:") and '"choices":[{' in line.replace(" ", ""):
+            compact = line.replace(" ", "")
+            if ttft is None and line.startswith("data:") and (
+                    any(f'"type":"{kind}"' in compact for kind in FIRST_MESSAGES_EVENTS) if messages
+                    else '"choices":[{' in compact):
                 ttft = time.perf_counter() - start
                 if usage is None:
                     return ttft, response.headers

@@ -22,6 +22,11 @@ class Stack:
     gateway_engine_url: str | None = None  # the engine behind the gateway, where the bench launched it
 
 
+# as the README's deployment section starts vLLM: cached-token counts in every answer, tool calls as without the
+# gateway (a Messages request with tools asks for automatic tool choice)
+README_VLLM_ARGS = ("--enable-prompt-tokens-details", "--enable-auto-tool-choice", "--tool-call-parser", "llama3_json")
+
+
 @contextlib.contextmanager
 def launched(engines: int, gateway_args: list[str], vllm_python: str | None, out: Path,
              pair: Path | None = None, vllm_args: tuple[str, ...] = ()) -> Iterator[Stack]:
@@ -39,7 +44,7 @@ def launched(engines: int, gateway_args: list[str], vllm_python: str | None, out
             if vllm_python:
                 server = VLLMServer(vllm_python, root / "target", out / f"vllm-{index}.log", plugin=index == 0,
                                     served_name="specprefill-demo", max_model_len=32768, kv_cache_gib=4,
-                                    extra_args=("--enable-prompt-tokens-details", *vllm_args))
+                                    extra_args=(*README_VLLM_ARGS, *vllm_args))
                 vllm_servers.append(server)
                 urls.append(server.url)
             else:

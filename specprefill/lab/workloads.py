@@ -6,6 +6,9 @@ Each workload is a sequence of chat requests, as clients send them:
   chat          a multi-turn chat over a document: each turn adds the previous answer and a new question
   agent         an agent loop: each step adds a tool call and its output (``step_tokens`` tokens)
   system        one long system prompt shared by users who each ask a short question
+  agent-messages  an agent loop in Anthropic's Messages form, as Claude Code sends it: a long system prompt
+                and tool definitions, then a transcript of ``tool_use`` / ``tool_result`` turns growing every
+                step, to ``/v1/messages`` (vLLM's own, directly)
 The gateway and the direct path each talk to their own instance of the same engine, so neither warms the
 other's prefix cache. How requests follow each other is the arrival mode (``MODES``):
   back-to-back  the next request leaves the moment the previous answer ends (an agent whose tool returned)
@@ -34,13 +37,20 @@ from specprefill.lab.bench import PromptMaker, parse_server_timing, stream_ttft,
 from specprefill.lab.engine_metrics import EngineQueue
 
 MODES = ("back-to-back", "think", "idle")
-WORKLOADS = ("fresh", "document", "chat", "agent", "system")
+WORKLOADS = ("fresh", "document", "chat", "agent", "system", "agent-messages")
+AGENT_TOOLS = [
+    {"name": "read_file", "description": "Read a file of the repository.",
+     "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}},
+    {"name": "run_tests", "description": "Run the test suite and return its output.",
+     "input_schema": {"type": "object", "properties": {"selector": {"type": "string"}}}},
+]
 
 
 @dataclass
 class Workload:
     name: str
-    requests: list[list[dict]]  # the messages of each request, in order
+    requests: list  # each request's chat messages, in order (Messages API: each request's body fields)
+    api: str = "chat"  # "chat" (OpenAI's chat completions) or "messages" (Anthropic's)
 
 
 def build_workloads(prompts: PromptMaker, names: list[str], n_requests: int, tokens: int,
@@ -55,8 +65,9 @@ def build_workloads(prompts: PromptMaker, names: list[str], n_requests: int, tok
         "agent": lambda: _agent(prompts, tokens, step_tokens, n_requests),
         "system": lambda: [[{"role": "system", "content": system}, {"role": "user", "content": q.strip()}]
                            for system in [prompts.text(tokens)] for q in questions],
+        "agent-messages": lambda: _agent_messages(prompts, tokens, step_tokens, n_requests),
     }
-    return [Workload(name, builders[name]()) for name in names]
+    return [Workload(name, builders[name](), "messages" if name == "agent-messages" else "chat") for name in names]
 
 
 def _one_document(document: str, questions: list[str]) -> list[list[dict]]:
@@ -82,6 +93,24 @@ def _agent(prompts: PromptMaker, tokens: int, step_tokens: int, n_requests: int)
             messages = messages + [{"role": "assistant", "content": f'{{"tool": "read_file", "args": {{"n": {i}}}}}'},
                                    {"role": "tool", "content": prompts.text(step_tokens)}]
         steps.append(messages)
+    return steps
+
+
+def _agent_messages(prompts: PromptMaker, tokens: int, step_tokens: int, n_requests: int) -> list[dict]:
+    """Claude Code's shape: instructions in a long system prompt (half the tokens) with the tools, the task with
+    its context (the other half), then one ``tool_use`` and its ``tool_result`` more every step."""
+    system = [{"type": "text", "text": "You are a coding agent. Use the tools, read their output, then decide.\n\n"
+               + prompts.text(tokens // 2), "cache_control": {"type": "ephemeral"}}]
+    messages: list[dict] = [{"role": "user", "content": "Task: fix the failing test.\n\n" + prompts.text(tokens // 2)}]
+    steps = []
+    for i in range(n_requests):
+        if i:
+            call = {"type": "tool_use", "id": f"toolu_{i:02d}", "name": "read_file", "input": {"path": f"src/m{i}.py"}}
+            result = {"type": "tool_result", "tool_use_id": call["id"],
+                      "content": [{"type": "text", "text": prompts.text(step_tokens)}]}
+            messages = messages + [{"role": "assistant", "content": [{"type": "text", "text": "Reading it."}, call]},
+                                   {"role": "user", "content": [result]}]
+        steps.append({"system": system, "tools": AGENT_TOOLS, "messages": messages})
     return steps
 
 
@@ -135,7 +164,7 @@ async def run_workloads(mode: str, workloads: dict[str, list[Workload]], paths: 
                     for path in paths if index % 2 == 0 else paths[::-1]:
                         await wait_idle(client, idle_urls)
                         request = workloads[path.name][number].requests[index]
-                        samples.append(await _send(client, path, queues[path.name], workload.name, index, request,
+                        samples.append(await _send(client, path, queues[path.name], workload, index, request,
                                                    mode, max_tokens, 0.0))
                     progress.update(1)
             progress.close()
@@ -148,18 +177,24 @@ async def run_workloads(mode: str, workloads: dict[str, list[Workload]], paths: 
                 for index, request in enumerate(workload.requests):
                     if mode == "think" and (index or workload is not workloads[path.name][0]):
                         await asyncio.sleep(think_s)
-                    samples.append(await _send(client, path, queues[path.name], workload.name, index, request, mode,
+                    samples.append(await _send(client, path, queues[path.name], workload, index, request, mode,
                                                max_tokens, time.perf_counter() - start))
     return samples
 
 
-async def _send(client: httpx.AsyncClient, path: PathTarget, queue: EngineQueue, workload: str, index: int,
-                messages: list[dict], mode: str, max_tokens: int, at_s: float) -> WorkloadSample:
-    body = {"model": path.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0}
+async def _send(client: httpx.AsyncClient, path: PathTarget, queue: EngineQueue, workload: Workload, index: int,
+                request, mode: str, max_tokens: int, at_s: float) -> WorkloadSample:
     usage: dict = {}
-    ttft, headers = await stream_ttft(client, f"{path.url}/v1/chat/completions", body, path.headers, usage)
-    sample = _sample(workload, index, path.name, ttft, headers)
-    sample.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    if workload.api == "messages":
+        body = {"model": path.model, **request, "max_tokens": max_tokens, "temperature": 0}
+        ttft, headers = await stream_ttft(client, f"{path.url}/v1/messages", body, path.headers, usage)
+        cached = usage.get("cache_read_input_tokens")
+    else:
+        body = {"model": path.model, "messages": request, "max_tokens": max_tokens, "temperature": 0}
+        ttft, headers = await stream_ttft(client, f"{path.url}/v1/chat/completions", body, path.headers, usage)
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    sample = _sample(workload.name, index, path.name, ttft, headers)
+    sample.cached_tokens = cached
     sample.mode, sample.at_s = mode, at_s
     sample.queue_s, sample.queued = await queue.read()
     return sample
@@ -190,9 +225,9 @@ async def compare_engines(urls: dict[str, str], model: str, messages: list[dict]
 
 def last_whole_request(workloads: list[Workload], samples: list[WorkloadSample]) -> list[dict] | None:
     """The messages of the last request the gateway sent whole (both engines then hold the same tokens)."""
-    requests = {w.name: w.requests for w in workloads}
+    requests = {w.name: w.requests for w in workloads if w.api == "chat"}
     for sample in reversed(samples):
-        if sample.path == "gateway" and sample.status == "bypassed":
+        if sample.path == "gateway" and sample.status == "bypassed" and sample.workload in requests:
             return requests[sample.workload][sample.index]
     return None
 

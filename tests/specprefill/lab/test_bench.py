@@ -126,19 +126,22 @@ def test_a_live_run_as_traffic_arrives_sends_each_paths_sequence_on_its_own(gate
     engine_url, _ = engine_backend
     with httpx.Client(timeout=60) as client:
         prompts = PromptMaker(client, gateway_url, "tiny")
-        workloads = build_workloads(prompts, ["document", "agent"], 3, 200, 50)
+        agent = "agent" if mode == "think" else "agent-messages"  # Anthropic's form, to /v1/messages on both paths
+        workloads = build_workloads(prompts, ["document", agent], 3, 200, 50)
     samples = asyncio.run(run_workloads(mode, {"gateway": workloads, "direct": workloads},
                                         _paths(gateway_url, engine_url, keep="0.3"), [gateway_url],
                                         think_s=0.2, first="direct"))
     assert [s.path for s in samples] == ["direct"] * 6 + ["gateway"] * 6
     assert [(s.workload, s.index) for s in samples[:6]] == [("document", 0), ("document", 1), ("document", 2),
-                                                            ("agent", 0), ("agent", 1), ("agent", 2)]
+                                                            (agent, 0), (agent, 1), (agent, 2)]
+    steps = [s for s in samples if s.workload == agent]
+    assert all(s.ttft_s > 0 for s in steps) and steps[-1].status == "compressed" and steps[2].cached_tokens > 0
     for path in ("gateway", "direct"):
         mine = [s for s in samples if s.path == path]
         gaps = [b.at_s - a.at_s - a.ttft_s for a, b in zip(mine, mine[1:])]
         assert all((g >= 0.2) == (mode == "think") for g in gaps), gaps
     rows = summarize_workloads(samples)
-    assert [r["workload"] for r in rows] == ["document", "agent"]
+    assert [r["workload"] for r in rows] == ["document", agent]
     assert all("later_p90_ratio" in r and r["requests"][0]["predicted_within_2x"] is not None for r in rows)
 
 
