@@ -7,20 +7,12 @@ from __future__ import annotations
 from common.chat import ChatChunkConverter, as_chat_chunks, completion_to_chat
 from common.protocol import ChatCompletionRequest
 from gateway.backends import token_body
-from gateway.entrypoints import answers
-from gateway.serving import CHAT, COMPLETIONS, Answer, GatewayServing
+from gateway.entrypoints.surface import Surface
+from gateway.serving import CHAT, COMPLETIONS, Answer
 from gateway.text_kind import kept_messages
 
 
-class ChatAPI:
-    def __init__(self, serving: GatewayServing) -> None:
-        self.serving = serving
-
-    async def __call__(self, request: ChatCompletionRequest, headers) -> Answer:
-        async with self.serving.arrival():
-            answer = await self.answer(request, headers)
-        return answers.shaped(answer, answers.openai, self.serving.model_name)
-
+class ChatAPI(Surface):
     async def answer(self, request: ChatCompletionRequest, headers) -> Answer:
         """The chat's answer in chat's shape, not yet rewritten for the client (other surfaces that convert
         their requests to chat, on backends without the swap, take it from here)."""

@@ -5,21 +5,13 @@ from __future__ import annotations
 
 from common.protocol import CompletionRequest
 from gateway.backends import token_body
-from gateway.entrypoints import answers
-from gateway.serving import COMPLETIONS, Answer, GatewayServing
+from gateway.entrypoints.surface import Surface
+from gateway.serving import COMPLETIONS, Answer
 from gateway.text_kind import kept_text
 
 
-class CompletionsAPI:
-    def __init__(self, serving: GatewayServing) -> None:
-        self.serving = serving
-
-    async def __call__(self, request: CompletionRequest, headers) -> Answer:
-        async with self.serving.arrival():
-            answer = await self._answer(request, headers)
-        return answers.shaped(answer, answers.openai, self.serving.model_name)
-
-    async def _answer(self, request: CompletionRequest, headers) -> Answer:
+class CompletionsAPI(Surface):
+    async def answer(self, request: CompletionRequest, headers) -> Answer:
         serving = self.serving
         plan, _ = await serving.planned(request, headers)
         body = await serving.backend_body(request)

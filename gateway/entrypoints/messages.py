@@ -8,21 +8,20 @@ from __future__ import annotations
 from common.messages import Conversation, MessagesRequest, chat_to_message, merges_inline_system, message_events
 from gateway.entrypoints import answers
 from gateway.entrypoints.chat import ChatAPI
+from gateway.entrypoints.surface import Surface
 from gateway.serving import MESSAGES, Answer, GatewayServing
 
 
-class MessagesAPI:
+class MessagesAPI(Surface):
+    rewrite = staticmethod(answers.anthropic)
+    ping = True
+
     def __init__(self, serving: GatewayServing, chat: ChatAPI) -> None:
-        self.serving = serving
+        super().__init__(serving)
         self.chat = chat
         self.merge_inline_system = merges_inline_system(serving.tokenizer)  # as vLLM decides it for the template
 
-    async def __call__(self, request: MessagesRequest, headers) -> Answer:
-        async with self.serving.arrival():
-            answer = await self._answer(request, headers)
-        return answers.shaped(answer, answers.anthropic, self.serving.model_name, ping=True)
-
-    async def _answer(self, request: MessagesRequest, headers) -> Answer:
+    async def answer(self, request: MessagesRequest, headers) -> Answer:
         serving, model = self.serving, self.serving.model_name
         chat = request.as_chat(self.merge_inline_system)
         chat.specprefill = request.specprefill

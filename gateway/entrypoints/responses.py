@@ -8,24 +8,16 @@ import logging
 
 from common.errors import InvalidRequestError
 from common.responses import ResponsesRequest
-from gateway.entrypoints import answers
+from gateway.entrypoints.surface import Surface
 from gateway.plan import Plan
 from gateway.policy import Reason
-from gateway.serving import RESPONSES, Answer, GatewayServing
+from gateway.serving import RESPONSES, Answer
 
 logger = logging.getLogger("specprefill.gateway")
 
 
-class ResponsesAPI:
-    def __init__(self, serving: GatewayServing) -> None:
-        self.serving = serving
-
-    async def __call__(self, request: ResponsesRequest, headers) -> Answer:
-        async with self.serving.arrival():
-            answer = await self._answer(request, headers)
-        return answers.shaped(answer, answers.openai, self.serving.model_name)
-
-    async def _answer(self, request: ResponsesRequest, headers) -> Answer:
+class ResponsesAPI(Surface):
+    async def answer(self, request: ResponsesRequest, headers) -> Answer:
         serving = self.serving
         body = await serving.backend_body(request)
         try:
