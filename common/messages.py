@@ -258,11 +258,6 @@ def usage(chat_usage: dict | None) -> dict:
     return out
 
 
-def cached_tokens(anthropic_usage: dict) -> int | None:
-    cached = anthropic_usage.get("cache_read_input_tokens")
-    return cached if isinstance(cached, int) else None
-
-
 def stop_reason(finish_reason: str | None, matched: Any, tool_used: bool) -> tuple[str | None, str | None]:
     """An OpenAI finish reason as Anthropic's ``(stop_reason, stop_sequence)``."""
     if finish_reason == "length":

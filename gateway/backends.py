@@ -90,21 +90,21 @@ class InProcessBackend:
         return await self.serving.chat_completion_stream(parse_body(ChatCompletionRequest, body))
 
     async def post(self, path: str, body: dict) -> dict:
-        if path == "/v1/messages":
-            return await self.serving.messages(parse_body(MessagesRequest, body))
-        self._check_path(path)
-        return await self.serving.responses(parse_body(ResponsesRequest, body))
+        model, whole, _ = self._endpoint(path)
+        return await whole(parse_body(model, body))
 
     async def stream(self, path: str, body: dict) -> AsyncIterator[dict]:
-        if path == "/v1/messages":
-            return await self.serving.messages_stream(parse_body(MessagesRequest, body))
-        self._check_path(path)
-        return await self.serving.responses_stream(parse_body(ResponsesRequest, body))
+        model, _, streamed = self._endpoint(path)
+        return await streamed(parse_body(model, body))
 
-    @staticmethod
-    def _check_path(path: str) -> None:
-        if path != "/v1/responses":
+    def _endpoint(self, path: str):
+        """The request model and the serving calls (whole, streamed) of the engine's other endpoints."""
+        serving = self.serving
+        endpoints = {"/v1/responses": (ResponsesRequest, serving.responses, serving.responses_stream),
+                     "/v1/messages": (MessagesRequest, serving.messages, serving.messages_stream)}
+        if path not in endpoints:
             raise NotFoundError(f"the reference engine does not serve {path}")
+        return endpoints[path]
 
     async def ready(self) -> bool:
         return True

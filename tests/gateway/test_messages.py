@@ -13,6 +13,7 @@ import httpx
 import pytest
 import torch
 
+from common.messages import chat_to_message, message_events
 from common.models import load_causal_lm, load_tokenizer
 from gateway.app import create_app
 from tests.helpers import (
@@ -77,6 +78,7 @@ def test_the_anthropic_sdk_sync_streamed_and_async(gateway_url, engine_backend):
     with httpx.stream("POST", f"{gateway_url}/v1/messages", json=body, headers=KEEP, timeout=60) as response:
         names = [line.removeprefix("event: ") for line in response.iter_lines() if line.startswith("event: ")]
     assert names[:2] == ["message_start", "ping"] and names[-1] == "message_stop"  # the SDK skips pings
+    assert names.count("ping") == 1  # the engine's own ping, right after the gateway's, is not repeated
     text = "".join(e.delta.text for e in events if e.type == "content_block_delta")
     assert text == message.content[0].text  # greedy: the same answer, streamed
     final = events[-2]
@@ -138,23 +140,51 @@ def test_a_messages_request_reads_what_the_equivalent_chat_reads(gateway_url, en
     assert set(range(first + 1, last - 1)) <= set(swap["position_ids"])
 
 
-def test_a_tool_call_comes_back_as_a_tool_use_block(gateway_url):
-    """The reference engine's greedy text is what it is; a forced tool call must come back as Anthropic's
-    ``tool_use`` block when the chat answer carries one, so the conversion is checked on the chat shape too."""
-    from common.messages import chat_to_message
+CALL = {"id": "call_1", "type": "function", "function": {"name": "lookup_number", "arguments": '{"index": 2}'}}
 
+
+def test_chat_tool_calls_become_tool_use_blocks_whole_and_streamed():
+    """The reference engine's and the converted kinds' answers: a chat's tool call is Anthropic's ``tool_use``
+    block, its arguments streamed as ``input_json_delta``; usage counts cache reads apart."""
     chat = {"id": "chatcmpl-1", "choices": [{"finish_reason": "tool_calls", "message": {
-        "content": None, "tool_calls": [{"id": "call_1", "type": "function",
-                                         "function": {"name": "lookup_number", "arguments": '{"index": 2}'}}]}}],
+        "content": "Looking.", "tool_calls": [CALL]}}],
         "usage": {"prompt_tokens": 10, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 4}}}
     message = chat_to_message(chat, "tiny")
-    assert message["content"] == [{"type": "tool_use", "id": "call_1", "name": "lookup_number", "input": {"index": 2}}]
-    assert message["stop_reason"] == "tool_use"
+    assert message["content"] == [{"type": "text", "text": "Looking."},
+                                  {"type": "tool_use", "id": "call_1", "name": "lookup_number", "input": {"index": 2}}]
+    assert message["stop_reason"] == "tool_use" and message["id"] == "msg_1"
     assert message["usage"] == {"input_tokens": 6, "cache_read_input_tokens": 4, "output_tokens": 3}
+
+    def chunk(delta: dict, finish: str | None = None) -> dict:
+        return {"id": "chatcmpl-2", "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+
+    first = {**CALL, "index": 0, "function": {"name": "lookup_number", "arguments": '{"in'}}
+    chunks = [chunk({"role": "assistant", "content": "Looking."}), chunk({"tool_calls": [first]}),
+              chunk({"tool_calls": [{"index": 0, "function": {"arguments": 'dex": 2}'}}]}, "tool_calls"),
+              {"id": "chatcmpl-2", "choices": [], "usage": chat["usage"]}]
+
+    async def events() -> list[dict]:
+        async def source():
+            for c in chunks:
+                yield c
+        return [e async for e in message_events(source(), "tiny")]
+
+    got = asyncio.run(events())
+    assert [e["type"] for e in got] == ["message_start", "ping", "content_block_start", "content_block_delta",
+                                        "content_block_stop", "content_block_start", "content_block_delta",
+                                        "content_block_delta", "content_block_stop", "message_delta", "message_stop"]
+    assert got[5]["content_block"] == {"type": "tool_use", "id": "call_1", "name": "lookup_number", "input": {}}
+    assert "".join(e["delta"]["partial_json"] for e in got[6:8]) == '{"index": 2}'
+    assert got[9]["delta"]["stop_reason"] == "tool_use" and got[9]["usage"]["cache_read_input_tokens"] == 4
+
+
+def test_a_forced_tool_choice_is_compressed_and_reaches_the_engine(gateway_url, engine_backend):
     raw = _client(gateway_url).messages.with_raw_response.create(
         model="tiny", messages=_transcript(1), tools=TOOLS, tool_choice={"type": "any"}, max_tokens=3,
         extra_headers=KEEP)
     assert raw.headers["x-specprefill-status"] == "compressed" and raw.parse().content
+    sent = engine_backend[1].last("/v1/messages")["body"]
+    assert sent["tool_choice"] == {"type": "any"} and sent["tools"] == TOOLS
 
 
 @pytest.mark.parametrize("body,status,kind,says", [
