@@ -1,10 +1,12 @@
 """Prefix-cache blocks: the identity of a run of tokens at their positions, as vLLM's prefix cache keys it.
 
 A prompt is cut into blocks of ``block_size`` tokens; only full blocks count. A block's hash covers its
-parent's hash, its tokens and their positions, so two blocks are one only if everything before them is the
-same too, and kept tokens at gapped positions are reusable only at those positions (the vLLM plugin adds
-non-default positions to vLLM's block hash for the same reason). The reference engine keys its cache with
-these hashes, and the gateway models an engine's cache with the same rule.
+parent's hash, its tokens and its extra keys, so two blocks are one only if everything before them is the
+same too. The one extra key here is a block's positions where they are not the default ones (``position_key``):
+kept tokens at gapped positions are reusable only at those positions. That is what the vLLM plugin adds to
+vLLM's block hash, and what vLLM publishes in its KV events' ``extra_keys``, so a block known from an engine's
+events (tokens, extra keys, parent) is the same block as one hashed here from a prompt. The reference engine
+keys its cache with these hashes, and the gateway models an engine's cache with the same rule.
 """
 
 from __future__ import annotations
@@ -19,20 +21,48 @@ import numpy as np
 from common.sequences import longest_prefix
 
 
-def block_hashes(token_ids: Sequence[int], position_ids: Sequence[int] | None, block_size: int,
-                 parent: bytes = b"") -> list[bytes]:
-    """One hash per full block of ``token_ids`` (positions default to 0..n-1), each chained to the one before."""
+def position_key(positions: Sequence[int]) -> str:
+    """The extra key of a block at non-default positions: the vLLM plugin's ``block_key`` (the plugin imports
+    nothing of ours; a test holds the two equal)."""
+    return hashlib.sha256(",".join(map(str, positions)).encode()).hexdigest()[:32]
+
+
+def block_hash(parent: bytes, token_ids: Sequence[int] | np.ndarray, extra: Sequence | None) -> bytes:
+    """One block's hash from its parent's, its tokens and its extra keys (None or empty: none)."""
+    payload = np.asarray(token_ids, dtype="<i8").tobytes()
+    if extra:
+        payload += b"\x00" + "\x00".join(map(str, extra)).encode()
+    return hashlib.blake2b(parent + payload, digest_size=16).digest()
+
+
+def block_keys(token_ids: Sequence[int], position_ids: Sequence[int] | None, block_size: int, offset: int = 0
+               ) -> list[tuple[np.ndarray, tuple[str] | None]]:
+    """Each full block's tokens and extra keys (positions default to 0..n-1; ``offset``: where ``token_ids``
+    begin in their prompt, for the default positions)."""
     n_blocks = len(token_ids) // block_size
     if n_blocks == 0:
         return []
     tokens = np.asarray(token_ids[: n_blocks * block_size], dtype="<i8").reshape(n_blocks, block_size)
     if position_ids is None:
-        positions = np.arange(n_blocks * block_size, dtype="<i8").reshape(n_blocks, block_size)
-    else:
-        positions = np.asarray(position_ids[: n_blocks * block_size], dtype="<i8").reshape(n_blocks, block_size)
+        return [(block, None) for block in tokens]
+    positions = np.asarray(position_ids[: n_blocks * block_size], dtype="<i8").reshape(n_blocks, block_size)
+    default = offset + np.arange(n_blocks * block_size, dtype="<i8").reshape(n_blocks, block_size)
+    moved = (positions != default).any(axis=1).tolist()
+    return [(block, (position_key(at.tolist()),) if move else None)
+            for block, at, move in zip(tokens, positions, moved)]
+
+
+def block_hashes(token_ids: Sequence[int], position_ids: Sequence[int] | None, block_size: int,
+                 parent: bytes = b"", offset: int = 0) -> list[bytes]:
+    """One hash per full block (``block_keys``), each chained to the one before."""
+    return chain(block_keys(token_ids, position_ids, block_size, offset), parent)
+
+
+def chain(keys: Sequence[tuple[Sequence[int], Sequence | None]], parent: bytes = b"") -> list[bytes]:
+    """The hashes of blocks given as (tokens, extra keys), each chained to the one before, the first to ``parent``."""
     hashes = []
-    for block_tokens, block_positions in zip(tokens, positions):
-        parent = hashlib.blake2b(parent + block_tokens.tobytes() + block_positions.tobytes(), digest_size=16).digest()
+    for tokens, extra in keys:
+        parent = block_hash(parent, tokens, extra)
         hashes.append(parent)
     return hashes
 
@@ -66,7 +96,7 @@ class BlockHasher:
             reused = self._recent[index][1][: shared // self.block_size] if index is not None else []
         start = len(reused) * self.block_size
         hashes = reused + block_hashes(tokens[start:], positions[start:], self.block_size,
-                                       parent=reused[-1] if reused else b"")
+                                       parent=reused[-1] if reused else b"", offset=start)
         with self._lock:
             self._recent.appendleft((keys, hashes))
         return hashes

@@ -1,31 +1,37 @@
 """The reference engine's prefix cache, the way vLLM's works.
 
-Full blocks of computed KV, keyed by ``blocks.block_hashes`` (tokens *and* positions, chained). A new
+Full blocks of computed KV, keyed by ``blocks.block_hashes`` (tokens and non-default positions, chained). A new
 sequence reuses the longest run of cached leading blocks and prefills only the rest; a finished (or
 cancelled) sequence leaves its full blocks behind. Least recently used blocks go first once the cache holds
 more than ``max_tokens`` tokens; a hit touches a chain from its tail to its head, so a chain's tail is
 evicted before its head (as vLLM's free-block queue does), and a head is never orphaned before its tail.
-Used by the engine thread only.
+What it stores, evicts and clears goes to ``publish`` as vLLM's KV cache events (``engine.kv_events``).
+Used by the engine thread, but for ``clear`` (a lock keeps the two apart).
 """
 
 from __future__ import annotations
 
 import collections
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 
 import torch
 from transformers import DynamicCache, PretrainedConfig
 
 from common.kv_cache import append_cache
-from engine.blocks import block_hashes, reusable_blocks
+from common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, Event
+from engine.blocks import block_hashes, block_keys, chain, reusable_blocks
 
 Block = torch.Tensor  # every layer's keys and values: [layers, 2, Hkv, block_size, D]
 
 
 class PrefixCache:
-    def __init__(self, max_tokens: int, block_size: int = 16) -> None:
+    def __init__(self, max_tokens: int, block_size: int = 16,
+                 publish: Callable[[list[Event]], None] | None = None) -> None:
         assert block_size > 0 and max_tokens >= 0
         self.block_size = block_size
+        self.publish = publish
+        self._lock = threading.Lock()
         self.max_blocks = max_tokens // block_size
         self._blocks: collections.OrderedDict[bytes, Block] = collections.OrderedDict()
         self.hits = 0  # prompt tokens served from the cache
@@ -41,17 +47,18 @@ class PrefixCache:
         It has room for the whole prompt and grows by ``reserve`` tokens at a time (``common.kv_cache``)."""
         hashes = block_hashes(token_ids, position_ids, self.block_size)
         found = []
-        for h in hashes:
-            block = self._blocks.get(h)
-            if block is None:
-                break
-            found.append((h, block))
-        found = found[: reusable_blocks(len(found), len(token_ids), self.block_size)]
+        with self._lock:
+            for h in hashes:
+                block = self._blocks.get(h)
+                if block is None:
+                    break
+                found.append((h, block))
+            found = found[: reusable_blocks(len(found), len(token_ids), self.block_size)]
+            for h, _ in reversed(found):  # the head ends up the most recently used
+                self._blocks.move_to_end(h)
         self.queries += len(token_ids)
         if not found:
             return None, 0
-        for h, _ in reversed(found):  # the head ends up the most recently used
-            self._blocks.move_to_end(h)
         # one copy of every block at once: [layers, 2, Hkv, tokens, D] (a cat per layer and per K/V was 16x the
         # calls, and at 12k cached tokens their overhead, not the bytes, took most of a cached request)
         run = torch.cat([b for _, b in found], dim=3)
@@ -63,13 +70,47 @@ class PrefixCache:
     def store(self, token_ids: Sequence[int], position_ids: Sequence[int], cache: DynamicCache) -> None:
         """Keeps the full blocks of a computed run (``cache`` holds KV for ``token_ids``, in order)."""
         n_tokens = min(len(token_ids), cache.get_seq_length())
-        hashes = block_hashes(token_ids[:n_tokens], position_ids[:n_tokens], self.block_size)
-        for index, h in reversed(list(enumerate(hashes))):
-            if h in self._blocks:
-                self._blocks.move_to_end(h)
-                continue
-            start, end = index * self.block_size, (index + 1) * self.block_size
-            self._blocks[h] = torch.stack([torch.stack((layer.keys[0, :, start:end], layer.values[0, :, start:end]))
-                                           for layer in cache.layers])
-        while len(self._blocks) > self.max_blocks:
-            self._blocks.popitem(last=False)
+        keys = block_keys(token_ids[:n_tokens], position_ids[:n_tokens], self.block_size)
+        hashes = chain(keys)
+        new, removed = [], []
+        with self._lock:
+            for index, h in reversed(list(enumerate(hashes))):
+                if h in self._blocks:
+                    self._blocks.move_to_end(h)
+                    continue
+                start, end = index * self.block_size, (index + 1) * self.block_size
+                self._blocks[h] = torch.stack([torch.stack((layer.keys[0, :, start:end],
+                                                            layer.values[0, :, start:end]))
+                                               for layer in cache.layers])
+                new.append(index)
+            while len(self._blocks) > self.max_blocks:
+                removed.append(self._blocks.popitem(last=False)[0])
+            events: list[Event] = [self._stored(run, hashes, keys) for run in _runs(sorted(new))]
+            if removed:
+                events.append(BlockRemoved(removed, "GPU"))
+            if self.publish is not None and events:
+                self.publish(events)
+
+    def clear(self) -> None:
+        """Drops every block (vLLM's ``/reset_prefix_cache``)."""
+        with self._lock:
+            self._blocks.clear()
+            if self.publish is not None:
+                self.publish([AllBlocksCleared()])
+
+    def _stored(self, run: list[int], hashes: list[bytes], keys: list) -> BlockStored:
+        extra = [keys[i][1] for i in run]
+        return BlockStored([hashes[i] for i in run], hashes[run[0] - 1] if run[0] else None,
+                           [int(t) for i in run for t in keys[i][0]], self.block_size,
+                           extra if any(e is not None for e in extra) else None, "GPU")
+
+
+def _runs(indices: list[int]) -> list[list[int]]:
+    """Sorted indices cut into runs of consecutive ones."""
+    runs: list[list[int]] = []
+    for i in indices:
+        if runs and runs[-1][-1] == i - 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return runs

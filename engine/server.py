@@ -38,7 +38,7 @@ def create_app(settings: EngineSettings | None = None, *, serving: EngineServing
             yield
         finally:
             if serving is None:  # the engine this app started
-                app.state.serving.engine.close()
+                app.state.serving.close()
 
     app = FastAPI(title="SpecPrefill reference engine", lifespan=lifespan)
     app.state.metrics = metrics
@@ -108,6 +108,20 @@ def create_app(settings: EngineSettings | None = None, *, serving: EngineServing
     async def health(raw_request: Request) -> JSONResponse:
         engine = raw_request.app.state.serving.engine
         return JSONResponse({"status": "ok", "active_requests": engine.active})
+
+    @app.get("/kv_event_sources")
+    async def kv_event_sources(raw_request: Request) -> JSONResponse:
+        """Where the KV cache events go, as vLLM's endpoint of that name says it (one data-parallel rank)."""
+        events = raw_request.app.state.serving.events
+        return JSONResponse({} if events is None else {"0": events.source()})
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(raw_request: Request) -> Response:
+        """Drops the prefix cache, as vLLM's endpoint of that name (its KV events say so: AllBlocksCleared)."""
+        cache = raw_request.app.state.serving.engine.prefix_cache
+        if cache is not None:
+            cache.clear()
+        return Response(status_code=200)
 
     @app.get("/metrics")
     async def prometheus() -> Response:

@@ -21,6 +21,7 @@ from common.streams import merge, prepend
 from common.swap import requested_swap, swap_prompt
 from common.tokenize import PieceCache
 from engine.engine import ReferenceEngine
+from engine.kv_events import EventPublisher, KVEventsConfig
 from engine.prefix_cache import PrefixCache
 from engine.protocol import EngineCompletionRequest
 from engine.sampling import SamplingParams
@@ -38,8 +39,10 @@ class PreparedRequest:
 
 
 class EngineServing:
-    def __init__(self, engine: ReferenceEngine, served_names: list[str]) -> None:
+    def __init__(self, engine: ReferenceEngine, served_names: list[str], events: EventPublisher | None = None
+                 ) -> None:
         self.engine = engine
+        self.events = events  # the KV cache events' publisher, if any
         self.served_names = served_names
         self.pieces = PieceCache(engine.tokenizer)  # chats' repeated parts tokenized once, long new ones in parallel
         self.merge_inline_system = merges_inline_system(engine.tokenizer)  # for Messages, as vLLM decides it
@@ -47,13 +50,23 @@ class EngineServing:
     @classmethod
     def from_settings(cls, settings: EngineSettings, on_active_change=None) -> EngineServing:
         """Loads the target model and starts its engine."""
+        events = None
+        if settings.kv_events_config and settings.kv_cache_tokens:
+            config = KVEventsConfig.parse(settings.kv_events_config)
+            events = EventPublisher(config) if config.enable_kv_cache_events and config.publisher == "zmq" else None
         model = load_causal_lm(settings.model, device=settings.device, dtype=settings.dtype)
-        prefix_cache = PrefixCache(settings.kv_cache_tokens, settings.block_size) if settings.kv_cache_tokens else None
+        prefix_cache = (PrefixCache(settings.kv_cache_tokens, settings.block_size,
+                                    publish=events.publish if events else None) if settings.kv_cache_tokens else None)
         engine = ReferenceEngine(model, load_tokenizer(settings.model), max_running=settings.max_running,
                                  max_waiting=settings.max_waiting, prefill_chunk=settings.prefill_chunk,
                                  background_prefill_chunk=settings.background_prefill_chunk,
                                  prefix_cache=prefix_cache, on_active_change=on_active_change)
-        return cls(engine, [n for n in (settings.served_model_name, settings.model) if n])
+        return cls(engine, [n for n in (settings.served_model_name, settings.model) if n], events)
+
+    def close(self) -> None:
+        self.engine.close()
+        if self.events is not None:
+            self.events.close()
 
     @property
     def model_name(self) -> str:

@@ -20,3 +20,7 @@ class EngineSettings(ServerOptions, DeviceOptions):
                                                                  "as warming): a new request waits at most one")
     kv_cache_tokens: int = Field(65536, ge=0, description="tokens of KV kept for prefix reuse, LRU (0: off)")
     block_size: int = Field(16, gt=0, description="tokens per prefix-cache block (only full blocks are reused)")
+    kv_events_config: str | None = Field(None, description="publish the prefix cache's KV events as vLLM does: "
+                                                           "vLLM's JSON, e.g. '{\"enable_kv_cache_events\": true, "
+                                                           "\"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": "
+                                                           "\"tcp://*:5558\"}'")

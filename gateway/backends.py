@@ -55,6 +55,11 @@ class Backend(Protocol):
         """The requests the engine runs or queues now, from all its clients, where it says (None: unknown)."""
         ...
 
+    async def kv_event_sources(self) -> dict:
+        """Where the engine publishes its KV cache events, by data-parallel rank (vLLM's ``/kv_event_sources``:
+        each its ``KVEventsConfig``); empty where it publishes none."""
+        ...
+
     async def close(self) -> None: ...
 
 
@@ -115,8 +120,11 @@ class InProcessBackend:
     async def load(self) -> int | None:
         return self.serving.engine.active
 
+    async def kv_event_sources(self) -> dict:
+        return {}  # in-process, the engine's cache is the gateway's to read; no model needs its events
+
     async def close(self) -> None:
-        self.serving.engine.close()
+        self.serving.close()
 
 
 class HTTPBackend:
@@ -182,6 +190,14 @@ class HTTPBackend:
         """From the engine's /metrics: vLLM's running and waiting requests, or the reference engine's."""
         text = await self._get_text("/metrics", 2.0)
         return parse_load(text) if text is not None else None
+
+    async def kv_event_sources(self) -> dict:
+        text = await self._get_text("/kv_event_sources", 5.0)
+        try:
+            sources = json.loads(text) if text is not None else {}
+        except json.JSONDecodeError:
+            return {}
+        return sources if isinstance(sources, dict) else {}
 
     async def close(self) -> None:
         if self._session is not None:

@@ -33,6 +33,9 @@ class GatewayMetrics:
         self.engine_cache_error = Histogram(
             "specprefill_engine_cache_error_tokens", "Prompt tokens the engine served from its cache minus those "
             "the gateway predicted", buckets=(-4096, -1024, -256, -64, -1, 0, 64, 256, 1024, 4096), registry=r)
+        self.kv_events = Counter("specprefill_kv_events", "The backend's KV cache events followed: blocks stored and "
+                                 "removed, clears, batches replayed, restarts and gaps seen (the model then started "
+                                 "empty), batches that could not be read", ["kind"], registry=r)
         self.in_flight = Gauge("specprefill_backend_requests_in_flight", "Backend requests under way",
                                ["kind"], registry=r)
         self.swap_mismatch = Counter("specprefill_swap_mismatch", "Swaps the backend refused because its rendering "

@@ -281,14 +281,17 @@ class Planner:
         if not sent:
             return
         cached = _cached_tokens(usage)
+        positions = plan.kept_indices if self.positional else None
         if cached is not None:
             self.metrics.engine_cache_error.observe(cached - plan.engine_cached)
+            if cached < plan.engine_cached and self.engine_cache is not None:
+                await self.engine_cache.corrected(sent, positions, cached)
         else:
             cached = plan.engine_cached
         if not contended:
             self.target_cost.observe(len(sent) - cached, cached, backend_s)
         if self.engine_cache is not None:
-            await self.engine_cache.record(sent, plan.kept_indices if self.positional else None)
+            await self.engine_cache.record(sent, positions)
         if plan.status == "compressed":
             self.selections.add(plan.token_ids, Selection(tuple(plan.kept_indices), plan.keep_rate, plan.protected,
                                                           len(plan.token_ids)))

@@ -26,6 +26,7 @@ from common.tokenize import PieceCache
 from gateway.backends import Backend
 from gateway.draft import DraftClient
 from gateway.engine_load import Ticket
+from gateway.kv_events import EventSubscriber
 from gateway.metrics import GatewayMetrics
 from gateway.plan import Plan
 from gateway.planner import Planner
@@ -65,7 +66,7 @@ class Prompt:
 class GatewayServing:
     def __init__(self, settings: GatewaySettings, tokenizer, draft: DraftClient, backend: Backend,
                  metrics: GatewayMetrics, served_names: list[str], planner: Planner,
-                 warmer: Warmer | None = None) -> None:
+                 warmer: Warmer | None = None, events: EventSubscriber | None = None) -> None:
         self.settings = settings
         self.tokenizer = tokenizer
         self.draft = draft
@@ -74,6 +75,7 @@ class GatewayServing:
         self.served_names = served_names
         self.planner = planner
         self.warmer = warmer
+        self.events = events  # the backend's KV cache events, followed into the planner's model of its cache
         self.load = planner.load  # what the engine is doing: this gateway's requests there, and others'
         self._settling: set[asyncio.Task] = set()  # streams' ends being recorded
         self._mismatch_causes: set[str] = set()  # swap mismatches already logged
@@ -87,6 +89,8 @@ class GatewayServing:
         await asyncio.gather(*self._settling, return_exceptions=True)
         if self.warmer is not None:
             await self.warmer.close()
+        if self.events is not None:
+            await self.events.close()
         await self.load.close()
         await self.backend.close()
         await self.draft.close()

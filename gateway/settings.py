@@ -26,6 +26,13 @@ class GatewaySettings(ServerOptions, DeviceOptions, ScoringOptions):
         "tokens (token IDs, no positions), text (kept text to any OpenAI-compatible server)",
     )
     backend_model: str | None = Field(None, description="the model name the backend serves (default: asked from it)")
+    backend_kv_events: str = Field("auto", description="the backend's KV cache events, which the model of its "
+                                   "prefix cache then follows instead of guessing: auto (where the backend says "
+                                   "it publishes them: vLLM's /kv_event_sources), off, or the ZMQ endpoint "
+                                   "(tcp://HOST:PORT)")
+    backend_kv_events_replay: str | None = Field(None, description="with an endpoint: the events' replay endpoint "
+                                                 "(vLLM's replay_endpoint), where missed events are asked for again")
+    backend_kv_events_topic: str = Field("", description="with an endpoint: the events' topic (vLLM's topic)")
     backend_api_key: SecretStr | None = Field(None, description="Bearer token the gateway sends to the backend")
     target_model: str | None = Field(None, description="the target model (its tokenizer and chat template); "
                                      "without it and --draft-model, `specprefill serve` runs the demo pair")

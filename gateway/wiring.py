@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from urllib.parse import urlsplit
 
 from common.models import TokenizerMismatchError, check_same_tokenizer, load_tokenizer, tokenizer_fingerprint
 from draft_worker.baselines import BaselineScorer, baseline_kind
@@ -11,8 +12,9 @@ from gateway.backends import Backend, HTTPBackend, InProcessBackend, token_body
 from gateway.cache import MemoryScoreCache, RedisScoreCache, ScoreCache
 from gateway.costs import cost_models
 from gateway.draft import DraftClient, LocalDraft, RemoteDraft
-from gateway.engine_cache import EngineCacheModel, MemoryEngineCache, RedisEngineCache
+from gateway.engine_cache import EngineCacheModel, EventEngineCache, MemoryEngineCache, RedisEngineCache
 from gateway.engine_load import EngineLoad
+from gateway.kv_events import EventSubscriber
 from gateway.metrics import GatewayMetrics
 from gateway.planner import Planner
 from gateway.scores import ScoreProvider
@@ -41,7 +43,13 @@ async def build_serving(settings: GatewaySettings, metrics: GatewayMetrics, draf
     backend = backend or _backend(settings, served)
     names = list(dict.fromkeys(n for n in (served, settings.target_model, settings.backend_model) if n))
     scores = ScoreProvider(draft, score_cache(settings), metrics, settings.redis_key_prefix)
-    engine_cache = await _engine_cache(settings, backend) if backend.kind != "text" else None
+    source = await _kv_events(settings, backend) if backend.kind != "text" else None
+    engine_cache = await _engine_cache(settings, backend, source is not None) if backend.kind != "text" else None
+    events = None
+    if source is not None and isinstance(engine_cache, EventEngineCache):
+        endpoint, replay, topic = source
+        events = EventSubscriber(engine_cache, endpoint, replay_endpoint=replay, topic=topic, metrics=metrics)
+        events.start()
     costs = cost_models(settings.cost_coefficients)
     metrics.expose_costs({"target": costs[0], "draft": costs[1]})
     load = EngineLoad()
@@ -58,7 +66,7 @@ async def build_serving(settings: GatewaySettings, metrics: GatewayMetrics, draf
                                 limit=prompt_limit(settings, tokenizer))
     if settings.engine_poll_interval > 0 and backend.kind != "text":
         load.watch(backend.load, settings.engine_poll_interval)
-    return GatewayServing(settings, tokenizer, draft, backend, metrics, names, planner, warmer)
+    return GatewayServing(settings, tokenizer, draft, backend, metrics, names, planner, warmer, events)
 
 
 async def _one_token(backend: Backend, token_ids: list[int], priority: int | None) -> dict:
@@ -67,14 +75,45 @@ async def _one_token(backend: Backend, token_ids: list[int], priority: int | Non
     return await backend.completion(token_body(backend.kind, await backend.model_name(), token_ids, None, params))
 
 
-async def _engine_cache(settings: GatewaySettings, backend: Backend) -> EngineCacheModel:
-    """The model of the engine's prefix cache, shaped as the engine says (or as the settings override)."""
+async def _kv_events(settings: GatewaySettings, backend: Backend) -> tuple[str, str | None, str] | None:
+    """Where to follow the backend's KV cache events (endpoint, replay endpoint, topic): the settings', or,
+    with ``auto``, where the backend says it publishes them; None: nowhere (the model then guesses)."""
+    if settings.backend_kv_events == "off":
+        return None
+    if settings.backend_kv_events != "auto":
+        return settings.backend_kv_events, settings.backend_kv_events_replay, settings.backend_kv_events_topic
+    sources = await backend.kv_event_sources()
+    source = sources.get("0") or next(iter(sources.values()), None)
+    if not isinstance(source, dict) or not source.get("endpoint"):
+        return None
+    host = urlsplit(getattr(backend, "base_url", "")).hostname or "127.0.0.1"
+    endpoint, replay = (_reachable(source.get(key), host) for key in ("endpoint", "replay_endpoint"))
+    if endpoint is None:
+        return None
+    logger.info("the backend publishes its KV cache events: following %s", endpoint)
+    return endpoint, replay, source.get("topic") or ""
+
+
+def _reachable(endpoint: str | None, host: str) -> str | None:
+    """A publisher's endpoint as a subscriber here reaches it: a wildcard host (it binds every interface, as
+    vLLM does with ``tcp://*:PORT``) is the backend's host."""
+    if not endpoint or not endpoint.startswith("tcp://"):
+        return None
+    address, _, port = endpoint[len("tcp://"):].rpartition(":")
+    return f"tcp://{host}:{port}" if address in ("*", "0.0.0.0", "[::]", "::") else endpoint
+
+
+async def _engine_cache(settings: GatewaySettings, backend: Backend, events: bool) -> EngineCacheModel:
+    """The model of the engine's prefix cache, shaped as the engine says (or as the settings override);
+    followed from the engine's KV events where it publishes them."""
     shape = await backend.cache_shape()
     block_size = settings.engine_block_size or (shape[0] if shape else 16)
     capacity = settings.engine_cache_tokens if settings.engine_cache_tokens is not None else (shape[1] if shape else 0)
     logger.info("engine prefix cache: %s tokens in blocks of %d%s", capacity, block_size,
                 "" if shape or settings.engine_cache_tokens is not None else
                 " (the engine did not say: set --engine-cache-tokens; until then no cache hit is expected)")
+    if events:
+        return EventEngineCache(block_size, capacity)
     if settings.redis_url and not settings.embedded:
         key = f"{settings.redis_key_prefix}engine-cache:{settings.backend_url}:{await backend.model_name()}"
         return RedisEngineCache(settings.redis_url, key, block_size, capacity)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -98,3 +99,14 @@ def test_the_vllm_command_gives_what_the_planner_reads(compose):
     # an agent's tools (a Messages request with tools asks for automatic tool choice), as the README starts vLLM
     assert "--enable-auto-tool-choice" in command
     assert re.sub(r"\$\{[^}:]+:-([^}]*)\}", r"\1", command[command.index("--tool-call-parser") + 1]) == "llama3_json"
+
+
+def test_the_gateway_follows_vllms_kv_events(compose):
+    """vLLM publishes its KV cache events where the gateway subscribes (its replay socket too)."""
+    command = compose["services"]["vllm"]["command"]
+    config = json.loads(command[command.index("--kv-events-config") + 1])
+    assert config["enable_kv_cache_events"] and config["publisher"] == "zmq"
+    env = _env(compose["services"]["gateway"])
+    for setting, key in (("SPECPREFILL_BACKEND_KV_EVENTS", "endpoint"),
+                         ("SPECPREFILL_BACKEND_KV_EVENTS_REPLAY", "replay_endpoint")):
+        assert env[setting] == config[key].replace("*", "vllm")

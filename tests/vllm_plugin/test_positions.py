@@ -45,3 +45,17 @@ def test_block_keys_only_where_positions_differ():
     assert block_key(positions, 32, 48) != block_key(list(range(32)) + list(range(101, 133)), 32, 48)
     assert block_key(positions, 64, 80) is not None  # generated tokens after the prompt
     assert block_key(None, 32, 48) is None
+
+
+def test_the_engines_block_key_is_the_plugins():
+    """The gateway matches blocks from vLLM's KV events by the key the plugin adds to vLLM's block hash; the
+    plugin imports nothing of ours, so the rule is written twice and held equal here."""
+    from engine.blocks import block_keys
+
+    positions = list(range(20)) + list(range(57, 101)) + list(range(400, 444))
+    tokens = list(range(len(positions)))
+    for index, (_, extra) in enumerate(block_keys(tokens, positions, 16)):
+        key = block_key(positions, 16 * index, 16 * (index + 1))
+        assert extra == (None if key is None else (key,))
+    assert [e for _, e in block_keys(tokens[16:], positions[16:], 16, offset=16)] == \
+        [e for _, e in block_keys(tokens, positions, 16)][1:]

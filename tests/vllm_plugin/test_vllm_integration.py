@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import subprocess
+import time
 from pathlib import Path
 
 import anthropic
@@ -18,6 +20,7 @@ import pytest
 import torch
 
 from common.models import load_causal_lm, load_tokenizer
+from common.process import free_port
 from gateway.app import create_app
 from specprefill.lab.vllm_server import VLLMServer
 from tests.gateway.test_messages import GREEDY, SYSTEM, _transcript
@@ -49,8 +52,13 @@ def vllm_servers(model_pair, tmp_path_factory):
     logs = tmp_path_factory.mktemp("vllm-logs")
     quiet = ("--disable-log-stats",)
     tools = ("--enable-auto-tool-choice", "--tool-call-parser", "llama3_json")  # a chat with tools, as users serve
+    events = (free_port(), free_port())  # vLLM binds a wildcard endpoint (another host, it connects out to)
+    kv_events = ("--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
+                                                   "endpoint": f"tcp://*:{events[0]}",
+                                                   "replay_endpoint": f"tcp://*:{events[1]}"}))
     servers = {"plugin": VLLMServer(python, model_pair / "target", logs / "plugin.log", plugin=True,
-                                    extra_args=quiet + tools, pinned=False),
+                                    extra_args=quiet + tools + kv_events + ("--enable-prompt-tokens-details",),
+                                    pinned=False),
                "stock": VLLMServer(python, model_pair / "target", logs / "stock.log", plugin=False, extra_args=quiet,
                                    pinned=False)}
     try:
@@ -258,8 +266,9 @@ def test_the_anthropic_sdk_through_the_gateway_to_vllms_messages(vllm_servers, m
                                                            extra_headers=keep)
             assert raw.headers["x-specprefill-status"] == "compressed"
             message = raw.parse()
-            assert message.model == "tiny" and message.usage.input_tokens + (
-                message.usage.cache_read_input_tokens or 0) == int(raw.headers["x-specprefill-original-tokens"])
+            usage = message.usage  # Anthropic's: the prompt is what was read, plus what went into and out of caches
+            assert message.model == "tiny" and usage.input_tokens + (usage.cache_read_input_tokens or 0) + (
+                usage.cache_creation_input_tokens or 0) == int(raw.headers["x-specprefill-original-tokens"])
             return raw.headers, message
 
         anthropic_request()
@@ -301,3 +310,30 @@ def test_a_swap_that_does_not_match_on_messages_is_a_400_from_vllm(vllm_servers)
     error = response.json()
     assert error["type"] == "error" and "at position 0 differs" in error["error"]["message"]
     assert "parameter=vllm_xargs.kept_token_ids" in error["error"]["message"]  # what the gateway reads back
+
+
+def test_the_gateway_follows_vllms_kv_events(vllm_servers, model_pair):
+    """The gateway finds where vLLM publishes its KV events (``/kv_event_sources``) and follows them. vLLM
+    publishes the plugin's position key in its events' extra_keys, so the gateway's model predicts what vLLM
+    serves from its cache, compressed requests (gapped positions) included."""
+    settings = gateway_settings(model_pair, backend_url=vllm_servers["plugin"], backend_kind="vllm", planner="cost")
+    assert set(httpx.get(f"{vllm_servers['plugin']}/kv_event_sources").json()) == {"0"}  # found there (auto)
+    pairs, plans = [], []
+    with serve(create_app(settings)) as url, httpx.Client(timeout=300) as client:
+        messages = chat_messages("Which number comes first?")
+        for turn in range(6):
+            r = client.post(f"{url}/v1/chat/completions", headers={"x-keep-rate": "0.3"},
+                            json={"model": "tiny", "messages": messages, "max_tokens": 1, "temperature": 0})
+            assert r.status_code == 200, r.text
+            predicted = int(re.search(r'cached;desc="(\d+)"', r.headers["server-timing"]).group(1))
+            pairs.append((predicted, r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]))
+            plans.append(r.headers["x-specprefill-plan"])
+            if turn % 2:  # each turn twice (a retry, another user): the second finds the first's kept tokens
+                messages = messages + [{"role": "assistant", "content": "Seven."},
+                                       {"role": "user", "content": f"And the number after {turn}?"}]
+            time.sleep(0.5)  # the answer's events reach the gateway
+        metrics = client.get(f"{url}/metrics").text
+    assert all(p == c for p, c in pairs), (pairs, plans)
+    # repeats of compressed turns hit vLLM's cache at gapped positions, as predicted
+    assert sum(c > 0 for (_, c), plan in zip(pairs[1::2], plans[1::2]) if plan != "whole") >= 2, (pairs, plans)
+    assert re.search(r'specprefill_kv_events_total\{kind="stored"\} [1-9]', metrics)
