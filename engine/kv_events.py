@@ -65,6 +65,7 @@ class EventPublisher:
             self._replay = self._context.socket(zmq.ROUTER)
             self.replay_endpoint = _bind(self._replay, config.replay_endpoint)
         self._seq = 0
+        self._queued = 0
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
         self._thread.start()
         logger.info("KV cache events on %s (replay: %s)", self.endpoint, self.replay_endpoint or "none")
@@ -79,8 +80,14 @@ class EventPublisher:
         """Batches sent so far (the next one's sequence number)."""
         return self._seq
 
+    @property
+    def queued(self) -> int:
+        """Batches handed to the publisher so far (sent, or about to be)."""
+        return self._queued
+
     def publish(self, events: list[Event]) -> None:
         if events:
+            self._queued += 1
             self._queue.put(EventBatch(time.time(), events))
 
     def _run(self) -> None:

@@ -3,8 +3,8 @@
 Full blocks of computed KV, keyed by ``blocks.block_hashes`` (tokens and non-default positions, chained). A new
 sequence reuses the longest run of cached leading blocks and prefills only the rest; a finished (or
 cancelled) sequence leaves its full blocks behind. Least recently used blocks go first once the cache holds
-more than ``max_tokens`` tokens; a hit touches a chain from its tail to its head, so a chain's tail is
-evicted before its head (as vLLM's free-block queue does), and a head is never orphaned before its tail.
+more than ``max_tokens`` tokens (room for a prompt's new blocks is made when it starts, as vLLM allocates before
+it computes); a hit touches a chain from its tail to its head, so a chain's tail is evicted before its head (as vLLM's free-block queue does), and a head is never orphaned before its tail.
 What it stores, evicts and clears goes to ``publish`` as vLLM's KV cache events (``engine.kv_events``).
 Used by the engine thread, but for ``clear`` (a lock keeps the two apart).
 """
@@ -56,6 +56,9 @@ class PrefixCache:
             found = found[: reusable_blocks(len(found), len(token_ids), self.block_size)]
             for h, _ in reversed(found):  # the head ends up the most recently used
                 self._blocks.move_to_end(h)
+            # room for the blocks this prompt will leave, made now, as vLLM allocates (and evicts) before it
+            # computes: the removals are published before the answer, never just after it
+            self._evict(self.max_blocks - (len(hashes) - len(found)))
         self.queries += len(token_ids)
         if not found:
             return None, 0
@@ -83,13 +86,21 @@ class PrefixCache:
                                                             layer.values[0, :, start:end]))
                                                for layer in cache.layers])
                 new.append(index)
-            while len(self._blocks) > self.max_blocks:
+            while len(self._blocks) > self.max_blocks:  # when sequences side by side outgrew their room
                 removed.append(self._blocks.popitem(last=False)[0])
             events: list[Event] = [self._stored(run, hashes, keys) for run in _runs(sorted(new))]
             if removed:
                 events.append(BlockRemoved(removed, "GPU"))
             if self.publish is not None and events:
                 self.publish(events)
+
+    def _evict(self, keep: int) -> None:
+        """Least recently used blocks out until at most ``keep`` are left (under the lock)."""
+        removed = []
+        while len(self._blocks) > max(0, keep):
+            removed.append(self._blocks.popitem(last=False)[0])
+        if removed and self.publish is not None:
+            self.publish([BlockRemoved(removed, "GPU")])
 
     def clear(self) -> None:
         """Drops every block (vLLM's ``/reset_prefix_cache``)."""

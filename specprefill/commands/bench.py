@@ -13,7 +13,7 @@ from pydantic_settings import BaseSettings
 
 from common.options import SETTINGS_CONFIG
 from specprefill.lab.launch import Stack, launched
-from specprefill.lab.workloads import MODES, WORKLOADS
+from specprefill.lab.workloads import EXTRA_WORKLOADS, MODES, WORKLOADS
 
 
 class Bench(BaseSettings):
@@ -46,7 +46,8 @@ class Bench(BaseSettings):
                                 "idle (after the engines and the gateway are idle, warming included: flatters "
                                 "warming, for comparison only)")
     think_time: float = Field(1.0, description="workloads: seconds between an answer and the next request (think)")
-    workload_names: list[str] = Field(list(WORKLOADS), description="workloads: which ones")
+    workload_names: list[str] = Field(list(WORKLOADS), description="workloads: which ones (also: "
+                                      + ", ".join(EXTRA_WORKLOADS) + ", which disturb the engine on purpose)")
     workload_requests: int = Field(7, description="workloads: requests per workload")
     workload_tokens: int = Field(8000, description="workloads: prompt tokens of each workload's context")
     step_tokens: int = Field(1000, description="workloads: tokens an agent step adds")
@@ -66,6 +67,12 @@ class Bench(BaseSettings):
     gateway_warming: bool = Field(True, description="launched gateway: warming on (its default) or off")
     gateway_keep_system_whole: bool = Field(True, description="launched gateway: system prompts kept whole where "
                                                               "affordable (its default) or compressed with the rest")
+    kv_events: bool = Field(True, description="launched servers: the gateway's engine publishes its KV cache "
+                                              "events and the gateway follows them (off: it guesses)")
+    engine_cache_tokens: int | None = Field(None, description="launched reference engines: their prefix caches' "
+                                                              "size in tokens (default: the engine's)")
+    foreign_tokens: int = Field(16000, description="workload foreign: tokens another client sends straight to the "
+                                                   "engine before each later turn, in prompts of --workload-tokens")
     pair: str | None = Field(None, description="launched servers: a folder with draft/ and target/ (as "
                                                "`specprefill demo-models` writes; default: the demo pair)")
 
@@ -89,7 +96,8 @@ def run_bench(options: Bench) -> int:
             return 2
         vllm_args = ("--scheduling-policy", "priority") if options.vllm_scheduling == "priority" else ()
         context = launched(engines, gateway_args(options), options.vllm_python, out,
-                           Path(options.pair) if options.pair else None, vllm_args=vllm_args)
+                           Path(options.pair) if options.pair else None, vllm_args=vllm_args,
+                           kv_events=options.kv_events, cache_tokens=options.engine_cache_tokens)
     with context as stack, httpx.Client(timeout=60) as client:
         model = options.model or client.get(f"{stack.gateway_url}/v1/models").json()["data"][0]["id"]
         direct_model = options.backend_model or client.get(f"{stack.direct_url}/v1/models").json()["data"][0]["id"]
@@ -190,7 +198,8 @@ def _workloads(options: Bench, stack: Stack, prompts, models: tuple[str, str], m
         mode_samples = asyncio.run(run_workloads(mode, {"gateway": workloads, "direct": direct}, paths,
                                                  stack.idle_urls, think_s=options.think_time,
                                                  max_tokens=options.max_tokens,
-                                                 first="gateway" if number % 2 == 0 else "direct"))
+                                                 first="gateway" if number % 2 == 0 else "direct",
+                                                 act=_engine_actions(options, stack, models[1])))
         modes[mode] = summarize_workloads(mode_samples)
         print(f"arrivals: {mode}\n" + format_workloads(modes[mode]))
         samples += mode_samples
@@ -216,6 +225,29 @@ def _workloads(options: Bench, stack: Stack, prompts, models: tuple[str, str], m
              "cost_coefficients": _cost_coefficients(stack.gateway_url),
              "gateway_counters": _gateway_counters(stack.gateway_url)}
     return write_workloads(Path(options.out), modes, samples, sessions, meta)
+
+
+def _engine_actions(options: Bench, stack: Stack, model: str):
+    """The workloads' actions at a path's engine: another client's long prompts straight to it (random token
+    IDs, a new prompt each time), or a restart (launched engines only)."""
+    import random
+
+    rng = random.Random(0)
+
+    async def act(action: str, path) -> None:
+        if action == "restart":
+            if stack.restart is None or path.engine_url is None:
+                raise SystemExit("specprefill bench: workload restart needs engines the bench launched")
+            await asyncio.to_thread(stack.restart, path.engine_url)
+            return
+        async with httpx.AsyncClient(timeout=3600) as client:
+            for _ in range(max(1, options.foreign_tokens // options.workload_tokens)):
+                prompt = [rng.randrange(100, 4000) for _ in range(options.workload_tokens)]
+                r = await client.post(f"{path.engine_url}/v1/completions",
+                                      json={"model": model, "prompt": prompt, "max_tokens": 1})
+                r.raise_for_status()
+
+    return act
 
 
 def _poisson(options: Bench, stack: Stack, prompts, paths) -> dict:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -55,12 +56,19 @@ def ideal_speedup(full_s: float, draft_s: float, kept_s: float) -> float:
 
 
 def parse_server_timing(header: str | None) -> dict[str, float]:
+    """The durations in a ``Server-Timing`` header, in ms."""
     out = {}
     for part in (header or "").split(","):
         name, _, dur = part.strip().partition(";dur=")
         if name and dur:
             out[name] = float(dur)
     return out
+
+
+def predicted_cached(header: str | None) -> int | None:
+    """The plan's predicted engine cache hit in a ``Server-Timing`` header (its ``cached`` entry), in tokens."""
+    found = re.search(r'(?:^|,)\s*cached;desc="(\d+)"', header or "")
+    return int(found.group(1)) if found else None
 
 
 class PromptMaker:

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +21,7 @@ class Stack:
     direct_url: str  # the engine the direct path talks to
     idle_urls: list[str]  # whose /metrics say when nothing runs (workload mode)
     gateway_engine_url: str | None = None  # the engine behind the gateway, where the bench launched it
+    restart: Callable[[str], None] | None = None  # restarts the launched engine at this URL (its cache empty)
 
 
 # as the README's deployment section starts vLLM: cached-token counts in every answer, tool calls as without the
@@ -27,42 +29,75 @@ class Stack:
 README_VLLM_ARGS = ("--enable-prompt-tokens-details", "--enable-auto-tool-choice", "--tool-call-parser", "llama3_json")
 
 
+def kv_events_config() -> str:
+    """vLLM's ``--kv-events-config`` (the reference engine takes the same JSON), as the README starts vLLM: events
+    and their replay on free ports, bound on every interface (the gateway finds them: ``/kv_event_sources``)."""
+    return json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{free_port()}",
+                       "replay_endpoint": f"tcp://*:{free_port()}"})
+
+
+class Engine:
+    """One launched reference engine, restartable on its port."""
+
+    def __init__(self, args: list[str]) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.args = args
+        self.process = self._start()
+
+    def _start(self) -> subprocess.Popen:
+        return subprocess.Popen(CLI + ["engine", "--port", str(self.port), "--log-level", "warning", *self.args],
+                                env=quiet_openmp())
+
+    def wait(self) -> None:
+        wait_healthy(self.url, self.process)
+
+    def restart(self) -> None:
+        _stop([self.process])
+        self.process = self._start()
+        self.wait()
+
+    def stop(self) -> None:
+        _stop([self.process])
+
+
 @contextlib.contextmanager
 def launched(engines: int, gateway_args: list[str], vllm_python: str | None, out: Path,
-             pair: Path | None = None, vllm_args: tuple[str, ...] = ()) -> Iterator[Stack]:
+             pair: Path | None = None, vllm_args: tuple[str, ...] = (), *, kv_events: bool = False,
+             cache_tokens: int | None = None) -> Iterator[Stack]:
     """The pair's target (``pair/target``; default: the demo pair) on ``engines`` engines (reference engines, or
     vLLM: the gateway's with the plugin, the direct one stock, both with ``vllm_args``) and a gateway in front
     of the first with ``pair/draft``, as local processes. With two, the direct path has its own engine, so
-    neither warms the other's prefix cache."""
+    neither warms the other's prefix cache. ``kv_events``: the gateway's engine publishes its KV cache events
+    and the gateway follows them; ``cache_tokens``: each engine's prefix cache holds this many tokens."""
     from specprefill.lab.demo_models import ensure_demo_models
     from specprefill.lab.vllm_server import VLLMServer
 
     root = pair or ensure_demo_models()
-    processes, vllm_servers, urls = [], [], []
+    servers: list = []
+    gateway_extra = [] if kv_events else ["--backend-kv-events", "off"]
     try:
         for index in range(engines):
+            events = ("--kv-events-config", kv_events_config()) if index == 0 and kv_events else ()
             if vllm_python:
-                server = VLLMServer(vllm_python, root / "target", out / f"vllm-{index}.log", plugin=index == 0,
-                                    served_name="specprefill-demo", max_model_len=32768, kv_cache_gib=4,
-                                    extra_args=(*README_VLLM_ARGS, *vllm_args))
-                vllm_servers.append(server)
-                urls.append(server.url)
+                assert cache_tokens is None, "vLLM's cache is sized in GiB here (VLLM_CPU_KVCACHE_SPACE)"
+                servers.append(VLLMServer(vllm_python, root / "target", out / f"vllm-{index}.log", plugin=index == 0,
+                                          served_name="specprefill-demo", max_model_len=32768, kv_cache_gib=4,
+                                          extra_args=(*README_VLLM_ARGS, *vllm_args, *events)))
             else:
-                port = free_port()
-                urls.append(f"http://127.0.0.1:{port}")
-                processes.append(subprocess.Popen(CLI + ["engine", "--model", str(root / "target"), "--port",
-                                                         str(port), "--log-level", "warning"], env=quiet_openmp()))
-        for server in vllm_servers:
+                size = ("--kv-cache-tokens", str(cache_tokens)) if cache_tokens else ()
+                servers.append(Engine(["--model", str(root / "target"), *events, *size]))
+        for server in servers:
             server.wait()
-        for url, process in zip(urls, processes):
-            wait_healthy(url, process)
+        urls = [server.url for server in servers]
+        by_url = {server.url: server for server in servers}
         with launched_gateway(["--backend-url", urls[0], "--backend-kind", "vllm" if vllm_python else "reference",
                                "--target-model", str(root / "target"), "--draft-model", str(root / "draft"),
-                               "--served-model-name", "specprefill-demo", *gateway_args]) as gateway_url:
-            yield Stack(gateway_url, urls[-1], [gateway_url, *urls], urls[0] if engines > 1 else None)
+                               "--served-model-name", "specprefill-demo", *gateway_extra, *gateway_args]) as gateway_url:
+            yield Stack(gateway_url, urls[-1], [gateway_url, *urls], urls[0] if engines > 1 else None,
+                        restart=lambda url: by_url[url].restart())
     finally:
-        _stop(processes)
-        for server in vllm_servers:
+        for server in servers:
             server.stop()
 
 

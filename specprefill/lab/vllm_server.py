@@ -27,11 +27,20 @@ class VLLMServer:
         if not plugin:
             env["VLLM_PLUGINS"] = ""  # an allowlist naming no plugin: stock vLLM
         self._log_file = log.open("w")
-        self.process = subprocess.Popen(
-            [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port", str(self.port),
-             "--served-model-name", served_name, "--max-model-len", str(max_model_len), "--dtype", "float32",
-             "--max-num-seqs", "8", "--enable-prefix-caching", *extra_args],
-            env=env, stdout=self._log_file, stderr=subprocess.STDOUT)
+        self._command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port",
+                         str(self.port), "--served-model-name", served_name, "--max-model-len", str(max_model_len),
+                         "--dtype", "float32", "--max-num-seqs", "8", "--enable-prefix-caching", *extra_args]
+        self._env = env
+        self.process = self._start()
+
+    def _start(self) -> subprocess.Popen:
+        return subprocess.Popen(self._command, env=self._env, stdout=self._log_file, stderr=subprocess.STDOUT)
+
+    def restart(self) -> None:
+        """Stopped and started again on its port: its prefix cache empty."""
+        self._terminate()
+        self.process = self._start()
+        self.wait()
 
     def wait(self, timeout: float = 900) -> None:
         try:
@@ -40,10 +49,13 @@ class VLLMServer:
             raise RuntimeError(f"{error}; vLLM's log ends:\n{self.log.read_text()[-4000:]}") from None
 
     def stop(self) -> None:
+        self._terminate()
+        self._log_file.close()
+
+    def _terminate(self) -> None:
         self.process.terminate()
         try:
             self.process.wait(timeout=30)
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
-        self._log_file.close()

@@ -9,6 +9,9 @@ Each workload is a sequence of chat requests, as clients send them:
   agent-messages  an agent loop in Anthropic's Messages form, as Claude Code sends it: a long system prompt
                 and tool definitions, then a transcript of ``tool_use`` / ``tool_result`` turns growing every
                 step, to ``/v1/messages`` (vLLM's own, directly)
+  foreign       a chat whose engine also serves another client: before each later turn, that client's long
+                prompts go straight to the engine and evict blocks (``ACTIONS``)
+  restart       a chat whose engine restarts halfway (its cache empty), where the bench launched the engines
 The gateway and the direct path each talk to their own instance of the same engine, so neither warms the
 other's prefix cache. How requests follow each other is the arrival mode (``MODES``):
   back-to-back  the next request leaves the moment the previous answer ends (an agent whose tool returned)
@@ -28,16 +31,19 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import httpx
 from tqdm import tqdm
 
-from specprefill.lab.bench import PromptMaker, parse_server_timing, stream_ttft, wait_idle
+from specprefill.lab.bench import PromptMaker, parse_server_timing, predicted_cached, stream_ttft, wait_idle
 from specprefill.lab.engine_metrics import EngineQueue
 
 MODES = ("back-to-back", "think", "idle")
 WORKLOADS = ("fresh", "document", "chat", "agent", "system", "agent-messages")
+EXTRA_WORKLOADS = ("foreign", "restart")  # not among the defaults: they disturb the engine on purpose
+ACTIONS = ("foreign", "restart")  # what happens at a path's engine before a request (``Workload.before``)
 AGENT_TOOLS = [
     {"name": "read_file", "description": "Read a file of the repository.",
      "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}},
@@ -51,6 +57,7 @@ class Workload:
     name: str
     requests: list  # each request's chat messages, in order (Messages API: each request's body fields)
     api: str = "chat"  # "chat" (OpenAI's chat completions) or "messages" (Anthropic's)
+    before: dict[int, str] = field(default_factory=dict)  # request index -> an action at the engine first
 
 
 def build_workloads(prompts: PromptMaker, names: list[str], n_requests: int, tokens: int,
@@ -66,8 +73,12 @@ def build_workloads(prompts: PromptMaker, names: list[str], n_requests: int, tok
         "system": lambda: [[{"role": "system", "content": system}, {"role": "user", "content": q.strip()}]
                            for system in [prompts.text(tokens)] for q in questions],
         "agent-messages": lambda: _agent_messages(prompts, tokens, step_tokens, n_requests),
+        "foreign": lambda: _chat(prompts.text(tokens), questions),
+        "restart": lambda: _chat(prompts.text(tokens), questions),
     }
-    return [Workload(name, builders[name](), "messages" if name == "agent-messages" else "chat") for name in names]
+    before = {"foreign": {i: "foreign" for i in range(1, n_requests)}, "restart": {n_requests // 2: "restart"}}
+    return [Workload(name, builders[name](), "messages" if name == "agent-messages" else "chat",
+                     before.get(name, {})) for name in names]
 
 
 def _one_document(document: str, questions: list[str]) -> list[list[dict]]:
@@ -127,6 +138,7 @@ class WorkloadSample:
     reason: str | None = None
     timing_ms: dict[str, float] = field(default_factory=dict)
     cached_tokens: int | None = None  # prompt tokens the engine served from its prefix cache (its usage)
+    predicted_cached: int | None = None  # what the gateway's plan predicted for that
     mode: str = "idle"
     at_s: float = 0.0  # when it was sent, from the start of its path's run
     queue_s: float | None = None  # the engine's queue time over this request (its requests that ended meanwhile)
@@ -146,9 +158,22 @@ class PathTarget:
 
 async def run_workloads(mode: str, workloads: dict[str, list[Workload]], paths: list[PathTarget],
                         idle_urls: list[str], *, think_s: float = 1.0, max_tokens: int = 1,
-                        first: str = "gateway") -> list[WorkloadSample]:
+                        first: str = "gateway", act: Callable[[str, PathTarget], Awaitable[None]] | None = None
+                        ) -> list[WorkloadSample]:
     """Every workload through each path in arrival ``mode``; ``workloads[path.name]`` are that path's (the
-    direct path may get the same workloads over other documents, when both share one engine)."""
+    direct path may get the same workloads over other documents, when both share one engine). ``act(action,
+    path)`` does a workload's actions at the path's engine (``Workload.before``), before the request and
+    outside its time."""
+
+    async def send(path: PathTarget, workload: Workload, index: int, at_s: float) -> WorkloadSample:
+        if index in workload.before:
+            if act is None:
+                raise ValueError(f"workload {workload.name!r} needs its engine {workload.before[index]} here, "
+                                 "which only a launched stack can do")
+            await act(workload.before[index], path)
+        return await _send(client, path, queues[path.name], workload, index, workload.requests[index], mode,
+                           max_tokens, at_s)
+
     if mode not in MODES:
         raise ValueError(f"arrival mode {mode!r}: one of {', '.join(MODES)}")
     samples: list[WorkloadSample] = []
@@ -163,9 +188,7 @@ async def run_workloads(mode: str, workloads: dict[str, list[Workload]], paths: 
                 for index in range(len(workload.requests)):
                     for path in paths if index % 2 == 0 else paths[::-1]:
                         await wait_idle(client, idle_urls)
-                        request = workloads[path.name][number].requests[index]
-                        samples.append(await _send(client, path, queues[path.name], workload, index, request,
-                                                   mode, max_tokens, 0.0))
+                        samples.append(await send(path, workloads[path.name][number], index, 0.0))
                     progress.update(1)
             progress.close()
             return samples
@@ -174,11 +197,10 @@ async def run_workloads(mode: str, workloads: dict[str, list[Workload]], paths: 
             await queues[path.name].read()
             start = time.perf_counter()
             for workload in tqdm(workloads[path.name], desc=f"workloads, {mode}, {path.name}", unit="workload"):
-                for index, request in enumerate(workload.requests):
+                for index in range(len(workload.requests)):
                     if mode == "think" and (index or workload is not workloads[path.name][0]):
                         await asyncio.sleep(think_s)
-                    samples.append(await _send(client, path, queues[path.name], workload, index, request, mode,
-                                               max_tokens, time.perf_counter() - start))
+                    samples.append(await send(path, workload, index, time.perf_counter() - start))
     return samples
 
 
@@ -194,7 +216,7 @@ async def _send(client: httpx.AsyncClient, path: PathTarget, queue: EngineQueue,
         ttft, headers = await stream_ttft(client, f"{path.url}/v1/chat/completions", body, path.headers, usage)
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
     sample = _sample(workload.name, index, path.name, ttft, headers)
-    sample.cached_tokens = cached
+    sample.cached_tokens, sample.predicted_cached = cached, predicted_cached(headers.get("server-timing"))
     sample.mode, sample.at_s = mode, at_s
     sample.queue_s, sample.queued = await queue.read()
     return sample
@@ -283,7 +305,8 @@ def summarize_workloads(samples: list[WorkloadSample]) -> list[dict]:
                              "predicted_within_2x": within_2x(timing.get("predicted"), timing.get("backend")),
                              "behind_background_ms": timing.get("background"),
                              "queue_s": {"gateway": gateway.queue_s, "direct": direct.queue_s},
-                             "cached": {"gateway": gateway.cached_tokens, "direct": direct.cached_tokens}})
+                             "cached": {"gateway": gateway.cached_tokens, "direct": direct.cached_tokens,
+                                        "predicted": gateway.predicted_cached}})
         later = [r["ratio"] for r in requests[1:]] or [requests[0]["ratio"]]
         rows.append({"workload": name, "requests": requests, "first_ratio": requests[0]["ratio"],
                      "later_median_ratio": statistics.median(later), "later_p90_ratio": percentile(later, 0.9),
@@ -294,6 +317,13 @@ def summarize_workloads(samples: list[WorkloadSample]) -> list[dict]:
 def prediction_share(rows: list[dict]) -> float | None:
     """The share of the gateway's requests whose predicted backend time was within 2x of the measured one."""
     checks = [r["predicted_within_2x"] for row in rows for r in row["requests"] if r["predicted_within_2x"] is not None]
+    return sum(checks) / len(checks) if checks else None
+
+
+def cache_prediction_share(rows: list[dict]) -> float | None:
+    """The share of the gateway's requests whose predicted engine cache hit was the one the engine reported."""
+    checks = [r["cached"]["predicted"] == r["cached"]["gateway"] for row in rows for r in row["requests"]
+              if r["cached"].get("predicted") is not None and r["cached"].get("gateway") is not None]
     return sum(checks) / len(checks) if checks else None
 
 
@@ -320,4 +350,7 @@ def format_workloads(rows: list[dict]) -> str:
     share = prediction_share(rows)
     if share is not None:
         lines.append(f"predicted backend time within 2x of the measured: {share:.0%} of the gateway's requests")
+    hits = cache_prediction_share(rows)
+    if hits is not None:
+        lines.append(f"predicted cached tokens equal to the engine's: {hits:.0%} of the gateway's requests")
     return "\n".join(lines)

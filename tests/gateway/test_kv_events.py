@@ -70,11 +70,12 @@ class Stack:
     async def run(self, ids: list[int], positions: list[int] | None = None, *, stores: bool = True) -> int:
         """One greedy token; the tokens the engine served from its cache. A run that ``stores`` new blocks
         returns once the model has seen its events."""
-        before = self.subscriber.last if hasattr(self, "subscriber") else None
         params = SamplingParams(max_tokens=1, temperature=0)
         steps = [s async for s in self.engine.generate(ids, positions or list(range(len(ids))), params)]
+        await _until(lambda: self.engine.active == 0)  # its blocks stored (after its answer)
         if stores and hasattr(self, "subscriber"):
-            await _until(lambda: self.subscriber.last != before)
+            await _until(lambda: self.publisher.published == self.publisher.queued
+                         and self.subscriber.last == self.publisher.published - 1)
         return steps[-1].cached_tokens
 
     def count(self, kind: str) -> float:

@@ -204,3 +204,33 @@ def test_a_shared_engine_workload_run_sends_the_direct_path_other_documents(gate
     cached = {(s.index, s.path): s.cached_tokens for s in samples}
     # the gateway's document went first, whole: had the direct path sent it too, the engine would serve it
     assert cached[0, "direct"] < 64 < cached[1, "direct"] and cached[1, "gateway"] > 64
+
+
+def test_workloads_that_disturb_the_engine_act_on_each_paths_engine_before_their_requests(gateway_url,
+                                                                                          engine_backend):
+    """foreign and restart: the action runs at the path's engine before the request it is due for, outside its
+    time; each gateway request's predicted cached tokens are recorded beside the engine's."""
+    from specprefill.lab.bench import predicted_cached
+    from specprefill.lab.workloads import build_workloads, cache_prediction_share, run_workloads, summarize_workloads
+
+    engine_url, _ = engine_backend
+    with httpx.Client(timeout=60) as client:
+        prompts = PromptMaker(client, gateway_url, "tiny")
+        workloads = build_workloads(prompts, ["foreign", "restart"], 4, 200, 50)
+    assert workloads[0].before == {1: "foreign", 2: "foreign", 3: "foreign"} and workloads[1].before == {2: "restart"}
+    acted = []
+
+    async def act(action, path):
+        acted.append((action, path.name))
+
+    samples = asyncio.run(run_workloads("back-to-back", {"gateway": workloads, "direct": workloads},
+                                        _paths(gateway_url, engine_url, keep="0.3"), [gateway_url], act=act))
+    assert acted == [("foreign", "gateway")] * 3 + [("restart", "gateway")] + [("foreign", "direct")] * 3 + [
+        ("restart", "direct")]
+    assert all(s.predicted_cached is not None for s in samples if s.path == "gateway")
+    assert cache_prediction_share(summarize_workloads(samples)) is not None
+    assert predicted_cached('backend;dur=3.0, plan;desc="fresh", cached;desc="96"') == 96
+    assert predicted_cached("backend;dur=3.0") is None
+    with pytest.raises(ValueError, match="restart"):  # without a launched stack
+        asyncio.run(run_workloads("back-to-back", {"gateway": workloads[1:], "direct": workloads[1:]},
+                                  _paths(gateway_url, engine_url, keep="0.3"), [gateway_url]))
