@@ -88,11 +88,9 @@ class PrefixCache:
                 new.append(index)
             while len(self._blocks) > self.max_blocks:  # when sequences side by side outgrew their room
                 removed.append(self._blocks.popitem(last=False)[0])
-            events: list[Event] = [self._stored(run, hashes, keys) for run in _runs(sorted(new))]
-            if removed:
-                events.append(BlockRemoved(removed, "GPU"))
-            if self.publish is not None and events:
-                self.publish(events)
+            if self.publish is not None and (new or removed):
+                events: list[Event] = [self._stored(run, hashes, keys) for run in _runs(sorted(new))]
+                self.publish(events + ([BlockRemoved(removed, "GPU")] if removed else []))
 
     def _evict(self, keep: int) -> None:
         """Least recently used blocks out until at most ``keep`` are left (under the lock)."""

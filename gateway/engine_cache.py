@@ -38,9 +38,6 @@ class EngineCacheModel(Protocol):
         """The engine served only ``cached`` leading tokens of this prompt from its cache: its blocks from there
         on were not there (before ``record`` puts the ones it has just computed back)."""
 
-    async def reset(self) -> None:
-        """The engine's cache is empty (a restart)."""
-
     async def close(self) -> None: ...
 
 
@@ -76,9 +73,6 @@ class MemoryEngineCache:
             h, _ = self._blocks.popitem(last=False)
             if h == hashes[missing]:
                 break
-
-    async def reset(self) -> None:
-        self._blocks.clear()
 
     async def close(self) -> None:
         self._blocks.clear()
@@ -142,13 +136,6 @@ class RedisEngineCache:
         except Exception as exc:
             self._failed(exc)
 
-    async def reset(self) -> None:
-        if time.monotonic() >= self._down_until:
-            try:
-                await self._client.delete(self.key)
-            except Exception as exc:
-                self._failed(exc)
-
     def _failed(self, exc: Exception) -> None:
         if time.monotonic() >= self._down_until:
             logger.warning("engine cache model: Redis unavailable (%s); predicting no cache hits until it returns",
@@ -197,9 +184,6 @@ class EventEngineCache:
 
     async def corrected(self, token_ids: Sequence[int], position_ids: Sequence[int] | None, cached: int) -> None:
         pass  # the events say what is there
-
-    async def reset(self) -> None:
-        self.clear()
 
     def clear(self) -> None:
         self._ours.clear()
