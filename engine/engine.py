@@ -1,10 +1,11 @@
 """The reference engine: runs a target model on prompt tokens at explicit positions.
 
 One thread owns the model. Each round it takes the running sequences from the ``Scheduler`` and steps each
-once: a prefill chunk of ``prefill_chunk`` tokens, or one decode step, then sampling. No batching: each
-sequence has its own KV cache, which keeps positions per sequence trivially right. With a ``PrefixCache``
-a sequence starts from the longest cached run of its leading blocks (tokens and positions) and leaves its
-own blocks behind when it ends.
+once: a prefill chunk of ``prefill_chunk`` tokens, or one decode step, then sampling. A background request's
+chunk (priority > 0) stops between two layers when a more urgent request arrives, and runs again after it.
+No batching: each sequence has its own KV cache, which keeps positions per sequence trivially right. With a
+``PrefixCache`` a sequence starts from the longest cached run of its leading blocks (tokens and positions)
+and leaves its own blocks behind when it ends.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from common.models import eos_token_ids
 from engine.prefix_cache import PrefixCache
-from engine.runner import DECODE_ROOM, decode_one, prefill
+from engine.runner import DECODE_ROOM, Yielded, decode_one, prefill
 from engine.sampling import SamplingParams, TextStream, adjust_logits, make_generator, sample_next
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, StepOutput
@@ -51,6 +52,7 @@ class ReferenceEngine:
         self.scheduler = Scheduler(max_running=max_running, max_waiting=max_waiting,
                                    on_active_change=on_active_change)
         self.on_queued: Callable[[float], None] | None = None  # seconds each request waited for its first step
+        self.on_yielded: Callable[[], None] | None = None  # a background chunk stopped for a request
         self._ids = itertools.count()
         self._thread = threading.Thread(target=self._loop, name="reference-engine", daemon=True)
         self._thread.start()
@@ -117,7 +119,12 @@ class ReferenceEngine:
 
     def step(self, seq: Sequence) -> bool:
         """One prefill chunk, or one token; True when the sequence is finished."""
-        logits = self._run(seq)
+        try:
+            logits = self._run(seq)
+        except Yielded:  # a more urgent request came: it steps first, this chunk runs again after it
+            if self.on_yielded is not None:
+                self.on_yielded()
+            return False
         if logits is None:  # more of the prompt to prefill
             return False
         return self._postprocess(seq, logits)
@@ -135,11 +142,14 @@ class ReferenceEngine:
                                                                     DECODE_ROOM)
             seq.prefilled = seq.cached_tokens
         if not seq.prefill_done:
-            chunk = self.prefill_chunk if seq.priority <= 0 else self.background_prefill_chunk
+            background = seq.priority > 0
+            chunk = self.background_prefill_chunk if background else self.prefill_chunk
             end = min(len(seq.token_ids), seq.prefilled + chunk)
             ids = torch.tensor([seq.token_ids[seq.prefilled:end]], device=device)
             positions = torch.tensor([seq.position_ids[seq.prefilled:end]], device=device)
-            logits, seq.cache = prefill(self.model, ids, positions, seq.cache, len(seq.token_ids) + DECODE_ROOM)
+            urgent = (lambda: self.scheduler.urgent(seq.priority)) if background else None
+            logits, seq.cache = prefill(self.model, ids, positions, seq.cache, len(seq.token_ids) + DECODE_ROOM,
+                                        should_yield=urgent)
             seq.prefilled = end
             return logits if seq.prefill_done else None
         last = torch.tensor(seq.stream.token_ids[-1], device=device)

@@ -18,3 +18,5 @@ class EngineMetrics:
                                     "arrival to its first step (as vllm:request_queue_time_seconds)",
                                     buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
                                     registry=self.registry)
+        self.yields = Counter("specprefill_engine_background_yields", "Background prefill chunks stopped between two "
+                              "layers for a request that may not wait behind them", registry=self.registry)

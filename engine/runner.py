@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
+
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
@@ -11,10 +14,14 @@ from common.models import with_cache
 DECODE_ROOM = 256  # tokens of room a sequence's KV cache grows by: one copy of the cache per 256 decode steps
 
 
+class Yielded(Exception):
+    """A prefill stopped between two layers because something more urgent is waiting; its cache is as before."""
+
+
 @torch.inference_mode()
 def prefill(
     model: PreTrainedModel, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: DynamicCache | None = None,
-    capacity: int = 0,
+    capacity: int = 0, *, should_yield: Callable[[], bool] | None = None,
 ) -> tuple[torch.Tensor, DynamicCache]:
     """Runs prompt tokens at their original positions into the KV cache (a fresh one with room for
     ``capacity`` tokens, or ``cache`` to continue a chunked prefill); the cache holds only the tokens given,
@@ -23,18 +30,45 @@ def prefill(
     input_ids, position_ids: [1, K]; returns last-token logits [V] (float32) and the cache.
     The explicit all-ones mask plus a cache keeps transformers from reading gapped positions as packed
     sequences: the causal mask is by index (kept token i sees kept tokens <= i), RoPE by position.
+    ``should_yield`` is asked before each decoder layer: True stops the forward there (``Yielded``), the layers
+    that ran cropped back out of ``cache``, so that the chunk can run again later from the start.
     """
     cache = cache if cache is not None else append_cache(model.config, capacity, reserve=DECODE_ROOM)
     past = cache.get_seq_length()
-    out = model(
-        input_ids=input_ids,
-        position_ids=position_ids,
-        attention_mask=torch.ones(1, past + input_ids.shape[1], dtype=torch.long, device=input_ids.device),
-        **with_cache(model, cache),
-        use_cache=True,
-        logits_to_keep=1,
-    )
+    try:
+        with _yielding(model, should_yield):
+            out = model(
+                input_ids=input_ids,
+                position_ids=position_ids,
+                attention_mask=torch.ones(1, past + input_ids.shape[1], dtype=torch.long, device=input_ids.device),
+                **with_cache(model, cache),
+                use_cache=True,
+                logits_to_keep=1,
+            )
+    except Yielded:
+        for layer in cache.layers:  # the layers before the stop hold the chunk; the others do not
+            if (extra := layer.get_seq_length() - past) > 0:
+                layer.crop(-extra)
+        raise
     return out.logits[0, -1].float(), cache
+
+
+@contextlib.contextmanager
+def _yielding(model: PreTrainedModel, should_yield: Callable[[], bool] | None) -> Iterator[None]:
+    if should_yield is None:
+        yield
+        return
+
+    def check(module, args):
+        if should_yield():
+            raise Yielded
+
+    handles = [layer.register_forward_pre_hook(check) for layer in model.get_decoder().layers]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 @torch.inference_mode()

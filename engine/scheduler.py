@@ -2,7 +2,8 @@
 
 A request waits for at most one step (a decode step or a prefill chunk) of each running sequence. Among
 running sequences only those of the lowest ``priority`` value step (vLLM's convention); the others keep
-their KV cache and resume when those finish.
+their KV cache and resume when those finish. A background prefill chunk under way stops between two layers
+for a request of a lower value (``urgent``), so such a request waits for one layer, not a chunk.
 Past ``max_waiting`` queued requests, ``add`` raises ``OverloadedError`` (503). A sequence whose consumer
 went away is dropped before its next step.
 """
@@ -58,6 +59,11 @@ class Scheduler:
                 self._running.append(self._waiting.popleft())
             first = min(s.priority for s in self._running)
             return [s for s in self._running if s.priority == first]
+
+    def urgent(self, priority: int) -> bool:
+        """Whether a request of a lower priority value than ``priority`` is waiting."""
+        with self._cond:
+            return any(s.priority < priority for s in self._waiting)
 
     def finish(self, seq: Sequence) -> None:
         with self._cond:

@@ -32,6 +32,7 @@ def create_app(settings: EngineSettings | None = None, *, serving: EngineServing
         app.state.serving = serving or EngineServing.from_settings(settings, on_active_change=metrics.active.set)
         app.state.serving.engine.scheduler.on_active_change = metrics.active.set
         app.state.serving.engine.on_queued = metrics.queue_time.observe
+        app.state.serving.engine.on_yielded = metrics.yields.inc
         block_size, capacity = app.state.serving.engine.cache_shape()
         metrics.cache_info.labels(str(block_size), str(capacity)).set(1)
         try:

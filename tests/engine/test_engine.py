@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
+import time
 
 import httpx
 import pytest
@@ -285,3 +287,62 @@ async def test_background_requests_prefill_in_small_chunks(model_pair, target, m
         assert max(chunks) == (len(ids) if priority == 0 else 64)
     engine.close()
     assert answers[0] == pytest.approx(answers[1], abs=1e-4)
+
+
+def test_a_prefill_that_yields_leaves_the_cache_as_it_was(target):
+    """Stopped between layers, a chunk's keys and values come out of the layers that ran; run again, it gives
+    what one uninterrupted prefill gives."""
+    from engine.runner import Yielded, prefill
+
+    ids, positions = _gapped(seed=13)
+    ids, positions = torch.tensor([ids]), torch.tensor([positions])
+    whole, _ = prefill(target, ids, positions)
+    logits, cache = prefill(target, ids[:, :100], positions[:, :100])
+    asked = []
+    with pytest.raises(Yielded):
+        prefill(target, ids[:, 100:], positions[:, 100:], cache, should_yield=lambda: asked.append(1) or len(asked) > 1)
+    assert len(asked) == 2  # the first layer ran, the second did not
+    assert [layer.get_seq_length() for layer in cache.layers] == [100] * len(cache.layers)
+    resumed, cache = prefill(target, ids[:, 100:], positions[:, 100:], cache, should_yield=lambda: False)
+    assert cache.get_seq_length() == ids.shape[1]
+    assert torch.allclose(resumed, whole, atol=1e-4)
+
+
+async def test_a_background_chunk_yields_to_a_new_request_between_layers(model_pair, target, monkeypatch):
+    """A request that arrives while a background chunk (warming) runs waits for one layer, not the chunk: the
+    chunk stops, the request runs, the chunk runs again. Both answers are what each gets alone."""
+    import engine.engine as engine_module
+
+    real = engine_module.prefill
+    started = threading.Event()
+
+    def waits_for_a_request(model, ids, *args, should_yield=None, **kwargs):
+        if should_yield is not None and not started.is_set():  # the background chunk: hold it until one comes
+            started.set()
+            deadline = time.monotonic() + 10
+            while not should_yield() and time.monotonic() < deadline:
+                time.sleep(0.005)
+        return real(model, ids, *args, should_yield=should_yield, **kwargs)
+
+    params = SamplingParams(max_tokens=3, temperature=0, logprobs=0)
+    background, foreground = _gapped(seed=14), _gapped(seed=15)
+    engine = ReferenceEngine(target, load_tokenizer(model_pair / "target"), prefill_chunk=4096,
+                             background_prefill_chunk=4096)
+    alone = [[(s.token_id, s.logprob) async for s in engine.generate(*p, params)] for p in (background, foreground)]
+    monkeypatch.setattr(engine_module, "prefill", waits_for_a_request)
+    yields, order = [], []
+    engine.on_yielded = lambda: yields.append(1)
+
+    async def run(prompt, priority, name):
+        steps = [(s.token_id, s.logprob) async for s in engine.generate(*prompt, params, priority=priority)]
+        order.append(name)
+        return steps
+
+    task = asyncio.ensure_future(run(background, 10, "background"))
+    await asyncio.get_running_loop().run_in_executor(None, started.wait, 10)
+    together = [await run(foreground, 0, "foreground"), await task]
+    engine.close()
+    assert yields and order == ["foreground", "background"]
+    for got, want in zip(together, alone[::-1]):
+        assert [t for t, _ in got] == [t for t, _ in want]
+        assert [lp for _, lp in got] == pytest.approx([lp for _, lp in want], abs=1e-4)
