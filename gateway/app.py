@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hmac
 import logging
@@ -52,7 +53,7 @@ def create_app(settings: GatewaySettings | None = None, *, draft: DraftClient | 
         app.state.messages = MessagesAPI(serving, chat)
         app.state.dry_run = DryRunAPI(serving)
         logger.info("gateway ready: model %r, backend %s", serving.model_name,
-                    settings.backend_url or "reference engine in-process")
+                    ", ".join(settings.backend_url) or "reference engine in-process")
         try:
             yield
         finally:
@@ -115,11 +116,16 @@ def create_app(settings: GatewaySettings | None = None, *, draft: DraftClient | 
     @app.get("/health")
     async def health(raw_request: Request) -> JSONResponse:
         serving: GatewayServing = raw_request.app.state.serving
-        draft_ready, backend_ready = await serving.draft.ready(), await serving.backend.ready()
+        draft_ready = await serving.draft.ready()
+        ready = await asyncio.gather(*(r.backend.ready() for r in serving.replicas))
+        backend = {"ready": any(ready), "kind": serving.backend.kind}
+        if len(ready) > 1:  # replicas: the gateway serves while one of them does
+            backend["replicas"] = [{"replica": r.index, "ready": ok, "routed": r.up}
+                                   for r, ok in zip(serving.replicas, ready)]
         return JSONResponse({
-            "status": "ok" if draft_ready and backend_ready else "degraded",
+            "status": "ok" if draft_ready and all(ready) else "degraded",
             "draft": {"ready": draft_ready, "tokenizer": getattr(serving.draft, "kind", "shared")},
-            "backend": {"ready": backend_ready, "kind": serving.backend.kind},
+            "backend": backend,
         })
 
     @app.get("/metrics", dependencies=[] if settings.metrics_public else auth)

@@ -3,7 +3,9 @@
 - ``InProcessBackend``: the reference engine in this process (the embedded default), no HTTP.
 - ``HTTPBackend``: any server over HTTP. The kind decides how kept tokens travel (see ``token_body``).
 
-Errors come out typed: unreachable -> 502, timed out -> 504, a backend 4xx passes through unchanged.
+Errors come out typed: unreachable -> 502, timed out -> 504, a backend 4xx passes through unchanged. A backend
+that refused the connection or dropped it raises ``BackendGone`` (a 502): before the first event of an answer
+nothing has reached the client, so the request may go to another replica.
 """
 
 from __future__ import annotations
@@ -24,6 +26,10 @@ from common.responses import ResponsesRequest
 from common.streams import prepend
 from engine.protocol import EngineCompletionRequest
 from engine.serving import EngineServing
+
+
+class BackendGone(UpstreamError):
+    """The backend refused the connection or dropped it (its process died, say)."""
 
 
 class Backend(Protocol):
@@ -134,15 +140,25 @@ class HTTPBackend:
     own time on a cached request it sends whole.)"""
 
     def __init__(self, base_url: str, kind: str, *, model: str | None = None, api_key: str | None = None,
-                 connect_timeout: float = 5.0, read_timeout: float = 600.0) -> None:
+                 connect_timeout: float = 5.0, read_timeout: float = 600.0, rank: int | None = None) -> None:
         self.kind = kind
         self.base_url = base_url.rstrip("/")
+        self.rank = rank  # vLLM's data-parallel rank every request goes to (None: vLLM balances them)
         self._model = model
+        self._api_key = api_key
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        if rank is not None:
+            self._headers["X-data-parallel-rank"] = str(rank)
         # connect covers waiting for a free connection too, as httpx's pool timeout did
         self._timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout, sock_connect=connect_timeout,
                                               sock_read=read_timeout)
         self._session: aiohttp.ClientSession | None = None  # made in the event loop, at the first request
+        self._timeouts = (connect_timeout, read_timeout)
+
+    def for_rank(self, rank: int) -> HTTPBackend:
+        """The same server, each request sent to data-parallel rank ``rank`` (vLLM's ``X-data-parallel-rank``)."""
+        return HTTPBackend(self.base_url, self.kind, model=self._model, api_key=self._api_key,
+                           connect_timeout=self._timeouts[0], read_timeout=self._timeouts[1], rank=rank)
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -187,9 +203,10 @@ class HTTPBackend:
         return parse_cache_shape(text) if text is not None else None
 
     async def load(self) -> int | None:
-        """From the engine's /metrics: vLLM's running and waiting requests, or the reference engine's."""
+        """From the engine's /metrics: vLLM's running and waiting requests (its rank's), or the reference
+        engine's."""
         text = await self._get_text("/metrics", 2.0)
-        return parse_load(text) if text is not None else None
+        return parse_load(text, self.rank) if text is not None else None
 
     async def kv_event_sources(self) -> dict:
         text = await self._get_text("/kv_event_sources", 5.0)
@@ -237,7 +254,7 @@ class HTTPBackend:
             first = await anext(events)
         except StopAsyncIteration:
             await events.aclose()
-            raise UpstreamError("the backend closed the stream without an answer") from None
+            raise BackendGone("the backend closed the stream without an answer", code="backend_error") from None
         except BaseException:
             await events.aclose()
             raise
@@ -269,11 +286,14 @@ def parse_cache_shape(metrics: str) -> tuple[int, int] | None:
 LOAD_METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting", "specprefill_engine_active_requests")
 
 
-def parse_load(metrics: str) -> int | None:
-    """Requests running or waiting, summed over the engine's series (None where it exports none)."""
+def parse_load(metrics: str, rank: int | None = None) -> int | None:
+    """Requests running or waiting, summed over the engine's series, or over data-parallel rank ``rank``'s
+    (vLLM labels each rank's ``engine="N"``); None where it exports none."""
     total, found = 0.0, False
     for line in metrics.splitlines():
         if line.partition("{")[0].partition(" ")[0] in LOAD_METRICS:
+            if rank is not None and f'engine="{rank}"' not in line:
+                continue
             try:
                 total += float(line.rsplit(" ", 1)[1])
                 found = True
@@ -302,8 +322,8 @@ async def _sse_events(response: aiohttp.ClientResponse) -> AsyncIterator[dict]:
     except asyncio.TimeoutError as exc:
         raise _transport_error(exc) from None
     except aiohttp.ClientError as exc:
-        raise UpstreamError(f"the backend connection broke mid-stream ({type(exc).__name__})",
-                            code="backend_error") from None
+        raise BackendGone(f"the backend connection broke mid-stream ({type(exc).__name__})",
+                          code="backend_error") from None
     finally:
         response.release()  # read to its end, the connection goes back to the pool; else it is closed
 
@@ -328,10 +348,10 @@ async def _lines(content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
 
 def _transport_error(exc: Exception) -> APIError:
     if isinstance(exc, (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)):
-        return UpstreamError("the backend is unreachable", code="backend_unreachable")
+        return BackendGone("the backend is unreachable", code="backend_unreachable")
     if isinstance(exc, asyncio.TimeoutError):  # a read timed out (aiohttp's SocketTimeoutError is one)
         return UpstreamError("the backend did not answer in time", status_code=504, code="backend_timeout")
-    return UpstreamError(f"the backend connection failed: {type(exc).__name__}", code="backend_error")
+    return BackendGone(f"the backend connection failed: {type(exc).__name__}", code="backend_error")
 
 
 def _status_error(status: int, content: bytes) -> APIError:

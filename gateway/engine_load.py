@@ -47,9 +47,12 @@ class Snapshot:
 
 
 class EngineLoad:
-    def __init__(self, *, history: int = 64, min_history: int = 4, clock: Callable[[], float] = time.monotonic
-                 ) -> None:
+    def __init__(self, *, history: int = 64, min_history: int = 4, clock: Callable[[], float] = time.monotonic,
+                 background_yields: bool = False) -> None:
         self.clock = clock
+        # the engine stops background work under way for a new request (the reference engine does, between two
+        # layers): none of it is ahead of a foreground request
+        self.background_yields = background_yields
         self.min_history = min_history
         self.external = 0  # requests the engine runs or queues beyond this gateway's (its /metrics)
         self._alive: list[Ticket] = []
@@ -80,6 +83,11 @@ class EngineLoad:
         if self._active == 0:
             self._idle_since = self.clock()
         self._notify()
+
+    @property
+    def outstanding(self) -> int:
+        """This gateway's foreground requests at the engine now."""
+        return sum(not t.background for t in self._alive)
 
     @property
     def idle(self) -> bool:
@@ -150,8 +158,8 @@ class EngineLoad:
     def wait_s(self) -> float:
         """Predicted seconds before the engine starts on a new foreground request: the prefill left of every
         request ahead of it (an engine runs what it has first: vLLM schedules running requests before waiting
-        ones, whatever their priority), and a typical request for each of someone else's; at the busy engine's
-        speed."""
+        ones, whatever their priority; background work only where it does not yield), and a typical request for
+        each of someone else's; at the busy engine's speed."""
         return self._idle_wait() * self.slowdown(busy=True)
 
     def estimate(self, target_s: float) -> tuple[float, float, float]:
@@ -175,7 +183,7 @@ class EngineLoad:
 
     def _idle_wait(self) -> float:
         now = self.clock()
-        own = sum(t.remaining(now) for t in self._alive)
+        own = sum(t.remaining(now) for t in self._alive if not (t.background and self.background_yields))
         typical = statistics.median(self._typical) if self._typical else 0.0
         return own + self.external * typical
 

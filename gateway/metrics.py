@@ -49,6 +49,23 @@ class GatewayMetrics:
             "specprefill_foreground_behind_background_seconds", "Requests that found this gateway's background work "
             "(a warming piece) at the engine, and the time they were there alongside it", buckets=LATENCY_BUCKETS,
             registry=r)
+        self.routed = Counter("specprefill_replica_requests", "Requests sent to each replica (its place in "
+                              "--backend-url), failovers included", ["replica"], registry=r)
+        self.failovers = Counter("specprefill_replica_failovers", "Requests a replica dropped before their first "
+                                 "event (refused, or gone), sent to another", registry=r)
+
+    def expose_replicas(self, replicas: list) -> None:
+        """Whether each replica is in the routing (1) or out (0), read at each scrape."""
+
+        class Up:
+            def collect(self):
+                family = GaugeMetricFamily("specprefill_replica_up", "1 while the replica is routed to, 0 while it "
+                                           "is out (refused a request or failed its health check)", labels=["replica"])
+                for replica in replicas:
+                    family.add_metric([str(replica.index)], float(replica.up))
+                yield family
+
+        self.registry.register(Up())
 
     def expose_costs(self, models: dict) -> None:
         """The cost models' current coefficients on /metrics (``models``: name -> CostModel)."""

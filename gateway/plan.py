@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(slots=True)
@@ -28,6 +29,7 @@ class Plan:
     tokenize_ms: float = 0.0
     select_ms: float = 0.0
     backend_ms: float = 0.0  # request sent to first answer event received
+    replica: Any = None  # the ``gateway.replicas.Replica`` it goes to (None: the only one)
 
     @property
     def original_tokens(self) -> int:
@@ -62,4 +64,6 @@ class Plan:
                    ("background", self.background_ms))
         headers["server-timing"] = ", ".join(f"{name};dur={value:.1f}" for name, value in timings) + (
             f', plan;desc="{self.kind}", cached;desc="{self.engine_cached}"')
+        if self.replica is not None:
+            headers["server-timing"] += f', replica;desc="{self.replica.index}"'
         return headers

@@ -14,6 +14,12 @@ while it costs at most ``plan_slack`` more than the cheapest. Before the draft r
 priced against the least any compression could cost; when it is cheaper even so (a short or mostly cached
 prompt, a slow draft), the draft is skipped (reason ``cheaper_whole``).
 
+With several replicas (``route``), each request goes to the one where its best plan costs least before the
+draft runs: the whole prompt against what that replica's cache holds of it, the earlier selection it would
+extend against what that replica holds of that, and the wait there; ties go to the replica with the fewest
+requests at it, then to the one chosen longest ago. A conversation so stays where its context is, and cold
+prompts spread over idle replicas.
+
 Prices are for the engine as it is now (``EngineLoad``): a request waits for the prefill left of those ahead of
 it, and the draft runs during that wait, so a busy engine makes the draft cost less (only what outlasts the
 wait). The cost models learn only from timings that nothing else shared the engine with: a burst of traffic,
@@ -42,6 +48,7 @@ from gateway.engine_load import EngineLoad
 from gateway.metrics import GatewayMetrics
 from gateway.plan import Plan
 from gateway.policy import Reason, RequestOptions
+from gateway.replicas import Replica
 from gateway.scores import ScoreProvider
 from gateway.selections import RecentPrompts, Selection
 from gateway.settings import GatewaySettings
@@ -62,32 +69,55 @@ class Candidate:
 class Planner:
     def __init__(self, settings: GatewaySettings, draft: DraftClient, scores: ScoreProvider, metrics: GatewayMetrics,
                  special_ids: Collection[int], engine_cache: EngineCacheModel | None,
-                 costs: tuple[CostModel, CostModel], positional: bool = True, load: EngineLoad | None = None
-                 ) -> None:
+                 costs: tuple[CostModel, CostModel], positional: bool = True, load: EngineLoad | None = None,
+                 replicas: list[Replica] | None = None) -> None:
         self.settings = settings
         self.draft = draft
         self.scores = scores
         self.metrics = metrics
         self.special_ids = frozenset(special_ids)
-        self.engine_cache = engine_cache  # None: plan as if the engine kept nothing (text backends)
         self.target_cost, self.draft_cost = costs
         self.positional = positional  # the backend reads positions (else kept tokens run contiguously)
-        self.load = load or EngineLoad()  # what the engine is doing now
+        # each engine's cache (None: plan as if it kept nothing: text backends) and what it is doing now
+        self.replicas = replicas or [Replica(0, "in-process", None, load or EngineLoad(), engine_cache)]
         self.selections: RecentPrompts[Selection] = RecentPrompts(capacity=64)
+        self._routed = 0
+
+    @property
+    def engine_cache(self) -> EngineCacheModel | None:
+        """The first replica's cache model (the only one's, without replicas)."""
+        return self.replicas[0].cache
+
+    @engine_cache.setter
+    def engine_cache(self, cache: EngineCacheModel | None) -> None:
+        self.replicas[0].cache = cache
+
+    @property
+    def load(self) -> EngineLoad:
+        return self.replicas[0].load
 
     async def plan(self, token_ids: list[int], options: RequestOptions, unsupported: list[str],
                    keep: torch.Tensor | None = None, *, boundary: int | None = None, dry_run: bool = False,
-                   scored: tuple[torch.Tensor, str] | None = None) -> Plan:
-        """The plan for this prompt. ``keep`` marks tokens to keep whole if affordable (a system prompt);
-        ``boundary``: where the last message begins (a chat's), the point another user's request would leave
-        this one's; ``scored``: the prompt's scores and their cache status when already at hand (the
-        inspector's keep rates)."""
+                   scored: tuple[torch.Tensor, str] | None = None, replica: Replica | None = None) -> Plan:
+        """The plan for this prompt, at ``replica`` (default: where ``route`` sends it). ``keep`` marks tokens to
+        keep whole if affordable (a system prompt); ``boundary``: where the last message begins (a chat's), the
+        point another user's request would leave this one's; ``scored``: the prompt's scores and their cache
+        status when already at hand (the inspector's keep rates)."""
         n = len(token_ids)
         if not dry_run:
             self.metrics.original_tokens.observe(n)
         tokens = np.asarray(token_ids, dtype=np.int64)  # once: every lookup below compares arrays
-        wait = self.load.wait_s()
-        whole = await self._candidate("whole", tokens, None)
+        replica = replica or await self.route(tokens, options, keep, dry_run=dry_run)
+        plan = await self._plan(token_ids, tokens, options, unsupported, keep, boundary, dry_run, scored, replica)
+        plan.replica = replica
+        return plan
+
+    async def _plan(self, token_ids: list[int], tokens: np.ndarray, options: RequestOptions, unsupported: list[str],
+                    keep: torch.Tensor | None, boundary: int | None, dry_run: bool,
+                    scored: tuple[torch.Tensor, str] | None, replica: Replica) -> Plan:
+        n = len(token_ids)
+        wait = replica.load.wait_s()
+        whole = await self._candidate("whole", tokens, None, replica)
         if (bypass := self._bypass(token_ids, options, unsupported)) is not None:
             return self._priced(bypass, whole, wait)
         priced = self.settings.planner == "cost"
@@ -96,19 +126,19 @@ class Planner:
         # likely to come back, so worth warming: a system prompt (shared by users), or a prompt that begins with
         # most of an earlier one (a chat's next turn, the same document again); a fresh document each time is not
         recurring = (keep is not None and bool(keep.any())) or began_like is not None
-        earlier = seen if priced and self.engine_cache is not None else None
-        held = self._held_system(keep, whole.cached)
+        earlier = seen if priced and replica.cache is not None else None
+        held = self._held_system(keep, whole.cached, replica)
         if held and earlier is not None and not earlier[0].protected:
             earlier = None  # it compressed the system prompt, which is to stay whole now
         divergence = self._divergence(keep, boundary, began_like)
         draft_new = n - self.draft.reusable_prefix(tokens)
         draft_s = self.draft_cost.predict(draft_new, n - draft_new)
         # the draft runs while the requests ahead are at the engine: only what outlasts that wait costs more
-        least = max(0.0, draft_s - wait) + self._least_target(n, options, earlier, held, whole.cached)
+        least = max(0.0, draft_s - wait) + self._least_target(n, options, earlier, held, whole.cached, None)
         if priced and whole.seconds <= (1 + self.settings.plan_slack) * least:
             return self._as_plan(whole, token_ids, options, reason=Reason.CHEAPER_WHOLE, wait=wait)
         start = time.perf_counter()
-        before = self.load.snapshot()
+        before = replica.load.snapshot()
         try:
             scores, cache = scored or await asyncio.wait_for(self.scores.scores(token_ids), self.settings.draft_timeout)
         except Exception as exc:  # any draft fault: the full prompt goes through instead
@@ -121,11 +151,11 @@ class Planner:
         draft_ms = (time.perf_counter() - start) * 1e3
         if cache != "hit" and scored is None:
             self.metrics.draft_latency.labels("ok").observe(draft_ms / 1e3)
-            if self.load.undisturbed(before):  # a draft that shared the hardware with the engine's work: not its cost
+            if replica.load.undisturbed(before):  # a draft that shared the hardware with the engine's work: not its cost
                 self.draft_cost.observe(draft_new, n - draft_new, draft_ms / 1e3)
         start = time.perf_counter()
         compressed = await self._compressed(token_ids, tokens, scores, options.keep_rate, keep, earlier, held > 0,
-                                            divergence)
+                                            divergence, replica)
         chosen = self._choose([whole, *compressed]) if priced else compressed[0]
         reason = Reason.CHEAPER_WHOLE if chosen.kind == "whole" else None
         plan = self._as_plan(chosen, token_ids, options, reason=reason, cache=cache, draft_ms=draft_ms,
@@ -151,12 +181,39 @@ class Planner:
             return Plan(token_ids, reason=Reason.PROMPT_TOO_LONG)
         return None
 
-    async def _candidate(self, kind: str, tokens: np.ndarray, kept: list[int] | None,
+    async def _candidate(self, kind: str, tokens: np.ndarray, kept: list[int] | None, replica: Replica,
                          protected: bool = False) -> Candidate:
         sent = tokens if kept is None else tokens[kept]
         positions = kept if self.positional else None
-        cached = await self.engine_cache.cached_tokens(sent, positions) if self.engine_cache is not None else 0
+        cached = await replica.cache.cached_tokens(sent, positions) if replica.cache is not None else 0
         return Candidate(kind, kept, cached, self.target_cost.predict(len(sent) - cached, cached), protected)
+
+    async def route(self, tokens: np.ndarray, options: RequestOptions, keep: torch.Tensor | None, *,
+                    dry_run: bool = False) -> Replica:
+        """The replica where this prompt costs least now (see the module's docstring); the replicas that are up,
+        or all of them when none is."""
+        live = [r for r in self.replicas if r.up] or self.replicas
+        if len(live) > 1:
+            n = len(tokens)
+            seen = self.selections.longest_shared(tokens)
+            compressible = options.enabled and options.keep_rate < 1 and n >= self.settings.min_prompt_tokens
+            costs = {}
+            for replica in live:
+                whole = await self._candidate("whole", tokens, None, replica)
+                least = whole.seconds
+                if compressible:
+                    held = self._held_system(keep, whole.cached, replica)
+                    least = min(least, self._least_target(n, options, None, held, whole.cached, None))
+                    if seen is not None and replica.cache is not None:
+                        head = [i for i in seen[0].kept if i < min(seen[1], n - 1)]
+                        served = await self._candidate("extend", tokens, head, replica)
+                        least = min(least, self._least_target(n, options, seen, 0, 0, served.cached))
+                costs[replica] = replica.load.wait_s() + least
+            live = [min(live, key=lambda r: (costs[r], r.load.outstanding, r.routed))]
+        if not dry_run:
+            self._routed += 1
+            live[0].routed = self._routed
+        return live[0]
 
     @staticmethod
     def _began_like(seen: tuple[Selection, int] | None, n: int) -> tuple[Selection, int] | None:
@@ -181,20 +238,23 @@ class Planner:
             return boundary if has_system and shared >= boundary else shared
         return boundary if has_system else None
 
-    def _held_system(self, keep: torch.Tensor | None, cached: int) -> int:
+    @staticmethod
+    def _held_system(keep: torch.Tensor | None, cached: int, replica: Replica) -> int:
         """The system prompt's length if it must stay whole: the engine holds it (warming put it there), so
         keeping it costs nothing more, shared prefixes stay cacheable and instructions do not fade. Else 0."""
         if keep is None or not bool(keep.any()):
             return 0
         end = int(keep.nonzero().max()) + 1
-        block = self.engine_cache.block_size if self.engine_cache is not None else 1
+        block = replica.cache.block_size if replica.cache is not None else 1
         return end if cached + block > end else 0
 
     def _least_target(self, n: int, options: RequestOptions, earlier: tuple[Selection, int] | None,
-                      held: int, cached: int) -> float:
+                      held: int, cached: int, head_cached: int | None) -> float:
         """The least target time a compressed plan could take, before the draft says which tokens it keeps;
         ``held``: leading tokens kept whole (a system prompt); ``cached``: the prompt's leading tokens the
-        engine holds. Held tokens past the cached ones are read anew, as the whole prompt reads them."""
+        engine holds. Held tokens past the cached ones are read anew, as the whole prompt reads them. An
+        extension of ``earlier`` reads its kept tokens below where the prompts part from the engine's cache:
+        ``head_cached`` of them (None: all)."""
         chunk = self.draft.config.chunk_size
         kept = min(n, held + math.ceil(math.ceil((n - held) / chunk) * options.keep_rate) * chunk)
         served = min(held, cached)
@@ -202,28 +262,29 @@ class Planner:
         if earlier is not None and earlier[0].keep_rate >= options.keep_rate:
             start = min(earlier[1], n - 1)
             head = sum(1 for i in earlier[0].kept if i < start)
+            served = head if head_cached is None else min(head, head_cached)
             tail = math.ceil(math.ceil((n - start) / chunk) * options.keep_rate) * chunk
-            least = min(least, self.target_cost.predict(tail, head))
+            least = min(least, self.target_cost.predict(tail + head - served, served))
         return least
 
     async def _compressed(self, token_ids: list[int], tokens: np.ndarray, scores: torch.Tensor, keep_rate: float,
                           keep: torch.Tensor | None, earlier: tuple[Selection, int] | None, held: bool,
-                          divergence: int | None) -> list[Candidate]:
+                          divergence: int | None, replica: Replica) -> list[Candidate]:
         """The compressed candidates, each filled to whole engine blocks below ``divergence`` (``fill_blocks``)."""
         config = self.draft.config
-        block = self.engine_cache.block_size if self.engine_cache is not None and divergence else 1
+        block = replica.cache.block_size if replica.cache is not None and divergence else 1
 
         def filled(kept: list[int]) -> list[int]:
             return fill_blocks(kept, divergence, block) if block > 1 else kept
 
         has_system = keep is not None and bool(keep.any())
         fresh = select_tokens(token_ids, scores, keep_rate, config, self.special_ids, keep)
-        candidates = [await self._candidate("fresh", tokens, filled(fresh), protected=has_system)]
+        candidates = [await self._candidate("fresh", tokens, filled(fresh), replica, protected=has_system)]
         plain = fresh
         if has_system:
             plain = select_tokens(token_ids, scores, keep_rate, config, self.special_ids)
             if self.settings.planner == "cost" and not held:
-                candidates.append(await self._candidate("fresh_unprotected", tokens, filled(plain)))
+                candidates.append(await self._candidate("fresh_unprotected", tokens, filled(plain), replica))
         if earlier is not None:
             selection, shared = earlier
             start = min(shared, len(token_ids) - 1)
@@ -234,7 +295,7 @@ class Planner:
                                                                                 start):
                 extended = extend_selection(token_ids, scores, keep_rate, config, selection.kept, start,
                                             self.special_ids, keep if selection.protected else None)
-                candidates.append(await self._candidate("extend", tokens, filled(extended),
+                candidates.append(await self._candidate("extend", tokens, filled(extended), replica,
                                                         protected=has_system and selection.protected))
         return candidates
 
@@ -243,6 +304,12 @@ class Planner:
         chunk = self.draft.config.chunk_size
         wanted = kept_importance(scores, fresh, end, chunk)
         return wanted == 0 or kept_importance(scores, reused, end, chunk) >= self.settings.reuse_threshold * wanted
+
+    async def moved(self, plan: Plan) -> None:
+        """``plan`` goes to another replica than the one it was planned for: its predictions there."""
+        moved = await self._candidate(plan.kind, np.asarray(plan.token_ids, dtype=np.int64), plan.kept_indices,
+                                      plan.replica)
+        plan.engine_cached, plan.target_s = moved.cached, moved.seconds
 
     def _choose(self, candidates: list[Candidate]) -> Candidate:
         """The cheapest, unless one that keeps more of the prompt costs at most ``plan_slack`` more."""
@@ -268,8 +335,6 @@ class Planner:
 
     async def close(self) -> None:
         await self.scores.close()
-        if self.engine_cache is not None:
-            await self.engine_cache.close()
 
     # --- what happened: the engine's cache, the cost models, the selections later prompts may reuse ---
 
@@ -280,18 +345,19 @@ class Planner:
         sent = plan.kept_token_ids()
         if not sent:
             return
+        engine_cache = (plan.replica or self.replicas[0]).cache
         cached = _cached_tokens(usage)
         positions = plan.kept_indices if self.positional else None
         if cached is not None:
             self.metrics.engine_cache_error.observe(cached - plan.engine_cached)
-            if cached < plan.engine_cached and self.engine_cache is not None:
-                await self.engine_cache.corrected(sent, positions, cached)
+            if cached < plan.engine_cached and engine_cache is not None:
+                await engine_cache.corrected(sent, positions, cached)
         else:
             cached = plan.engine_cached
         if not contended:
             self.target_cost.observe(len(sent) - cached, cached, backend_s)
-        if self.engine_cache is not None:
-            await self.engine_cache.record(sent, positions)
+        if engine_cache is not None:
+            await engine_cache.record(sent, positions)
         if plan.status == "compressed":
             self.selections.add(plan.token_ids, Selection(tuple(plan.kept_indices), plan.keep_rate, plan.protected,
                                                           len(plan.token_ids)))

@@ -23,16 +23,15 @@ from common.errors import APIError, InvalidRequestError, NotFoundError
 from common.protocol import ChatCompletionRequest, CompletionRequest
 from common.swap import KEPT_KEY, POSITIONS_KEY, SWAP_PARAM
 from common.tokenize import PieceCache
-from gateway.backends import Backend
+from gateway.backends import Backend, BackendGone
 from gateway.draft import DraftClient
 from gateway.engine_load import Ticket
-from gateway.kv_events import EventSubscriber
 from gateway.metrics import GatewayMetrics
 from gateway.plan import Plan
 from gateway.planner import Planner
 from gateway.policy import Reason, request_options
+from gateway.replicas import HealthWatch, Replica
 from gateway.settings import GatewaySettings
-from gateway.warming import Warmer
 
 logger = logging.getLogger("specprefill.gateway")
 SYSTEM_ROLES = ("system", "developer")
@@ -64,19 +63,18 @@ class Prompt:
 
 
 class GatewayServing:
-    def __init__(self, settings: GatewaySettings, tokenizer, draft: DraftClient, backend: Backend,
-                 metrics: GatewayMetrics, served_names: list[str], planner: Planner,
-                 warmer: Warmer | None = None, events: EventSubscriber | None = None) -> None:
+    def __init__(self, settings: GatewaySettings, tokenizer, draft: DraftClient, metrics: GatewayMetrics,
+                 served_names: list[str], planner: Planner, health: HealthWatch | None = None) -> None:
         self.settings = settings
         self.tokenizer = tokenizer
         self.draft = draft
-        self.backend = backend
         self.metrics = metrics
         self.served_names = served_names
         self.planner = planner
-        self.warmer = warmer
-        self.events = events  # the backend's KV cache events, followed into the planner's model of its cache
-        self.load = planner.load  # what the engine is doing: this gateway's requests there, and others'
+        # the engines, each with its backend, its cache model and KV events, its load and its warming
+        self.replicas = planner.replicas
+        self.backend: Backend = self.replicas[0].backend  # the first: what every replica is (kind, model name)
+        self.health = health
         self._settling: set[asyncio.Task] = set()  # streams' ends being recorded
         self._mismatch_causes: set[str] = set()  # swap mismatches already logged
         self.pieces = PieceCache(tokenizer)  # chats' repeated parts are tokenized once
@@ -87,14 +85,22 @@ class GatewayServing:
 
     async def close(self) -> None:
         await asyncio.gather(*self._settling, return_exceptions=True)
-        if self.warmer is not None:
-            await self.warmer.close()
-        if self.events is not None:
-            await self.events.close()
-        await self.load.close()
-        await self.backend.close()
+        if self.health is not None:
+            await self.health.close()
+        for replica in self.replicas:
+            await replica.close()
         await self.draft.close()
         await self.planner.close()
+
+    @property
+    def warmer(self):
+        """The first replica's warming (the only one's, without replicas)."""
+        return self.replicas[0].warmer
+
+    @property
+    def events(self):
+        """The first replica's KV event subscriber."""
+        return self.replicas[0].events
 
     # --- the prologue every chat and completion request takes ---
 
@@ -149,12 +155,15 @@ class GatewayServing:
     @contextlib.asynccontextmanager
     async def arrival(self):
         """A client's request, from its arrival until it is at the backend (which then holds it until it is
-        answered): the engine's idle gaps are measured between these, and no warming piece starts within one."""
-        self.load.enter()
+        answered): the engines' idle gaps are measured between these, and no warming piece starts within one (it
+        may go to any replica)."""
+        for replica in self.replicas:
+            replica.load.enter()
         try:
             yield
         finally:
-            self.load.leave()
+            for replica in self.replicas:
+                replica.load.leave()
 
     async def planned(self, request: ChatCompletionRequest | CompletionRequest, headers) -> tuple[Plan, Prompt]:
         """The request checked, tokenized as the target reads it, and planned."""
@@ -213,24 +222,30 @@ class GatewayServing:
                            "Check that --target-model has the backend's tokenizer and chat template.", message)
 
     async def forward(self, plan: Plan, body: dict, path: str) -> Answer:
-        """Sends ``body`` to the backend's endpoint ``path``; the answer as the backend gave it (the API surface
-        shapes it for its client). When it is answered, the planner learns what happened."""
+        """Sends ``body`` to the backend's endpoint ``path`` at the plan's replica; the answer as the backend gave
+        it (the API surface shapes it for its client). When it is answered, the planner learns what happened.
+        A replica that drops the request before its first event (refused, or gone mid-prefill: the client has
+        seen nothing) is taken out, and the request goes to another."""
         streamed = bool(body.get("stream"))
         wants_usage = bool((body.get("stream_options") or {}).get("include_usage")) or not streamed
         if streamed and path in (CHAT, COMPLETIONS):  # ask for the usage: it says what the engine's cache served
             body = {**body, "stream_options": {"include_usage": True}}
-        self._foreground(+1)
-        # what the engine holds ahead of it now, after the draft (requests planned meanwhile went first)
-        wait, predicted, expected = self.load.estimate(plan.target_s)
-        plan.wait_ms, plan.predicted_ms = wait * 1e3, predicted * 1e3
-        ticket = self.load.begin(plan.target_s, expected_s=expected)
-        try:
-            answer = await self._timed(plan, self._call(path, body, streamed))
-        except BaseException:
-            self.load.end(ticket)
-            self._foreground(-1)
-            raise
-        plan.background_ms = self.load.answered(ticket) * 1e3
+        plan.replica = plan.replica or min(self.replicas, key=lambda r: (not r.up, r.load.outstanding))
+        tried = set()
+        while True:
+            replica = plan.replica
+            tried.add(replica)
+            try:
+                answer, ticket = await self._sent(plan, replica, path, body, streamed)
+                break
+            except BackendGone as exc:
+                others = [r for r in self.replicas if r.up and r not in tried]
+                if not others:
+                    raise
+                replica.down(exc.message)
+                self.metrics.failovers.inc()
+                plan.replica = min(others, key=lambda r: r.load.outstanding)
+                await self.planner.moved(plan)
         if ticket.behind:
             self.metrics.behind_background.observe(plan.background_ms / 1e3)
         if streamed:
@@ -238,8 +253,26 @@ class GatewayServing:
         await self._settle(plan, ticket, answer.get("usage"))
         return Answer(plan, body=answer)
 
-    def _call(self, path: str, body: dict, streamed: bool):
-        backend = self.backend
+    async def _sent(self, plan: Plan, replica: Replica, path: str, body: dict, streamed: bool):
+        """``body`` at ``replica``, up to its first event: the answer (a stream is open) and its load ticket."""
+        load = replica.load
+        self.metrics.routed.labels(str(replica.index)).inc()
+        self._foreground(load, +1)
+        # what the engine holds ahead of it now, after the draft (requests planned meanwhile went first)
+        wait, predicted, expected = load.estimate(plan.target_s)
+        plan.wait_ms, plan.predicted_ms = wait * 1e3, predicted * 1e3
+        ticket = load.begin(plan.target_s, expected_s=expected)
+        try:
+            answer = await self._timed(plan, self._call(replica.backend, path, body, streamed))
+        except BaseException:
+            load.end(ticket)
+            self._foreground(load, -1)
+            raise
+        plan.background_ms = load.answered(ticket) * 1e3
+        return answer, ticket
+
+    @staticmethod
+    def _call(backend: Backend, path: str, body: dict, streamed: bool):
         if path == CHAT:
             return backend.chat_stream(body) if streamed else backend.chat(body)
         if path == COMPLETIONS:
@@ -277,8 +310,8 @@ class GatewayServing:
                 await chunks.aclose()
             await self._answered(plan, usage, ticket.contended)
         finally:
-            self.load.end(ticket)
-            self._foreground(-1)
+            plan.replica.load.end(ticket)
+            self._foreground(plan.replica.load, -1)
 
     async def _answered(self, plan: Plan, usage: dict | None, contended: bool) -> None:
         """The planner learns from an answered request; a compressed recurring context is offered for warming."""
@@ -286,15 +319,16 @@ class GatewayServing:
             await self.planner.completed(plan, usage, plan.backend_ms / 1e3, contended=contended)
         except Exception:  # learning is best effort: never an error for the client
             logger.exception("could not record the plan's outcome")
-        if self.warmer is not None and plan.status == "compressed" and plan.recurring:
-            self.warmer.offer(plan)
+        warmer = plan.replica.warmer
+        if warmer is not None and plan.status == "compressed" and plan.recurring:
+            warmer.offer(plan)
 
-    def _foreground(self, delta: int) -> None:
-        """A request of this gateway at the backend (+1) or done there (-1)."""
+    def _foreground(self, load, delta: int) -> None:
+        """A request of this gateway at a replica (+1) or done there (-1)."""
         if delta > 0:
-            self.load.enter()
+            load.enter()
         else:
-            self.load.leave()
+            load.leave()
         self.metrics.in_flight.labels("foreground").inc(delta)
 
     @staticmethod

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Literal
+import re
+from typing import Annotated, Literal
 
 from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import NoDecode
 
 from common.options import DeviceOptions, ServerOptions
 from draft_worker.config import validate_keep_rate
@@ -17,9 +19,10 @@ BackendKind = Literal["reference", "vllm", "tokens", "text"]
 class GatewaySettings(ServerOptions, DeviceOptions, ScoringOptions):
     """The gateway: OpenAI-compatible, compresses long prompts with SpecPrefill."""
 
-    backend_url: str | None = Field(
-        None, description="the backend engine's base URL (default: the reference engine in-process)"
-    )
+    backend_url: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="the backend engine's base URL; repeated (or comma-separated), replicas "
+        "of one model, each request routed to where its plan costs least (default: the reference engine "
+        "in-process)")
     backend_kind: BackendKind = Field(
         "reference",
         description="reference (positions), vllm (vLLM with the plugin: positions), "
@@ -33,6 +36,8 @@ class GatewaySettings(ServerOptions, DeviceOptions, ScoringOptions):
     backend_kv_events_replay: str | None = Field(None, description="with an endpoint: the events' replay endpoint "
                                                  "(vLLM's replay_endpoint), where missed events are asked for again")
     backend_kv_events_topic: str = Field("", description="with an endpoint: the events' topic (vLLM's topic)")
+    backend_health_interval: float = Field(2.0, gt=0, description="with several --backend-url: seconds between "
+                                           "health checks (a replica that fails one is out until it passes)")
     backend_api_key: SecretStr | None = Field(None, description="Bearer token the gateway sends to the backend")
     target_model: str | None = Field(None, description="the target model (its tokenizer and chat template); "
                                      "without it and --draft-model, `specprefill serve` runs the demo pair")
@@ -112,11 +117,16 @@ class GatewaySettings(ServerOptions, DeviceOptions, ScoringOptions):
             cost_models(value)  # a ValueError names what is missing
         return value
 
-    @field_validator("backend_url")
+    @field_validator("backend_url", mode="before")
     @classmethod
-    def _strip_slash(cls, value: str | None) -> str | None:
-        return value.rstrip("/") if value else value
+    def _urls(cls, value: str | list[str] | None) -> list[str]:
+        """One URL, several (a list, or comma-separated as an environment variable takes them), or none."""
+        if value is None:
+            return []
+        if isinstance(value, str):
+            value = re.split(r"[,\s]+", value.strip())
+        return [url.rstrip("/") for url in value if url]
 
     @property
     def embedded(self) -> bool:
-        return self.backend_url is None
+        return not self.backend_url

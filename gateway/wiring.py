@@ -1,4 +1,5 @@
-"""Building the gateway's parts from its settings: tokenizer, draft, backend, score cache, planner."""
+"""Building the gateway's parts from its settings: tokenizer, draft, replicas (backend, cache model, KV events,
+load, warming), score cache, planner."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from gateway.engine_load import EngineLoad
 from gateway.kv_events import EventSubscriber
 from gateway.metrics import GatewayMetrics
 from gateway.planner import Planner
+from gateway.replicas import HealthWatch, Replica
 from gateway.scores import ScoreProvider
 from gateway.serving import GatewayServing, prompt_limit
 from gateway.settings import GatewaySettings
@@ -32,7 +34,7 @@ class MissingModelError(ValueError):
 
 async def build_serving(settings: GatewaySettings, metrics: GatewayMetrics, draft: DraftClient | None = None,
                         backend: Backend | None = None) -> GatewayServing:
-    """``draft`` and ``backend`` replace the configured ones (embedding, tests)."""
+    """``draft`` and ``backend`` replace the configured ones (embedding, tests; ``backend`` the only replica)."""
     if settings.target_model is None or (settings.draft_model is None and not settings.draft_worker_url
                                          and draft is None):
         raise MissingModelError("set --target-model and --draft-model (or --draft-worker-url); "
@@ -40,33 +42,82 @@ async def build_serving(settings: GatewaySettings, metrics: GatewayMetrics, draf
     tokenizer = load_tokenizer(settings.target_model)
     draft = draft or await _draft(settings, tokenizer, metrics)
     served = settings.served_model_name or settings.target_model
-    backend = backend or _backend(settings, served)
+    backends = [backend] if backend is not None else _backends(settings, served)
     names = list(dict.fromkeys(n for n in (served, settings.target_model, settings.backend_model) if n))
     scores = ScoreProvider(draft, score_cache(settings), metrics, settings.redis_key_prefix)
-    source = await _kv_events(settings, backend) if backend.kind != "text" else None
-    engine_cache = await _engine_cache(settings, backend, source is not None) if backend.kind != "text" else None
-    events = None
-    if source is not None and isinstance(engine_cache, EventEngineCache):
-        endpoint, replay, topic = source
-        events = EventSubscriber(engine_cache, endpoint, replay_endpoint=replay, topic=topic, metrics=metrics)
-        events.start()
+    replicas = await _replicas(settings, backends, metrics)
     costs = cost_models(settings.cost_coefficients)
     metrics.expose_costs({"target": costs[0], "draft": costs[1]})
-    load = EngineLoad()
-    planner = Planner(settings, draft, scores, metrics, tokenizer.all_special_ids, engine_cache, costs,
-                      positional=backend.kind in ("reference", "vllm"), load=load)
-    warmer = None
-    if settings.warming and engine_cache is not None and engine_cache.max_blocks > 0:
-        warmer = Warmer(lambda ids, priority: _one_token(backend, ids, priority), planner.completed, load,
-                        engine_cache, planner.target_cost, metrics, piece_s=settings.warming_piece_ms / 1e3,
-                        priority=settings.warming_priority, confidence=settings.warming_confidence)
-    if settings.calibrate and settings.cost_coefficients is None:
+    metrics.expose_replicas(replicas)
+    kind = replicas[0].backend.kind
+    planner = Planner(settings, draft, scores, metrics, tokenizer.all_special_ids, None, costs,
+                      positional=kind in ("reference", "vllm"), replicas=replicas)
+    for replica in replicas:
+        cache = replica.cache
+        if settings.warming and cache is not None and cache.max_blocks > 0:
+            replica.warmer = Warmer(_sender(replica.backend), _landed_at(planner, replica), replica.load, cache,
+                                    planner.target_cost, metrics, piece_s=settings.warming_piece_ms / 1e3,
+                                    priority=settings.warming_priority, confidence=settings.warming_confidence)
+    if settings.calibrate and settings.cost_coefficients is None:  # replicas of one model: the first stands for all
         vocab = sorted(set(range(len(tokenizer))) - set(tokenizer.all_special_ids))
-        await planner.calibrate(lambda ids: _one_token(backend, ids, None), vocab,
-                                limit=prompt_limit(settings, tokenizer))
-    if settings.engine_poll_interval > 0 and backend.kind != "text":
-        load.watch(backend.load, settings.engine_poll_interval)
-    return GatewayServing(settings, tokenizer, draft, backend, metrics, names, planner, warmer, events)
+        first = _sender(replicas[0].backend)
+        await planner.calibrate(lambda ids: first(ids, None), vocab, limit=prompt_limit(settings, tokenizer))
+    if settings.engine_poll_interval > 0 and kind != "text":
+        for replica in replicas:
+            replica.load.watch(replica.backend.load, settings.engine_poll_interval)
+    health = None
+    if len(replicas) > 1:
+        health = HealthWatch(replicas, settings.backend_health_interval)
+        health.start()
+    return GatewayServing(settings, tokenizer, draft, metrics, names, planner, health)
+
+
+async def _replicas(settings: GatewaySettings, backends: list[Backend], metrics: GatewayMetrics) -> list[Replica]:
+    """One replica per backend, or per data-parallel rank of a backend whose events say it has several."""
+    replicas: list[Replica] = []
+    for url, backend in zip(settings.backend_url or ["in-process"], backends):
+        sources = await _kv_events(settings, backend) if backend.kind != "text" else {}
+        ranks = [(None, next(iter(sources.values()), None))]
+        if len(sources) > 1 and isinstance(backend, HTTPBackend):  # vLLM's data parallelism: one replica per rank
+            ranks = list(sources.items())
+            logger.info("%s runs %d data-parallel ranks: each is a replica, its requests sent with "
+                        "X-data-parallel-rank", url, len(ranks))
+        for rank, source in ranks:
+            each = backend if rank is None else backend.for_rank(rank)
+            name = url if rank is None else f"{url} rank {rank}"
+            replicas.append(await _replica(settings, len(replicas), name, each, source, metrics))
+        if ranks[0][0] is not None:
+            await backend.close()  # the ranks' backends stand for it
+    return replicas
+
+
+async def _replica(settings: GatewaySettings, index: int, url: str, backend: Backend,
+                   source: tuple[str, str | None, str] | None, metrics: GatewayMetrics) -> Replica:
+    """One engine: its backend, the model of its prefix cache (followed from its KV events, ``source``, where it
+    publishes them) and its load."""
+    replica = Replica(index, url, backend, EngineLoad(background_yields=backend.kind == "reference"))
+    if backend.kind == "text":
+        return replica
+    replica.cache = await _engine_cache(settings, backend, url, source is not None)
+    if source is not None and isinstance(replica.cache, EventEngineCache):
+        endpoint, replay, topic = source
+        replica.events = EventSubscriber(replica.cache, endpoint, replay_endpoint=replay, topic=topic,
+                                         metrics=metrics)
+        replica.events.start()
+    return replica
+
+
+def _sender(backend: Backend):
+    return lambda ids, priority: _one_token(backend, ids, priority)
+
+
+def _landed_at(planner: Planner, replica: Replica):
+    """``Planner.completed`` for a warming piece that landed at ``replica``."""
+    async def landed(plan, usage, seconds, *, contended=False) -> None:
+        plan.replica = replica
+        await planner.completed(plan, usage, seconds, contended=contended)
+
+    return landed
 
 
 async def _one_token(backend: Backend, token_ids: list[int], priority: int | None) -> dict:
@@ -75,23 +126,37 @@ async def _one_token(backend: Backend, token_ids: list[int], priority: int | Non
     return await backend.completion(token_body(backend.kind, await backend.model_name(), token_ids, None, params))
 
 
-async def _kv_events(settings: GatewaySettings, backend: Backend) -> tuple[str, str | None, str] | None:
-    """Where to follow the backend's KV cache events (endpoint, replay endpoint, topic): the settings', or,
-    with ``auto``, where the backend says it publishes them; None: nowhere (the model then guesses)."""
+async def _kv_events(settings: GatewaySettings, backend: Backend) -> dict[int, tuple[str, str | None, str]]:
+    """Where to follow the backend's KV cache events (endpoint, replay endpoint, topic), by data-parallel rank:
+    the settings' (one), or, with ``auto``, where the backend says it publishes them; none: the model guesses."""
     if settings.backend_kv_events == "off":
-        return None
+        return {}
     if settings.backend_kv_events != "auto":
-        return settings.backend_kv_events, settings.backend_kv_events_replay, settings.backend_kv_events_topic
-    sources = await backend.kv_event_sources()
-    source = sources.get("0") or next(iter(sources.values()), None)
-    if not isinstance(source, dict) or not source.get("endpoint"):
-        return None
+        return {0: (settings.backend_kv_events, settings.backend_kv_events_replay, settings.backend_kv_events_topic)}
+    found = {}
     host = urlsplit(getattr(backend, "base_url", "")).hostname or "127.0.0.1"
-    endpoint, replay = (_reachable(source.get(key), host) for key in ("endpoint", "replay_endpoint"))
+    for rank, source in (await backend.kv_event_sources()).items():
+        if not str(rank).isdigit() or not isinstance(source, dict) or not source.get("endpoint"):
+            continue
+        endpoint, replay = (_reachable(source.get(key), host) for key in ("endpoint", "replay_endpoint"))
+        if endpoint is not None:
+            found[int(rank)] = (endpoint, replay, source.get("topic") or "")
+    for rank in sorted(found)[1:]:  # each rank publishes at the first's ports plus its rank, as vLLM offsets them
+        if 0 in found and found[rank][:2] == found[0][:2]:
+            endpoint, replay, topic = found[rank]
+            found[rank] = (_offset(endpoint, rank), _offset(replay, rank), topic)
+    for rank, (endpoint, _, _) in sorted(found.items()):
+        logger.info("the backend publishes its KV cache events%s: following %s",
+                    f" (rank {rank})" if len(found) > 1 else "", endpoint)
+    return dict(sorted(found.items()))
+
+
+def _offset(endpoint: str | None, rank: int) -> str | None:
+    """A tcp endpoint's port plus ``rank`` (vLLM's ``ZmqEventPublisher.offset_endpoint_port``)."""
     if endpoint is None:
         return None
-    logger.info("the backend publishes its KV cache events: following %s", endpoint)
-    return endpoint, replay, source.get("topic") or ""
+    address, _, port = endpoint.rpartition(":")
+    return f"{address}:{int(port) + rank}" if port.isdigit() and int(port) else endpoint
 
 
 def _reachable(endpoint: str | None, host: str) -> str | None:
@@ -103,7 +168,7 @@ def _reachable(endpoint: str | None, host: str) -> str | None:
     return f"tcp://{host}:{port}" if address in ("*", "0.0.0.0", "[::]", "::") else endpoint
 
 
-async def _engine_cache(settings: GatewaySettings, backend: Backend, events: bool) -> EngineCacheModel:
+async def _engine_cache(settings: GatewaySettings, backend: Backend, url: str, events: bool) -> EngineCacheModel:
     """The model of the engine's prefix cache, shaped as the engine says (or as the settings override);
     followed from the engine's KV events where it publishes them."""
     shape = await backend.cache_shape()
@@ -115,7 +180,7 @@ async def _engine_cache(settings: GatewaySettings, backend: Backend, events: boo
     if events:
         return EventEngineCache(block_size, capacity)
     if settings.redis_url and not settings.embedded:
-        key = f"{settings.redis_key_prefix}engine-cache:{settings.backend_url}:{await backend.model_name()}"
+        key = f"{settings.redis_key_prefix}engine-cache:{url}:{await backend.model_name()}"
         return RedisEngineCache(settings.redis_url, key, block_size, capacity)
     return MemoryEngineCache(block_size, capacity)
 
@@ -156,17 +221,18 @@ def _mapped(draft: DraftClient, target_tokenizer, draft_tokenizer, metrics: Gate
     return MappedDraft(draft, mapping, on_mapped=metrics.mapping_latency.observe)
 
 
-def _backend(settings: GatewaySettings, served_name: str) -> Backend:
+def _backends(settings: GatewaySettings, served_name: str) -> list[Backend]:
     if settings.embedded:
         from engine.serving import EngineServing
         from engine.settings import EngineSettings
 
         engine = EngineSettings(model=settings.target_model, device=settings.device, dtype=settings.dtype,
                                 served_model_name=served_name)
-        return InProcessBackend(EngineServing.from_settings(engine))
+        return [InProcessBackend(EngineServing.from_settings(engine))]
     api_key = settings.backend_api_key.get_secret_value() if settings.backend_api_key else None
-    return HTTPBackend(settings.backend_url, settings.backend_kind, model=settings.backend_model, api_key=api_key,
-                       connect_timeout=settings.backend_connect_timeout, read_timeout=settings.backend_read_timeout)
+    return [HTTPBackend(url, settings.backend_kind, model=settings.backend_model, api_key=api_key,
+                        connect_timeout=settings.backend_connect_timeout, read_timeout=settings.backend_read_timeout)
+            for url in settings.backend_url]
 
 
 def score_cache(settings: GatewaySettings) -> ScoreCache | None:

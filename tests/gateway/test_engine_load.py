@@ -37,6 +37,17 @@ def test_a_request_waits_for_the_prefill_left_ahead_of_it():
     assert load.wait_s() == 0 and load.idle
 
 
+def test_background_work_an_engine_stops_for_a_request_is_not_ahead_of_it():
+    """The reference engine stops a background chunk between two layers for a new request: a warming piece
+    under way there is no wait; a foreground request still is."""
+    load, _ = _load(background_yields=True)
+    piece = load.begin(0.1, background=True)
+    assert load.wait_s() == 0
+    request = load.begin(2.0)
+    assert load.wait_s() == pytest.approx(2.0)
+    load.end(piece), load.end(request)
+
+
 def test_others_requests_at_the_engine_count_as_typical_requests():
     load, clock = _load()
     for seconds in (0.2, 0.3, 0.4):  # clean requests, one at a time
