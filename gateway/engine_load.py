@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 
 logger = logging.getLogger("specprefill.gateway")
 PAUSE_S = 2.0  # idle this long, and twice the longest recent gap, the traffic has paused: no request is due
+SETTLE_S = 0.25  # a request this gateway saw answered may still count at the engine for this long (it stores
+# the request's blocks, then counts it done)
 
 
 @dataclass(slots=True, eq=False)
@@ -65,6 +67,7 @@ class EngineLoad:
         self._slowdowns = {busy: collections.deque(maxlen=32) for busy in (True, False)}
         self._changed = asyncio.Event()
         self._watcher: asyncio.Task | None = None
+        self._ended: collections.deque[float] = collections.deque(maxlen=64)  # when recent tickets ended
 
     # --- foreground activity: idle gaps ---
 
@@ -153,6 +156,7 @@ class EngineLoad:
         ticket.ended = self.clock()
         if ticket in self._alive:
             self._alive.remove(ticket)
+            self._ended.append(ticket.ended)
         self._notify()
 
     def wait_s(self) -> float:
@@ -198,18 +202,19 @@ class EngineLoad:
 
     def watch(self, read: Callable[[], Awaitable[int | None]], interval: float) -> None:
         """Reads the engine's running + waiting requests every ``interval`` seconds, in the background; what this
-        gateway did not send is someone else's. A failed read counts as nobody else's."""
+        gateway did not send, or saw answered just before (``SETTLE_S``), is someone else's. A failed read counts
+        as nobody else's."""
         self._watcher = asyncio.ensure_future(self._watch(read, interval))
 
     async def _watch(self, read: Callable[[], Awaitable[int | None]], interval: float) -> None:
         while True:
-            own_before = len(self._alive)
+            own_before, since = len(self._alive), self.clock() - SETTLE_S
             try:
                 count = await read()
             except Exception as exc:  # the engine's metrics are a hint, never an error
                 logger.debug("engine load unreadable: %s", type(exc).__name__)
                 count = None
-            own = max(own_before, len(self._alive))
+            own = max(own_before, len(self._alive)) + sum(t >= since for t in self._ended)
             external = max(0, count - own) if count is not None else 0
             if external != self.external:
                 self.external = external

@@ -73,6 +73,10 @@ class Bench(BaseSettings):
                                                               "size in tokens (default: the engine's)")
     foreign_tokens: int = Field(16000, description="workload foreign: tokens another client sends straight to the "
                                                    "engine before each later turn, in prompts of --workload-tokens")
+    replicas: int = Field(1, ge=1, description="launched servers: each path's engine as this many replicas (the "
+                                               "gateway routes over its own; the direct path's behind --router)")
+    router: str = Field("round-robin", description="with --replicas: the direct path's router: round-robin, or "
+                                                   "prefix (prefix affinity, as SGLang's cache-aware router)")
     pair: str | None = Field(None, description="launched servers: a folder with draft/ and target/ (as "
                                                "`specprefill demo-models` writes; default: the demo pair)")
 
@@ -94,10 +98,14 @@ def run_bench(options: Bench) -> int:
         if options.vllm_scheduling not in ("fcfs", "priority"):
             print("specprefill bench: --vllm-scheduling is fcfs or priority", file=sys.stderr)
             return 2
+        if options.router not in ("round-robin", "prefix"):
+            print("specprefill bench: --router is round-robin or prefix", file=sys.stderr)
+            return 2
         vllm_args = ("--scheduling-policy", "priority") if options.vllm_scheduling == "priority" else ()
         context = launched(engines, gateway_args(options), options.vllm_python, out,
                            Path(options.pair) if options.pair else None, vllm_args=vllm_args,
-                           kv_events=options.kv_events, cache_tokens=options.engine_cache_tokens)
+                           kv_events=options.kv_events, cache_tokens=options.engine_cache_tokens,
+                           replicas=options.replicas, router=options.router)
     with context as stack, httpx.Client(timeout=60) as client:
         model = options.model or client.get(f"{stack.gateway_url}/v1/models").json()["data"][0]["id"]
         direct_model = options.backend_model or client.get(f"{stack.direct_url}/v1/models").json()["data"][0]["id"]
@@ -108,6 +116,7 @@ def run_bench(options: Bench) -> int:
                 "launched": options.base_url is None, "engine": "vllm" if options.vllm_python else "reference",
                 "baseline": options.baseline, "gateway_warming": options.gateway_warming,
                 "gateway_keep_system_whole": options.gateway_keep_system_whole,
+                "replicas": options.replicas, "router": options.router if options.replicas > 1 else None,
                 "pair": _pair_description(options.pair) if options.base_url is None else None}
         if options.workloads:
             written = _workloads(options, stack, prompts, (model, direct_model), meta)
@@ -210,7 +219,7 @@ def _workloads(options: Bench, stack: Stack, prompts, models: tuple[str, str], m
     if "poisson" in options.arrivals:
         sessions = _poisson(options, stack, prompts, paths)
         print("arrivals: poisson, mixed sessions\n" + format_sessions(sessions["summary"]))
-    if stack.gateway_engine_url is not None and last is not None:
+    if stack.gateway_engine_url is not None and last is not None and "kill" not in options.workload_names:
         engines = asyncio.run(compare_engines({"gateway's engine": stack.gateway_engine_url,
                                                "direct's engine": stack.direct_url}, models[1], last,
                                               stack.idle_urls, max_tokens=options.max_tokens))
@@ -229,12 +238,19 @@ def _workloads(options: Bench, stack: Stack, prompts, models: tuple[str, str], m
 
 def _engine_actions(options: Bench, stack: Stack, model: str):
     """The workloads' actions at a path's engine: another client's long prompts straight to it (random token
-    IDs, a new prompt each time), or a restart (launched engines only)."""
+    IDs, a new prompt each time), a restart, or killing the replica that served the path's last request
+    (launched engines only)."""
     import random
 
     rng = random.Random(0)
 
-    async def act(action: str, path) -> None:
+    async def act(action: str, path, last) -> None:
+        if action == "kill":
+            urls = (stack.replicas or {}).get(path.name)
+            if stack.kill is None or not urls or last is None or last.replica is None:
+                raise SystemExit("specprefill bench: workload kill needs replicas the bench launched (--replicas)")
+            await asyncio.to_thread(stack.kill, urls[last.replica])
+            return
         if action == "restart":
             if stack.restart is None or path.engine_url is None:
                 raise SystemExit("specprefill bench: workload restart needs engines the bench launched")

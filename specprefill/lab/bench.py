@@ -134,7 +134,10 @@ async def wait_idle(client: httpx.AsyncClient, urls: list[str], timeout: float =
     while time.monotonic() < deadline:
         busy = 0.0
         for url in urls:
-            response = await client.get(f"{url}/metrics")
+            try:
+                response = await client.get(f"{url}/metrics")
+            except httpx.TransportError:  # not there (a replica the bench killed): it runs nothing
+                continue
             if response.status_code != 200:  # nothing to read (behind an API key, say): take it as idle
                 continue
             text = response.text

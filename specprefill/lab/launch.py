@@ -1,4 +1,5 @@
-"""Launching the demo stack as local processes: engines (reference or vLLM) and a gateway in front of one."""
+"""Launching the demo stack as local processes: engines (reference or vLLM) and a gateway in front of one, or of
+several replicas (the direct path's replicas then behind a router: ``specprefill.lab.router``)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ class Stack:
     idle_urls: list[str]  # whose /metrics say when nothing runs (workload mode)
     gateway_engine_url: str | None = None  # the engine behind the gateway, where the bench launched it
     restart: Callable[[str], None] | None = None  # restarts the launched engine at this URL (its cache empty)
+    kill: Callable[[str], None] | None = None  # kills the launched engine at this URL (SIGKILL), for good
+    replicas: dict[str, list[str]] | None = None  # each path's engine URLs, where it has several
 
 
 # as the README's deployment section starts vLLM: cached-token counts in every answer, tool calls as without the
@@ -60,16 +63,22 @@ class Engine:
     def stop(self) -> None:
         _stop([self.process])
 
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait()
+
 
 @contextlib.contextmanager
 def launched(engines: int, gateway_args: list[str], vllm_python: str | None, out: Path,
              pair: Path | None = None, vllm_args: tuple[str, ...] = (), *, kv_events: bool = False,
-             cache_tokens: int | None = None) -> Iterator[Stack]:
+             cache_tokens: int | None = None, replicas: int = 1, router: str = "round-robin") -> Iterator[Stack]:
     """The pair's target (``pair/target``; default: the demo pair) on ``engines`` engines (reference engines, or
     vLLM: the gateway's with the plugin, the direct one stock, both with ``vllm_args``) and a gateway in front
     of the first with ``pair/draft``, as local processes. With two, the direct path has its own engine, so
     neither warms the other's prefix cache. ``kv_events``: the gateway's engine publishes its KV cache events
-    and the gateway follows them; ``cache_tokens``: each engine's prefix cache holds this many tokens."""
+    and the gateway follows them; ``cache_tokens``: each engine's prefix cache holds this many tokens.
+    ``replicas``: each path's engine is that many replicas: the gateway routes over its own, the direct path's
+    are behind a ``router`` of that policy."""
     from specprefill.lab.demo_models import ensure_demo_models
     from specprefill.lab.vllm_server import VLLMServer
 
@@ -77,12 +86,14 @@ def launched(engines: int, gateway_args: list[str], vllm_python: str | None, out
     servers: list = []
     gateway_extra = [] if kv_events else ["--backend-kv-events", "off"]
     try:
-        for index in range(engines):
-            events = ("--kv-events-config", kv_events_config()) if index == 0 and kv_events else ()
+        for index in range(engines * replicas):
+            gateways = index < replicas  # the gateway's replicas first, then the direct path's
+            events = ("--kv-events-config", kv_events_config()) if gateways and kv_events else ()
             if vllm_python:
                 assert cache_tokens is None, "vLLM's cache is sized in GiB here (VLLM_CPU_KVCACHE_SPACE)"
-                servers.append(VLLMServer(vllm_python, root / "target", out / f"vllm-{index}.log", plugin=index == 0,
-                                          served_name="specprefill-demo", max_model_len=32768, kv_cache_gib=4,
+                servers.append(VLLMServer(vllm_python, root / "target", out / f"vllm-{index}.log", plugin=gateways,
+                                          served_name="specprefill-demo", max_model_len=32768,
+                                          kv_cache_gib=4 if replicas == 1 else 2,
                                           extra_args=(*README_VLLM_ARGS, *vllm_args, *events)))
             else:
                 size = ("--kv-cache-tokens", str(cache_tokens)) if cache_tokens else ()
@@ -91,14 +102,34 @@ def launched(engines: int, gateway_args: list[str], vllm_python: str | None, out
             server.wait()
         urls = [server.url for server in servers]
         by_url = {server.url: server for server in servers}
-        with launched_gateway(["--backend-url", urls[0], "--backend-kind", "vllm" if vllm_python else "reference",
-                               "--target-model", str(root / "target"), "--draft-model", str(root / "draft"),
-                               "--served-model-name", "specprefill-demo", *gateway_extra, *gateway_args]) as gateway_url:
-            yield Stack(gateway_url, urls[-1], [gateway_url, *urls], urls[0] if engines > 1 else None,
-                        restart=lambda url: by_url[url].restart())
+        mine, direct = urls[:replicas], urls[-replicas:]
+        backends = [arg for url in mine for arg in ("--backend-url", url)]
+        with contextlib.ExitStack() as stack:
+            gateway_url = stack.enter_context(launched_gateway([
+                *backends, "--backend-kind", "vllm" if vllm_python else "reference", "--target-model",
+                str(root / "target"), "--draft-model", str(root / "draft"), "--served-model-name", "specprefill-demo",
+                *gateway_extra, *gateway_args]))
+            direct_url = direct[0] if replicas == 1 else stack.enter_context(launched_router(direct, router))
+            yield Stack(gateway_url, direct_url, [gateway_url, *urls], mine[0] if engines > 1 else None,
+                        restart=lambda url: by_url[url].restart(), kill=lambda url: by_url[url].kill(),
+                        replicas={"gateway": mine, "direct": direct} if replicas > 1 else None)
     finally:
         for server in servers:
             server.stop()
+
+
+@contextlib.contextmanager
+def launched_router(urls: list[str], policy: str) -> Iterator[str]:
+    """``specprefill.lab.router`` over ``urls`` on a free port; its base URL once it answers."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    process = subprocess.Popen([sys.executable, "-m", "specprefill.lab.router", "--policy", policy, "--port",
+                                str(port), *urls])
+    try:
+        wait_healthy(url, process)
+        yield url
+    finally:
+        _stop([process])
 
 
 @contextlib.contextmanager

@@ -12,6 +12,8 @@ Each workload is a sequence of chat requests, as clients send them:
   foreign       a chat whose engine also serves another client: before each later turn, that client's long
                 prompts go straight to the engine and evict blocks (``ACTIONS``)
   restart       a chat whose engine restarts halfway (its cache empty), where the bench launched the engines
+  kill          a chat over replicas whose replica (the one that served the last turn) is killed halfway, for
+                good: the next turns go to another (``--replicas``)
 The gateway and the direct path each talk to their own instance of the same engine, so neither warms the
 other's prefix cache. How requests follow each other is the arrival mode (``MODES``):
   back-to-back  the next request leaves the moment the previous answer ends (an agent whose tool returned)
@@ -29,6 +31,7 @@ request by request (which goes first alternating too), as the waits keep them ap
 from __future__ import annotations
 
 import asyncio
+import re
 import statistics
 import time
 from collections.abc import Awaitable, Callable
@@ -42,8 +45,8 @@ from specprefill.lab.engine_metrics import EngineQueue
 
 MODES = ("back-to-back", "think", "idle")
 WORKLOADS = ("fresh", "document", "chat", "agent", "system", "agent-messages")
-EXTRA_WORKLOADS = ("foreign", "restart")  # not among the defaults: they disturb the engine on purpose
-ACTIONS = ("foreign", "restart")  # what happens at a path's engine before a request (``Workload.before``)
+EXTRA_WORKLOADS = ("foreign", "restart", "kill")  # not among the defaults: they disturb the engine on purpose
+ACTIONS = ("foreign", "restart", "kill")  # what happens at a path's engine before a request (``Workload.before``)
 AGENT_TOOLS = [
     {"name": "read_file", "description": "Read a file of the repository.",
      "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}},
@@ -75,8 +78,10 @@ def build_workloads(prompts: PromptMaker, names: list[str], n_requests: int, tok
         "agent-messages": lambda: _agent_messages(prompts, tokens, step_tokens, n_requests),
         "foreign": lambda: _chat(prompts.text(tokens), questions),
         "restart": lambda: _chat(prompts.text(tokens), questions),
+        "kill": lambda: _chat(prompts.text(tokens), questions),
     }
-    before = {"foreign": {i: "foreign" for i in range(1, n_requests)}, "restart": {n_requests // 2: "restart"}}
+    before = {"foreign": {i: "foreign" for i in range(1, n_requests)}, "restart": {n_requests // 2: "restart"},
+              "kill": {n_requests // 2: "kill"}}
     return [Workload(name, builders[name](), "messages" if name == "agent-messages" else "chat",
                      before.get(name, {})) for name in names]
 
@@ -143,6 +148,7 @@ class WorkloadSample:
     at_s: float = 0.0  # when it was sent, from the start of its path's run
     queue_s: float | None = None  # the engine's queue time over this request (its requests that ended meanwhile)
     queued: int | None = None  # how many requests that queue time covers (a warm's pieces too)
+    replica: int | None = None  # which replica served it (the gateway's Server-Timing, the router's x-replica)
 
 
 @dataclass
@@ -158,21 +164,24 @@ class PathTarget:
 
 async def run_workloads(mode: str, workloads: dict[str, list[Workload]], paths: list[PathTarget],
                         idle_urls: list[str], *, think_s: float = 1.0, max_tokens: int = 1,
-                        first: str = "gateway", act: Callable[[str, PathTarget], Awaitable[None]] | None = None
+                        first: str = "gateway",
+                        act: Callable[[str, PathTarget, WorkloadSample | None], Awaitable[None]] | None = None
                         ) -> list[WorkloadSample]:
     """Every workload through each path in arrival ``mode``; ``workloads[path.name]`` are that path's (the
     direct path may get the same workloads over other documents, when both share one engine). ``act(action,
-    path)`` does a workload's actions at the path's engine (``Workload.before``), before the request and
-    outside its time."""
+    path, last)`` does a workload's actions at the path's engine (``Workload.before``; ``last``: the path's
+    previous answer), before the request and outside its time."""
+    last: dict[str, WorkloadSample] = {}
 
     async def send(path: PathTarget, workload: Workload, index: int, at_s: float) -> WorkloadSample:
         if index in workload.before:
             if act is None:
                 raise ValueError(f"workload {workload.name!r} needs its engine {workload.before[index]} here, "
                                  "which only a launched stack can do")
-            await act(workload.before[index], path)
-        return await _send(client, path, queues[path.name], workload, index, workload.requests[index], mode,
-                           max_tokens, at_s)
+            await act(workload.before[index], path, last.get(path.name))
+        sample = last[path.name] = await _send(client, path, queues[path.name], workload, index,
+                                               workload.requests[index], mode, max_tokens, at_s)
+        return sample
 
     if mode not in MODES:
         raise ValueError(f"arrival mode {mode!r}: one of {', '.join(MODES)}")
@@ -258,10 +267,12 @@ def _sample(workload: str, index: int, path: str, ttft: float, headers: httpx.He
     def number(name: str) -> int | None:
         return int(headers[name]) if name in headers else None
 
+    replica = re.search(r'replica;desc="(\d+)"', headers.get("server-timing") or "")
     return WorkloadSample(workload, index, path, ttft, number("x-specprefill-original-tokens"),
                           number("x-specprefill-kept-tokens"), headers.get("x-specprefill-status"),
                           headers.get("x-specprefill-plan"), headers.get("x-specprefill-reason"),
-                          parse_server_timing(headers.get("server-timing")))
+                          parse_server_timing(headers.get("server-timing")),
+                          replica=int(replica.group(1)) if replica else number("x-replica"))
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -306,7 +317,8 @@ def summarize_workloads(samples: list[WorkloadSample]) -> list[dict]:
                              "behind_background_ms": timing.get("background"),
                              "queue_s": {"gateway": gateway.queue_s, "direct": direct.queue_s},
                              "cached": {"gateway": gateway.cached_tokens, "direct": direct.cached_tokens,
-                                        "predicted": gateway.predicted_cached}})
+                                        "predicted": gateway.predicted_cached},
+                             "replica": {"gateway": gateway.replica, "direct": direct.replica}})
         later = [r["ratio"] for r in requests[1:]] or [requests[0]["ratio"]]
         rows.append({"workload": name, "requests": requests, "first_ratio": requests[0]["ratio"],
                      "later_median_ratio": statistics.median(later), "later_p90_ratio": percentile(later, 0.9),
@@ -334,16 +346,17 @@ def _count(value: int | float | None, digits: int = 0) -> str:
 def format_workloads(rows: list[dict]) -> str:
     lines = [f"{'workload':>9} {'req':>3} {'tokens':>7} {'kept':>6} {'direct s':>9} {'gateway s':>10} "
              f"{'gw/direct':>9} {'cached gw':>9} {'direct':>6} {'pred ms':>8} {'backend':>8} {'behind':>7} "
-             f"{'queue gw':>8} {'direct':>6}  plan"]
+             f"{'queue gw':>8} {'direct':>6} {'replica':>7}  plan"]
     for row in rows:
         for r in row["requests"]:
             cached, timing, queue = r.get("cached") or {}, r.get("timing_ms") or {}, r.get("queue_s") or {}
+            replica = "/".join("-" if x is None else str(x) for x in (r.get("replica") or {}).values())
             lines.append(f"{row['workload']:>9} {r['index'] + 1:>3} {r['tokens'] or 0:>7} {r['kept'] or 0:>6} "
                          f"{r['direct_s']:>9.3f} {r['gateway_s']:>10.3f} {r['ratio']:>9.2f} "
                          f"{_count(cached.get('gateway')):>9} {_count(cached.get('direct')):>6} "
                          f"{_count(timing.get('predicted')):>8} {_count(timing.get('backend')):>8} "
                          f"{_count(timing.get('background')):>7} {_count(queue.get('gateway'), 3):>8} "
-                         f"{_count(queue.get('direct'), 3):>6}  {r['plan'] or ''}")
+                         f"{_count(queue.get('direct'), 3):>6} {replica or '':>7}  {r['plan'] or ''}")
         lines.append(f"{row['workload']:>9}   first {row['first_ratio']:.2f}, later: median "
                      f"{row['later_median_ratio']:.2f}, p90 {row['later_p90_ratio']:.2f}, "
                      f"max {row['later_max_ratio']:.2f}")

@@ -197,3 +197,29 @@ async def test_the_engine_count_beyond_this_gateways_is_someone_elses():
         assert load.external == external
     load.end(ours)
     await load.close()
+
+
+async def test_a_request_just_answered_that_the_engine_still_counts_is_not_someone_elses():
+    """The engine counts a request done a little after its answer (the reference engine stores its blocks first):
+    a read in that window is not another client's request, which would price every plan a typical request
+    slower until the next read."""
+    clock = Clock()
+    load = EngineLoad(clock=clock)
+    read = asyncio.Event()
+
+    async def engine_count() -> int:
+        read.set()
+        return 1
+
+    ours = load.begin(0.1)
+    load.end(ours)  # answered, and still counted by the engine
+    load.watch(engine_count, 0.01)
+    await asyncio.wait_for(read.wait(), 1)
+    await asyncio.sleep(0)
+    assert load.external == 0
+    clock.now += 1.0  # long after: that one is someone else's
+    read.clear()
+    await asyncio.wait_for(read.wait(), 1)
+    await asyncio.sleep(0.02)
+    assert load.external == 1
+    await load.close()

@@ -220,7 +220,7 @@ def test_workloads_that_disturb_the_engine_act_on_each_paths_engine_before_their
     assert workloads[0].before == {1: "foreign", 2: "foreign", 3: "foreign"} and workloads[1].before == {2: "restart"}
     acted = []
 
-    async def act(action, path):
+    async def act(action, path, last):
         acted.append((action, path.name))
 
     samples = asyncio.run(run_workloads("back-to-back", {"gateway": workloads, "direct": workloads},
