@@ -52,6 +52,11 @@ class VLLMServer:
         self._terminate()
         self._log_file.close()
 
+    def kill(self) -> None:
+        """SIGKILL, for good (a replica that dies)."""
+        self.process.kill()
+        self.process.wait()
+
     def _terminate(self) -> None:
         self.process.terminate()
         try:
