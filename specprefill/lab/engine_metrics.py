@@ -33,7 +33,10 @@ class EngineQueue:
     async def read(self) -> tuple[float | None, int | None]:
         if self.engine_url is None:
             return None, None
-        response = await self.client.get(f"{self.engine_url}/metrics")
+        try:
+            response = await self.client.get(f"{self.engine_url}/metrics")
+        except httpx.TransportError:  # gone (a replica the bench killed): nothing to read
+            return None, None
         totals = queue_totals(response.text) if response.status_code == 200 else None
         last, self._last = self._last, totals
         if totals is None or last is None:

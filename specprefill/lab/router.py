@@ -114,7 +114,8 @@ def create_app(urls: list[str], policy: str) -> Starlette:
 
     async def first(request: Request) -> Response:
         async with client().get(router.urls[0] + request.url.path) as response:
-            return JSONResponse(await response.json(), status_code=response.status)
+            return Response(await response.read(), status_code=response.status,
+                            media_type=response.headers.get("content-type"))
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
