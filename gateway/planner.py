@@ -16,8 +16,11 @@ prompt, a slow draft), the draft is skipped (reason ``cheaper_whole``).
 
 With several replicas (``route``), each request goes to the one where its best plan costs least before the
 draft runs: the whole prompt against what that replica's cache holds of it, the earlier selection it would
-extend against what that replica holds of that, and the wait there; ties go to the replica with the fewest
-requests at it, then to the one chosen longest ago. A conversation so stays where its context is, and cold
+extend against what that replica holds of that, and the wait there. As between plans, a replica that holds the
+prompt's context (``AFFINITY``: half the prompt, or half the earlier selection it extends, as SGLang's router
+counts a prefix match) wins while it costs at most ``plan_slack`` more than the cheapest (cost models fitted on
+live timings do not always tell a few hundred cached tokens apart); then the cheaper, then the one with the
+fewest requests at it, then the one chosen longest ago. A conversation so stays where its context is, and cold
 prompts spread over idle replicas.
 
 Prices are for the engine as it is now (``EngineLoad``): a request waits for the prefill left of those ahead of
@@ -55,6 +58,7 @@ from gateway.settings import GatewaySettings
 
 logger = logging.getLogger("specprefill.gateway")
 TIERS = {"whole": 0, "fresh": 1, "extend": 2, "fresh_unprotected": 3}
+AFFINITY = 0.5  # a replica holds a prompt's context when it holds this share of it (SGLang's cache_threshold)
 
 
 @dataclass(slots=True)
@@ -107,17 +111,21 @@ class Planner:
         if not dry_run:
             self.metrics.original_tokens.observe(n)
         tokens = np.asarray(token_ids, dtype=np.int64)  # once: every lookup below compares arrays
-        replica = replica or await self.route(tokens, options, keep, dry_run=dry_run)
-        plan = await self._plan(token_ids, tokens, options, unsupported, keep, boundary, dry_run, scored, replica)
+        whole = None
+        if replica is None:
+            replica, whole = await self.route(tokens, options, keep, dry_run=dry_run)
+        plan = await self._plan(token_ids, tokens, options, unsupported, keep, boundary, dry_run, scored, replica,
+                                whole)
         plan.replica = replica
         return plan
 
     async def _plan(self, token_ids: list[int], tokens: np.ndarray, options: RequestOptions, unsupported: list[str],
                     keep: torch.Tensor | None, boundary: int | None, dry_run: bool,
-                    scored: tuple[torch.Tensor, str] | None, replica: Replica) -> Plan:
+                    scored: tuple[torch.Tensor, str] | None, replica: Replica, whole: Candidate | None) -> Plan:
+        """``whole``: the whole prompt's candidate at ``replica`` where routing priced it already."""
         n = len(token_ids)
         wait = replica.load.wait_s()
-        whole = await self._candidate("whole", tokens, None, replica)
+        whole = whole or await self._candidate("whole", tokens, None, replica)
         if (bypass := self._bypass(token_ids, options, unsupported)) is not None:
             return self._priced(bypass, whole, wait)
         priced = self.settings.planner == "cost"
@@ -189,31 +197,41 @@ class Planner:
         return Candidate(kind, kept, cached, self.target_cost.predict(len(sent) - cached, cached), protected)
 
     async def route(self, tokens: np.ndarray, options: RequestOptions, keep: torch.Tensor | None, *,
-                    dry_run: bool = False) -> Replica:
-        """The replica where this prompt costs least now (see the module's docstring); the replicas that are up,
-        or all of them when none is."""
+                    dry_run: bool = False) -> tuple[Replica, Candidate | None]:
+        """The replica where this prompt costs least now (see the module's docstring), among the replicas that are
+        up (all of them when none is), and the whole prompt's candidate there (None: one replica, not priced)."""
         live = [r for r in self.replicas if r.up] or self.replicas
+        chosen, whole = live[0], None
         if len(live) > 1:
             n = len(tokens)
             seen = self.selections.longest_shared(tokens)
+            began_like = self._began_like(seen, n) is not None  # its context: more than a template's first tokens
             compressible = options.enabled and options.keep_rate < 1 and n >= self.settings.min_prompt_tokens
-            costs = {}
+            priced = {}
             for replica in live:
-                whole = await self._candidate("whole", tokens, None, replica)
-                least = whole.seconds
+                candidate = await self._candidate("whole", tokens, None, replica)
+                least, earlier, head_cached = candidate.seconds, None, None
+                share = candidate.cached / max(1, n)
                 if compressible:
-                    held = self._held_system(keep, whole.cached, replica)
-                    least = min(least, self._least_target(n, options, None, held, whole.cached, None))
                     if seen is not None and replica.cache is not None:
+                        earlier = seen
                         head = [i for i in seen[0].kept if i < min(seen[1], n - 1)]
-                        served = await self._candidate("extend", tokens, head, replica)
-                        least = min(least, self._least_target(n, options, seen, 0, 0, served.cached))
-                costs[replica] = replica.load.wait_s() + least
-            live = [min(live, key=lambda r: (costs[r], r.load.outstanding, r.routed))]
+                        head_cached = (await self._candidate("extend", tokens, head, replica)).cached
+                        if began_like:
+                            share = max(share, head_cached / max(1, len(head)))
+                    held = self._held_system(keep, candidate.cached, replica)
+                    least = min(least, self._least_target(n, options, earlier, held, candidate.cached, head_cached))
+                holds = share >= AFFINITY  # the prompt's context (the whole prompt, or the selection it extends)
+                priced[replica] = (replica.load.wait_s() + least, not holds, candidate)
+            # as between plans: the one that keeps more (here, of the context) wins within plan_slack of the cheapest
+            cheapest = min(cost for cost, _, _ in priced.values())
+            affordable = [r for r in live if priced[r][0] <= (1 + self.settings.plan_slack) * cheapest]
+            chosen = min(affordable, key=lambda r: (priced[r][1], priced[r][0], r.load.outstanding, r.routed))
+            whole = priced[chosen][2]
         if not dry_run:
             self._routed += 1
-            live[0].routed = self._routed
-        return live[0]
+            chosen.routed = self._routed
+        return chosen, whole
 
     @staticmethod
     def _began_like(seen: tuple[Selection, int] | None, n: int) -> tuple[Selection, int] | None:

@@ -58,10 +58,9 @@ class HealthWatch:
     routing until it is again (a replica back from a restart has an empty cache: with KV events its model
     follows, and without them the first answers correct it)."""
 
-    def __init__(self, replicas: list[Replica], interval: float, on_change=None) -> None:
+    def __init__(self, replicas: list[Replica], interval: float) -> None:
         self.replicas = replicas
         self.interval = interval
-        self.on_change = on_change  # (replica) -> None, after it went out or came back
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -82,8 +81,6 @@ class HealthWatch:
                 replica.up = True
             else:
                 replica.down("its health check failed")
-            if self.on_change is not None:
-                self.on_change(replica)
 
     @staticmethod
     async def _ready(replica: Replica) -> bool:

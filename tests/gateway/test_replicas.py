@@ -11,6 +11,7 @@ import signal
 import time
 
 import httpx
+import numpy as np
 from pydantic_settings import CliApp
 
 from common.process import free_port
@@ -58,12 +59,14 @@ def test_a_conversation_stays_with_its_context_and_cold_prompts_spread(model_pai
     a single engine that served both chats gets (the cost models, fitted on live timings, may choose another),
     every turn gets the same answer."""
     other = " ".join(reversed(LONG_DOC.split()))
-    order = [(LONG_DOC, 1), (other, 1), (LONG_DOC, 2), (other, 2), (LONG_DOC, 3), (other, 3)]
+    # the order is such that ties broken by "chosen longest ago" would send turns 2 and 3 to the wrong replica
+    order = [(LONG_DOC, 1), (other, 1), (other, 2), (LONG_DOC, 2), (LONG_DOC, 3), (other, 3)]
     with serve(engine_app(model_pair)) as one, serve(engine_app(model_pair)) as two, \
             serve(create_app(gateway_settings(model_pair, backend_url=[one, two], planner="cost"))) as gateway:
         turns = [_chat(gateway, document, n) for document, n in order]
         assert sorted(t["replica"] for t in turns[:2]) == [0, 1]
-        assert [t["replica"] for t in turns] == [t["replica"] for t in turns[:2]] * 3
+        home = {document: t["replica"] for (document, n), t in zip(order, turns) if n == 1}
+        assert [t["replica"] for t in turns] == [home[document] for document, _ in order]
         routed = _metric(gateway, "specprefill_replica_requests_total")
         assert routed == {'{replica="0"}': 3.0, '{replica="1"}': 3.0}
     with serve(engine_app(model_pair)) as alone, \
@@ -225,3 +228,31 @@ def test_data_parallel_ranks_behind_one_server_are_replicas(model_pair):
             assert front.state.ranks[1::2] == [front.state.ranks[1]] * 3
             assert [t["replica"] for t in turns] == front.state.ranks
             assert all(t["cached"] == t["engine_cached"] for t in turns) and sum(t["cached"] for t in turns) > 0
+
+
+async def test_a_turn_goes_where_its_earlier_selection_is_held_unless_the_wait_there_costs_more():
+    """Routing prices the earlier selection a next turn would extend at each replica: the one that holds it wins
+    (neither holds the whole prompt, only the kept tokens at their positions), until a wait there outweighs it."""
+    from gateway.costs import cost_models
+    from gateway.engine_cache import MemoryEngineCache
+    from gateway.engine_load import EngineLoad
+    from gateway.metrics import GatewayMetrics
+    from gateway.planner import Planner
+    from gateway.replicas import Replica
+    from gateway.scores import ScoreProvider
+    from tests.gateway.test_planner import COSTS, OPTIONS, FakeDraft, _ids
+
+    draft, metrics = FakeDraft(), GatewayMetrics()
+    draft.peaks = [5, 40, 90]
+    settings = GatewaySettings(target_model="t", draft_model="d", min_prompt_tokens=64, cost_coefficients=COSTS)
+    replicas = [Replica(i, f"r{i}", None, EngineLoad(), MemoryEngineCache(16, 1 << 20)) for i in range(2)]
+    planner = Planner(settings, draft, ScoreProvider(draft, None, metrics), metrics, (), None, cost_models(COSTS),
+                      replicas=replicas)
+    first = _ids(4000, 1)
+    await planner.completed(await planner.plan(first, OPTIONS, [], replica=replicas[1]), None, 1.0)
+    assert [await r.cache.cached_tokens(first, None) for r in replicas] == [0, 0]
+    turn = np.asarray(first + _ids(200, 2))
+    assert (await planner.route(turn, OPTIONS, None, dry_run=True))[0] is replicas[1]
+    ahead = replicas[1].load.begin(30.0)  # a 30 s prefill in line there
+    assert (await planner.route(turn, OPTIONS, None, dry_run=True))[0] is replicas[0]
+    replicas[1].load.end(ahead)
