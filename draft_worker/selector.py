@@ -63,20 +63,24 @@ def extend_selection(token_ids: Sequence[int], scores: torch.Tensor, keep_rate: 
     return head + [start + i for i in tail]
 
 
-def fill_blocks(kept: Sequence[int], boundary: int, block: int) -> list[int]:
-    """``kept`` (sorted) with the free positions nearest below ``boundary`` added until the kept tokens below it
-    fill whole blocks of ``block`` tokens; fewer than ``block`` are added, none where too few are free.
+def fill_blocks(kept: Sequence[int], boundary: int, block: int, floor: int = 0) -> list[int]:
+    """``kept`` (sorted) with the free positions nearest below ``boundary``, and at or above ``floor``, added until
+    the kept tokens below it fill whole blocks of ``block`` tokens; fewer than ``block`` are added, none where
+    too few are free.
 
     An engine's prefix cache holds whole blocks (vLLM's CPU build: 128 tokens): a later prompt that begins like
     this one up to ``boundary`` (the next user of a system prompt, the next question about a document) then
     finds every kept token before it cached, where it would otherwise read the last part-filled block anew.
+    ``floor``: past the kept tokens the engine already holds. A position added below one of them moves it, and
+    every kept token after it, to another place in the sequence the engine reads, and the engine's blocks from
+    there on no longer match.
     """
     below = bisect.bisect_left(kept, boundary)
     missing = -below % block if block > 1 and boundary > 0 else 0
     if not missing:
         return list(kept)
     taken, fill, position = set(kept[:below]), [], boundary - 1
-    while len(fill) < missing and position >= 0:
+    while len(fill) < missing and position >= floor:
         if position not in taken:
             fill.append(position)
         position -= 1

@@ -191,10 +191,16 @@ class Planner:
 
     async def _candidate(self, kind: str, tokens: np.ndarray, kept: list[int] | None, replica: Replica,
                          protected: bool = False) -> Candidate:
-        sent = tokens if kept is None else tokens[kept]
-        positions = kept if self.positional else None
-        cached = await replica.cache.cached_tokens(sent, positions) if replica.cache is not None else 0
-        return Candidate(kind, kept, cached, self.target_cost.predict(len(sent) - cached, cached), protected)
+        cached = await self._cached(tokens, kept, replica)
+        sent = len(tokens) if kept is None else len(kept)
+        return Candidate(kind, kept, cached, self.target_cost.predict(sent - cached, cached), protected)
+
+    async def _cached(self, tokens: np.ndarray, kept: list[int] | None, replica: Replica) -> int:
+        """The leading tokens of this prompt (of its ``kept`` tokens at their positions) ``replica`` holds."""
+        if replica.cache is None:
+            return 0
+        return await replica.cache.cached_tokens(tokens if kept is None else tokens[kept],
+                                                 kept if self.positional else None)
 
     async def route(self, tokens: np.ndarray, options: RequestOptions, keep: torch.Tensor | None, *,
                     dry_run: bool = False) -> tuple[Replica, Candidate | None]:
@@ -292,17 +298,21 @@ class Planner:
         config = self.draft.config
         block = replica.cache.block_size if replica.cache is not None and divergence else 1
 
-        def filled(kept: list[int]) -> list[int]:
-            return fill_blocks(kept, divergence, block) if block > 1 else kept
+        async def filled(kept: list[int]) -> list[int]:
+            if block == 1:
+                return kept
+            # what the engine holds of this selection stays where it is: filling goes after it
+            cached = await self._cached(tokens, kept, replica)
+            return fill_blocks(kept, divergence, block, floor=kept[cached - 1] + 1 if cached else 0)
 
         has_system = keep is not None and bool(keep.any())
         fresh = select_tokens(token_ids, scores, keep_rate, config, self.special_ids, keep)
-        candidates = [await self._candidate("fresh", tokens, filled(fresh), replica, protected=has_system)]
+        candidates = [await self._candidate("fresh", tokens, await filled(fresh), replica, protected=has_system)]
         plain = fresh
         if has_system:
             plain = select_tokens(token_ids, scores, keep_rate, config, self.special_ids)
             if self.settings.planner == "cost" and not held:
-                candidates.append(await self._candidate("fresh_unprotected", tokens, filled(plain), replica))
+                candidates.append(await self._candidate("fresh_unprotected", tokens, await filled(plain), replica))
         if earlier is not None:
             selection, shared = earlier
             start = min(shared, len(token_ids) - 1)
@@ -313,7 +323,7 @@ class Planner:
                                                                                 start):
                 extended = extend_selection(token_ids, scores, keep_rate, config, selection.kept, start,
                                             self.special_ids, keep if selection.protected else None)
-                candidates.append(await self._candidate("extend", tokens, filled(extended), replica,
+                candidates.append(await self._candidate("extend", tokens, await filled(extended), replica,
                                                         protected=has_system and selection.protected))
         return candidates
 

@@ -101,12 +101,16 @@ def test_fill_blocks_completes_the_block_before_the_boundary_with_the_nearest_fr
     assert fill_blocks(kept, 14, 4) == sorted(kept + [9])  # the nearest free position below 14 is 9
     assert fill_blocks([0, 1, 2, 3, 4], 5, 8) == [0, 1, 2, 3, 4]  # too few free below the boundary: unchanged
     assert fill_blocks(kept, 20, 1) == kept and fill_blocks(kept, 0, 16) == kept
+    # never below ``floor`` (past what the engine holds): 14-19 are free there, too few for 16, so nothing
+    assert fill_blocks(kept, 20, 16, floor=13) == kept
+    assert fill_blocks(kept, 20, 8, floor=13) == fill_blocks(kept, 20, 8)
     rng = random.Random(0)
     for _ in range(200):
         kept = sorted(rng.sample(range(500), rng.randrange(1, 300)))
         boundary, block = rng.randrange(1, 500), rng.choice([2, 16, 128])
-        filled = fill_blocks(kept, boundary, block)
+        floor = rng.randrange(0, boundary)
+        filled = fill_blocks(kept, boundary, block, floor)
         below = sum(i < boundary for i in filled)
         assert set(kept) <= set(filled) and filled == sorted(set(filled))
         assert below % block == 0 or filled == kept
-        assert len(filled) - len(kept) < block and all(i < boundary for i in set(filled) - set(kept))
+        assert len(filled) - len(kept) < block and all(floor <= i < boundary for i in set(filled) - set(kept))

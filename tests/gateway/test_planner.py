@@ -347,6 +347,25 @@ async def test_kept_tokens_fill_whole_engine_blocks_up_to_where_the_next_user_le
     assert second.kept_tokens - second.engine_cached <= 40  # the question alone is read anew
 
 
+async def test_filling_blocks_never_moves_tokens_the_engine_already_holds():
+    """The same document with another question: the next plan extends the first one's selection and fills the
+    kept tokens below where the questions part to whole engine blocks. The document's last chunks, next to the
+    question, score high and are kept, so the nearest free positions lie before them: filled there, they moved
+    every kept token after them and the engine re-read those blocks (in a Poisson run, 2,048 of ~2,400 kept
+    tokens reused; the rest read anew). Fill goes only after what the engine holds."""
+    planner, draft = _planner()
+    planner.engine_cache = MemoryEngineCache(64, 1 << 20)
+    document = _ids(3000, 21)
+    draft.peaks = [186, 187]  # the document's last whole chunks (2976-3007 and on): kept
+    first = await planner.plan(document + _ids(40, 22), OPTIONS, [])
+    assert first.kind == "fresh"
+    await planner.completed(first, None, 1.0)
+    second = await planner.plan(document + _ids(40, 23), OPTIONS, [])
+    head = [i for i in first.kept_indices if i < 3000]
+    assert second.kind == "extend" and second.kept_indices[: len(head)] == head
+    assert second.engine_cached >= len(head) // 64 * 64
+
+
 def test_where_the_next_request_leaves_follows_how_this_one_left_the_last():
     from gateway.selections import Selection
 
