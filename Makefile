@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 REDIS_URL  ?= redis://127.0.0.1:6379/0
 
-.PHONY: serve test install redis browser bench loadtest clean
+.PHONY: serve test install redis browser bench loadtest docs docs-serve clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,13 @@ browser:
 test: $(VENV)/.installed redis browser
 	SPECPREFILL_TEST_REDIS_URL="$(REDIS_URL)" $(BIN)/python -m pytest
 
+# the documentation site (MkDocs, Material); the reference pages are generated from the code at each build
+docs: $(VENV)/.installed
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
+docs-serve: $(VENV)/.installed
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve --dev-addr 127.0.0.1:8001
+
 bench: $(VENV)/.installed
 	$(BIN)/python benchmarks/bench_scorer.py
 
@@ -38,4 +45,4 @@ loadtest: $(VENV)/.installed
 	$(BIN)/python benchmarks/loadtest.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache site

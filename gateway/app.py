@@ -66,17 +66,20 @@ def create_app(settings: GatewaySettings | None = None, *, draft: DraftClient | 
     @app.post("/v1/chat/completions", dependencies=auth)
     @with_cancellation
     async def chat_completions(request: ChatCompletionRequest, raw_request: Request) -> Response:
+        """OpenAI Chat Completions, streamed or not; long prompts compressed (``x-keep-rate``, ``x-specprefill``)."""
         return await _respond("chat", raw_request, raw_request.app.state.chat(request, raw_request.headers))
 
     @app.post("/v1/completions", dependencies=auth)
     @with_cancellation
     async def completions(request: CompletionRequest, raw_request: Request) -> Response:
+        """OpenAI Completions (a text or token-ID prompt), streamed or not; compressed like chat."""
         return await _respond("completions", raw_request,
                               raw_request.app.state.completions(request, raw_request.headers))
 
     @app.post("/v1/responses", dependencies=auth)
     @with_cancellation
     async def responses(request: ResponsesRequest, raw_request: Request) -> Response:
+        """OpenAI Responses (``instructions`` + ``input``), streamed or not; compressed like chat."""
         return await _respond("responses", raw_request, raw_request.app.state.responses(request, raw_request.headers),
                               named=True)
 
@@ -85,36 +88,44 @@ def create_app(settings: GatewaySettings | None = None, *, draft: DraftClient | 
     @messages_api.post("/v1/messages")
     @with_cancellation
     async def messages(request: anthropic.MessagesRequest, raw_request: Request) -> Response:
-        """Anthropic's Messages API (its error shape on these routes)."""
+        """Anthropic's Messages API, streamed or not; compressed like chat; errors in Anthropic's shape."""
         return await _respond("messages", raw_request, raw_request.app.state.messages(request, raw_request.headers),
                               named=True, error_shape=anthropic.error_body)
 
     @messages_api.post("/v1/messages/count_tokens")
     async def count_tokens(request: anthropic.Conversation, raw_request: Request) -> JSONResponse:
+        """Anthropic's token count of a Messages request, as the target's tokenizer renders it."""
         return JSONResponse(anthropic.count_tokens_body(raw_request.app.state.messages.count_tokens(request)))
 
     app.include_router(messages_api)
 
     @app.post("/v1/specprefill/compress", dependencies=auth)
     async def compress(body: dict, raw_request: Request, return_scores: bool = False) -> JSONResponse:
+        """A dry run: what a chat or completion body would send to the backend (kept token IDs and their
+        positions; ``return_scores``: every token's score too), without calling it."""
         return JSONResponse(await raw_request.app.state.dry_run.compress(body, raw_request.headers, return_scores))
 
     @app.post("/v1/specprefill/inspect", dependencies=auth)
     async def inspect_data(body: dict, raw_request: Request) -> JSONResponse:
+        """The inspector's data for a prompt: tokens, scores, and the kept tokens at each keep rate."""
         return JSONResponse(await raw_request.app.state.dry_run.inspect(body, raw_request.headers))
 
     @app.get("/specprefill/inspect", dependencies=[Depends(_api_key_checker(settings, browser=True))])
     async def inspect_page() -> HTMLResponse:
+        """The inspector: a page showing which tokens the target reads (``?prompt=TEXT&keep_rate=F``)."""
         return HTMLResponse(page(), headers={"cache-control": "no-store"})
 
     @app.get("/v1/models", dependencies=auth)
     async def models(raw_request: Request) -> JSONResponse:
+        """The served model (``--served-model-name``)."""
         serving: GatewayServing = raw_request.app.state.serving
         data = [{"id": serving.model_name, "object": "model", "created": int(time.time()), "owned_by": "specprefill"}]
         return JSONResponse({"object": "list", "data": data})
 
     @app.get("/health")
     async def health(raw_request: Request) -> JSONResponse:
+        """``ok``, or ``degraded`` while the draft or a backend replica is not ready (503 while draining);
+        needs no key."""
         serving: GatewayServing = raw_request.app.state.serving
         draft_ready = await serving.draft.ready()
         ready = await asyncio.gather(*(r.backend.ready() for r in serving.replicas))
@@ -130,6 +141,7 @@ def create_app(settings: GatewaySettings | None = None, *, draft: DraftClient | 
 
     @app.get("/metrics", dependencies=[] if settings.metrics_public else auth)
     async def prometheus() -> Response:
+        """Prometheus metrics (the key unless ``--metrics-public``)."""
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app

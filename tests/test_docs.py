@@ -1,0 +1,83 @@
+"""The documentation: the site builds strictly, the reference pages cover the code, the README stays short, its
+links resolve and its quickstart runs against a live gateway."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+
+from gateway.app import create_app
+from gateway.settings import GatewaySettings
+from specprefill import reference
+from tests.helpers import gateway_settings, serve
+
+ROOT = Path(__file__).resolve().parents[1]
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def test_the_site_builds_strictly_with_every_page_and_the_generated_reference(tmp_path):
+    site = tmp_path / "site"
+    result = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "WARNING" not in result.stderr, result.stderr[-4000:]
+    built = (site / "reference" / "settings" / "index.html").read_text()
+    assert "SPECPREFILL_BACKEND_URL" in built and "<!-- reference:" not in built
+    assert "specprefill_requests_total" in (site / "reference" / "metrics" / "index.html").read_text()
+
+
+def test_every_flag_setting_and_metric_in_the_code_is_in_the_reference(gateway_url, engine_backend):
+    cli = reference.cli()
+    for command, actions in reference.cli_options().items():
+        assert f"## `specprefill {command}`" in cli
+        for action in actions:
+            assert f"`{action.option_strings[0]}`" in cli, (command, action.option_strings)
+    settings = reference.settings()
+    for name in GatewaySettings.model_fields:
+        assert f"`--{name.replace('_', '-')}` | `SPECPREFILL_{name.upper()}`" in settings, name
+    # what live servers export, the gateway's and the engine's, is what the page lists
+    metrics = reference.metrics()
+    for url in (gateway_url, engine_backend[0]):
+        text = httpx.get(f"{url}/metrics", timeout=30).text
+        for name in re.findall(r"^# TYPE (specprefill_\S+) ", text, re.MULTILINE):  # counters: ..._total
+            if not name.endswith("_created"):  # prometheus_client's creation times, beside each metric
+                assert f"`{name}`" in metrics, name
+    http = reference.http()
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/health", "/metrics",
+                 "/v1/specprefill/compress"):
+        assert f"`{path}`" in http, path
+
+
+def test_the_readme_is_short_and_its_links_resolve():
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 200
+    for target in LINK.findall(readme):
+        if target.startswith(("http://", "https://", "#")):
+            continue
+        assert (ROOT / target.split("#")[0]).exists(), target
+    # one link from the README to each of the two things a new user comes for
+    assert "(docs/deploying/vllm.md)" in readme and "(docs/results/quality.md)" in readme
+
+
+def test_the_readme_quickstart_runs_against_a_live_gateway(model_pair, tmp_path, monkeypatch):
+    readme = (ROOT / "README.md").read_text()
+    example = re.search(r"```python\n(.*?)```", readme, re.DOTALL).group(1)
+    assert 'base_url="http://127.0.0.1:8000/v1"' in example
+    settings = gateway_settings(model_pair, served_model_name="specprefill-demo")
+    words = " ".join(f"Sentence {i} says the number {i * 7 % 101}." for i in range(80))
+    (tmp_path / "long_document.txt").write_text(words)
+    monkeypatch.chdir(tmp_path)
+    out = io.StringIO()
+    with serve(create_app(settings)) as url, contextlib.redirect_stdout(out):
+        exec(compile(example.replace("http://127.0.0.1:8000/v1", f"{url}/v1"), "README.md", "exec"), {})
+    first = out.getvalue().splitlines()[0].split()
+    assert first[0] == "compressed" and int(first[1]) < int(first[3]), out.getvalue()
+
