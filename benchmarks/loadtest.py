@@ -1,6 +1,7 @@
 """Load test: N concurrent streaming clients on loopback for a fixed time, gateway vs the same backend direct.
 
     .venv/bin/python benchmarks/loadtest.py [--concurrency 200] [--duration 20]     (or: make loadtest)
+    .venv/bin/python benchmarks/loadtest.py --concurrency 100 --rounds 5 --pause 60   (rounds that must agree)
 
 The backend answers at once (benchmarks/fast_backend.py), so the numbers are the gateway's own cost.
 Prompts are short (they bypass compression: the gateway tokenizes, renders the chat template and
@@ -82,6 +83,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--concurrency", type=int, default=200)
     parser.add_argument("--duration", type=float, default=20.0)
+    parser.add_argument("--rounds", type=int, default=1, help="loaded rounds per path against the same servers, "
+                        "alternating direct and gateway; the spread of their requests/s is printed")
+    parser.add_argument("--pause", type=float, default=0.0, help="seconds between rounds")
     args = parser.parse_args()
     from specprefill.lab.demo_models import ensure_demo_models
 
@@ -103,9 +107,15 @@ def main() -> None:
         for name, url, model in (("sequential direct", backend_url, "fast"), ("sequential gateway", gateway_url, "demo")):
             results[name] = asyncio.run(load(url, model, 1, min(args.duration, 10.0)))
         rss_peak = rss_before
-        for name, url, model in (("direct", backend_url, "fast"), ("gateway", gateway_url, "demo")):
-            results[name] = asyncio.run(load(url, model, args.concurrency, args.duration))
-            rss_peak = max(rss_peak, _rss_mib(gateway.pid))
+        rounds: dict[str, list[float]] = {"direct": [], "gateway": []}
+        for index in range(args.rounds):
+            if index and args.pause:
+                time.sleep(args.pause)
+            for name, url, model in (("direct", backend_url, "fast"), ("gateway", gateway_url, "demo")):
+                label = name if args.rounds == 1 else f"{name} {index + 1}"
+                results[label] = asyncio.run(load(url, model, args.concurrency, args.duration))
+                rounds[name].append(results[label]["rps"])
+                rss_peak = max(rss_peak, _rss_mib(gateway.pid))
         time.sleep(3)
         rss_after = _rss_mib(gateway.pid)
     finally:
@@ -122,8 +132,12 @@ def main() -> None:
         if r["error_reasons"]:
             print(f"{name} errors: {r['error_reasons']}")
     seq = results["sequential gateway"]["p50_ms"] - results["sequential direct"]["p50_ms"]
-    loaded = results["gateway"]["p50_ms"] - results["direct"]["p50_ms"]
+    last = "" if args.rounds == 1 else f" {args.rounds}"
+    loaded = results["gateway" + last]["p50_ms"] - results["direct" + last]["p50_ms"]
     print(f"\ngateway p50 TTFT overhead: {seq:.2f} ms with one client, {loaded:.1f} ms with {args.concurrency}")
+    if args.rounds > 1:
+        for name, rps in rounds.items():
+            print(f"{name} rounds: {', '.join(f'{r:.0f}' for r in rps)} req/s; max/min {max(rps) / min(rps):.2f}")
     print(f"gateway resident memory: {rss_before:.0f} MiB before, {rss_peak:.0f} MiB at peak, "
           f"{rss_after:.0f} MiB 3 s after the load")
 

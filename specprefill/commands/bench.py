@@ -79,6 +79,13 @@ class Bench(BaseSettings):
                                                    "prefix (prefix affinity, as SGLang's cache-aware router)")
     pair: str | None = Field(None, description="launched servers: a folder with draft/ and target/ (as "
                                                "`specprefill demo-models` writes; default: the demo pair)")
+    chaos: bool = Field(False, description="faults under load instead: Redis, the engine, a draft worker, a stalled "
+                        "engine, refused swaps, several at once, then a SIGTERM, all on loopback (chaos.json)")
+    chaos_fault_s: float = Field(8.0, description="chaos: seconds each part stays broken")
+    chaos_calm_s: float = Field(10.0, description="chaos: seconds of steady load first and after each recovery")
+    chaos_rate: float = Field(2.0, description="chaos: requests per second")
+    chaos_soak_s: float = Field(0.0, description="chaos: a soak of this many seconds instead (no faults; the "
+                                "gateway's resident memory and open file descriptors sampled every 10 s)")
 
     def cli_cmd(self) -> None:
         raise SystemExit(run_bench(self))
@@ -90,6 +97,8 @@ def run_bench(options: Bench) -> int:
         return 2
     out = Path(options.out)
     out.mkdir(parents=True, exist_ok=True)
+    if options.chaos:
+        return _run_chaos(options, out)
     if options.base_url is not None:
         urls = (options.base_url.rstrip("/"), options.backend_url.rstrip("/"))
         context = contextlib.nullcontext(Stack(*urls, list(urls)))
@@ -338,3 +347,22 @@ def _pair_description(pair: str | None) -> dict:
     info = json.loads((folder / "demo.json").read_text()) if (folder / "demo.json").exists() else {}
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"cpu ({torch.get_num_threads()} threads)"
     return {"folder": str(folder), **info, "device": device}
+
+
+def _run_chaos(options: Bench, out: Path) -> int:
+    import asyncio
+
+    from specprefill.lab.chaos import FAULTS, format_chaos, run_chaos
+    from specprefill.lab.demo_models import ensure_demo_models
+
+    root = Path(options.pair) if options.pair else ensure_demo_models()
+    soak = options.chaos_soak_s > 0
+    report = asyncio.run(run_chaos(root, out, fault_s=options.chaos_fault_s, rate=options.chaos_rate,
+                                   calm_s=options.chaos_soak_s if soak else options.chaos_calm_s,
+                                   faults=() if soak else FAULTS))
+    summary = report.summary()
+    print(format_chaos(summary))
+    if soak:  # flat after the first 5 minutes (a twelfth of a shorter soak)
+        print(f"soak: {report.growth(min(300.0, options.chaos_soak_s / 12))}")
+    print(f"wrote {out / 'chaos.json'}")
+    return 0 if summary["lost"] == 0 and not summary["wrong_answers"] and not summary["unshaped_errors"] else 1

@@ -1,0 +1,509 @@
+"""Faults under load: ``specprefill bench --chaos``.
+
+A gateway (cost planner, warming, the engine-cache model in Redis, two remote draft workers) in front of a
+reference engine, every part its own process on loopback, serves a steady mixed load (long prompts over a few
+shared documents and new ones, short chats; chat streamed and not, completions, Responses) while a schedule
+breaks one part at a time and then several together:
+
+  redis     Redis killed, then started again (empty)
+  engine    the engine killed, then started again on its port (its prefix cache empty)
+  draft     one of the two draft workers killed, then started again
+  stall     the engine stopped (SIGSTOP) and continued: slow but alive
+  swap      the engine refuses every swap, as one whose chat template changed would (a fault proxy answers the
+            mismatch 400 in its place)
+  together  Redis and a draft worker killed and the engine stopped, all at once
+and at the end a SIGTERM to the gateway while it serves (and warms).
+
+Between the gateway and the engine sits a recording proxy (``FaultProxy``). Per request: the status, whether an
+error had OpenAI's shape, the plan, the latency. Lost: a request that got neither an answer nor an error. After
+the run, every greedy answer the engine gave through the proxy is asked again of a fresh, undisturbed engine with
+the same body (the same kept tokens at the same positions): a different answer counts as wrong; so does a
+client's answer that differs from what the engine gave. Per fault: the 5xx by cause, and the seconds from the
+part's return to the first request compressed again. The cost models' coefficients before and after.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+
+from common.process import free_port, quiet_openmp, wait_healthy
+from common.swap import KEPT_KEY, MISMATCH_CODE, SWAP_PARAM
+from specprefill.lab.bench import parse_server_timing, predicted_cached
+from specprefill.lab.demo_models import synthetic_corpus
+from specprefill.lab.launch import CLI
+
+FAULTS = ("redis", "engine", "draft", "stall", "swap", "together")
+COEFFICIENT = re.compile(r'^specprefill_cost_coefficient\{model="(\w+)",term="(\w+)"\} (\S+)$', re.MULTILINE)
+
+
+class Part:
+    """One process of the stack on a fixed port: killed, started again there, stopped and continued."""
+
+    def __init__(self, name: str, args: list[str], health: str | None) -> None:
+        self.name, self.args, self.health = name, args, health
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        self.process = subprocess.Popen(self.args, env=quiet_openmp(), stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.DEVNULL)
+        if self.health:
+            wait_healthy(self.health, self.process, timeout=300)
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+    def signal(self, sig: int) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(sig)
+
+
+class FaultProxy:
+    """Forwards everything to the engine; answers swaps with the engine's mismatch 400 while ``refuse_swaps``;
+    records each greedy non-streamed answer with the body that asked for it."""
+
+    def __init__(self, engine_url: str) -> None:
+        self.engine_url = engine_url
+        self.refuse_swaps = False
+        self.answers: list[tuple[str, dict, str]] = []  # (path, body, answer text)
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(120.0), limits=httpx.Limits(max_connections=256))
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        path = scope["path"] + (f"?{scope['query_string'].decode()}" if scope["query_string"] else "")
+        parsed = _json(body) if scope["method"] == "POST" else None
+        if self.refuse_swaps and parsed and (parsed.get("vllm_xargs") or {}).get(KEPT_KEY) is not None:
+            error = {"error": {"message": "kept token 1 at position 0 differs from the rendered prompt's token 2",
+                               "type": "invalid_request_error", "param": SWAP_PARAM, "code": MISMATCH_CODE}}
+            await _send(send, 400, [(b"content-type", b"application/json")], json.dumps(error).encode())
+            return
+        headers = [(k, v) for k, v in scope["headers"] if k not in (b"host", b"content-length")]
+        try:
+            request = self.client.build_request(scope["method"], self.engine_url + path, content=body,
+                                                headers=[(k.decode(), v.decode()) for k, v in headers])
+            response = await self.client.send(request, stream=True)
+        except httpx.HTTPError:
+            await _send(send, 502, [(b"content-type", b"application/json")],
+                        b'{"error": {"message": "engine unreachable", "type": "api_error"}}')
+            return
+        out = [(k.encode(), v.encode()) for k, v in response.headers.items()
+               if k.lower() not in ("content-length", "transfer-encoding", "connection")]
+        await send({"type": "http.response.start", "status": response.status_code, "headers": out})
+        chunks = []
+        try:
+            async for chunk in response.aiter_raw():
+                chunks.append(chunk)
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except httpx.HTTPError:
+            pass  # the engine went away mid-answer: the gateway sees the stream end early
+        finally:
+            await response.aclose()
+        await send({"type": "http.response.body", "body": b""})
+        if parsed and response.status_code == 200 and not parsed.get("stream") and parsed.get("temperature") == 0:
+            if (text := _answer_text(_json(b"".join(chunks)))) is not None:
+                self.answers.append((scope["path"], parsed, text))
+
+
+@dataclass
+class ChaosSample:
+    number: int
+    phase: str
+    api: str
+    stream: bool
+    long: bool
+    sent_s: float
+    status: int | None = None  # None: lost (neither an answer nor an error)
+    seconds: float = 0.0
+    shaped: bool = True  # an error in OpenAI's shape with a message
+    cause: str = ""
+    specprefill: str = ""  # compressed or bypassed
+    reason: str = ""
+    answer: str | None = None
+    user: str = ""
+    context: str = ""  # the shared document it asks about, if any
+    predicted_cached: int | None = None  # prompt tokens the plan expected the engine to hold (Server-Timing)
+    reported_cached: int | None = None  # prompt tokens the engine said it served from its cache (usage)
+    predicted_ms: float | None = None  # the plan's backend time, predicted and measured (Server-Timing)
+    backend_ms: float | None = None
+
+
+@dataclass
+class ChaosReport:
+    samples: list[ChaosSample]
+    faults: list[dict]
+    coefficients_before: dict[str, float]
+    coefficients_after: dict[str, float]
+    answers_checked: int = 0
+    wrong_answers: list[dict] = field(default_factory=list)
+    sigterm: dict = field(default_factory=dict)
+    resources: list[tuple[float, float, int]] = field(default_factory=list)  # (seconds, gateway RSS MiB, fds)
+
+    def growth(self, warm_up_s: float) -> dict[str, float] | None:
+        """Resident memory and open file descriptors at the end over their values once ``warm_up_s`` passed."""
+        after = [r for r in self.resources if r[0] >= warm_up_s]
+        if len(after) < 2:
+            return None
+        return {"rss_mib": [after[0][1], after[-1][1]], "fds": [after[0][2], after[-1][2]],
+                "rss_growth": round(after[-1][1] / after[0][1], 3), "fd_growth": round(after[-1][2] / after[0][2], 3)}
+
+    def restart_mispredicted(self) -> int:
+        """After the engine came back empty: requests whose plan mispredicted the engine's cache, past the first
+        request of each shared document (which finds the gateway's model stale, and corrects it)."""
+        after = sorted((s for s in self.samples if s.phase == "after engine" and s.context
+                        and s.predicted_cached is not None and s.reported_cached is not None),
+                       key=lambda s: s.sent_s)
+        seen, wrong = set(), 0
+        for sample in after:
+            if sample.context in seen and sample.predicted_cached != sample.reported_cached:
+                wrong += 1
+            seen.add(sample.context)
+        return wrong
+
+    def predicted_within_2x(self) -> dict[str, float]:
+        """The share of compressed answers whose predicted backend time was within 2x of the measured one, before
+        the first fault and in the calm after each: the cost models must come out of a fault unpoisoned."""
+        out = {}
+        for phase in ("calm", *(f"after {fault}" for fault in FAULTS)):
+            timed = [s for s in self.samples if s.phase == phase and s.specprefill == "compressed"
+                     and s.predicted_ms and s.backend_ms]
+            if timed:
+                out[phase] = round(sum(1 for s in timed if 0.5 <= s.predicted_ms / s.backend_ms <= 2)
+                                   / len(timed), 2)
+        return out
+
+    def summary(self) -> dict:
+        lost = [s for s in self.samples if s.status is None]
+        errors = Counter(f"{s.phase}: {s.status} {s.cause}" for s in self.samples if s.status and s.status >= 500)
+        return {"requests": len(self.samples), "lost": len(lost), "wrong_answers": len(self.wrong_answers),
+                "engine_answers_checked": self.answers_checked,
+                "statuses": dict(Counter(str(s.status) for s in self.samples)),
+                "restart_mispredicted": self.restart_mispredicted(),
+                "predicted_within_2x": self.predicted_within_2x(),
+                "unshaped_errors": sum(1 for s in self.samples if s.status and s.status >= 400 and not s.shaped),
+                "compressed": sum(1 for s in self.samples if s.specprefill == "compressed"),
+                "errors_5xx": dict(errors), "faults": self.faults, "sigterm": self.sigterm,
+                "resources": self.resources[-1:] and {"first": self.resources[0], "last": self.resources[-1]},
+                "coefficients_before": self.coefficients_before, "coefficients_after": self.coefficients_after}
+
+
+async def run_chaos(root: Path, out: Path, *, fault_s: float = 8.0, calm_s: float = 10.0, rate: float = 2.0,
+                    tokens: int = 1500, seed: int = 0, faults: tuple[str, ...] = FAULTS,
+                    sample_s: float = 10.0) -> ChaosReport:
+    """The whole run; the demo pair at ``root``. ``fault_s``: how long each part stays broken; ``calm_s``: the
+    steady load before the first fault and after each recovery; ``rate``: requests per second. Without
+    ``faults``, a soak: ``calm_s`` of steady load, the gateway's resident memory and open file descriptors read
+    every ``sample_s``."""
+    redis_server = shutil.which("redis-server")
+    if redis_server is None:
+        raise RuntimeError("the chaos run needs redis-server on PATH (Debian: apt-get install redis-server)")
+    ports = {name: free_port() for name in ("redis", "engine", "proxy", "gateway", "draft0", "draft1", "oracle")}
+    url = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
+    model = ["--device", "cpu"]
+    parts = {
+        "redis": Part("redis", [redis_server, "--port", str(ports["redis"]), "--save", "", "--appendonly", "no"],
+                      None),
+        "engine": Part("engine", CLI + ["engine", "--port", str(ports["engine"]), "--model", str(root / "target"),
+                                        "--log-level", "warning", *model], url["engine"]),
+        **{f"draft{i}": Part(f"draft{i}", CLI + ["draft-worker", "--port", str(ports[f"draft{i}"]), "--model",
+                                                 str(root / "draft"), "--log-level", "warning", *model],
+                             url[f"draft{i}"]) for i in range(2)},
+    }
+    gateway = Part("gateway", CLI + [
+        "serve", "--port", str(ports["gateway"]), "--backend-url", url["proxy"], "--backend-kind", "reference",
+        "--target-model", str(root / "target"), "--draft-model", str(root / "draft"), "--draft-worker-url",
+        f"{url['draft0']},{url['draft1']}", "--redis-url", f"redis://127.0.0.1:{ports['redis']}/0",
+        "--served-model-name", "chaos", "--min-prompt-tokens", "512", "--log-level", "warning",
+        "--drain-timeout", "30", *model], None)
+    proxy = FaultProxy(url["engine"])
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(proxy, host="127.0.0.1", port=ports["proxy"], log_level="error"))
+    proxy_task = asyncio.ensure_future(server.serve())
+    for part in parts.values():
+        await asyncio.to_thread(part.start)
+    await asyncio.to_thread(gateway.start)
+    await asyncio.to_thread(wait_healthy, url["gateway"], gateway.process, 300)
+    bodies = _bodies(tokens, seed)
+    samples: list[ChaosSample] = []
+    broken: list[dict] = []
+    resources: list[tuple[float, float, int]] = []
+    tasks: list[asyncio.Task] = []
+    phase = "calm"
+    start = time.perf_counter()
+    rng = random.Random(seed)
+    try:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(120.0), limits=httpx.Limits(max_connections=256)) as client:
+            before = await _coefficients(client, url["gateway"])
+
+            async def traffic(until: float) -> None:
+                while time.perf_counter() < until:
+                    number = len(samples)
+                    api, stream, long, body, context = bodies[number % len(bodies)]
+                    sample = ChaosSample(number, phase, api, stream, long, time.perf_counter() - start,
+                                         user=f"chaos-{number}", context=context)
+                    samples.append(sample)
+                    tasks.append(asyncio.ensure_future(_request(client, url["gateway"], sample, body)))
+                    await asyncio.sleep(rng.expovariate(rate))
+
+            async def hold(name: str, seconds: float) -> None:
+                nonlocal phase
+                phase = name
+                await traffic(time.perf_counter() + seconds)
+
+            async def watch() -> None:
+                while True:
+                    resources.append((round(time.perf_counter() - start, 1), *_resources(gateway.process.pid)))
+                    await asyncio.sleep(sample_s)
+
+            watcher = asyncio.ensure_future(watch())
+            await hold("calm", calm_s)
+            for fault in faults:
+                broken_at = time.perf_counter() - start
+                await asyncio.to_thread(_break, fault, parts, proxy)
+                await hold(fault, fault_s)
+                await asyncio.to_thread(_restore, fault, parts, proxy)
+                returned = time.perf_counter() - start
+                broken.append({"fault": fault, "broken_s": round(broken_at, 2), "returned_s": round(returned, 2)})
+                await hold(f"after {fault}", calm_s)
+            await asyncio.gather(*tasks)
+            watcher.cancel()
+            after = await _coefficients(client, url["gateway"])
+            # a SIGTERM while requests are in flight: they finish, later ones get 503, nothing is lost
+            phase = "sigterm"
+            terms = [ChaosSample(len(samples) + i, "sigterm", *bodies[i][:3], time.perf_counter() - start,
+                                 user=f"chaos-{len(samples) + i}") for i in range(8)]
+            samples.extend(terms)
+            in_flight = [asyncio.ensure_future(_request(client, url["gateway"], s, bodies[i][3]))
+                         for i, s in enumerate(terms)]
+            await asyncio.sleep(0.3)
+            gateway.signal(signal.SIGTERM)
+            await asyncio.sleep(0.3)
+            refused = ChaosSample(-1, "sigterm", "chat", False, False, time.perf_counter() - start)
+            await _request(client, url["gateway"], refused, bodies[-1][3])
+            finished = await asyncio.gather(*in_flight)
+    finally:
+        for part in (gateway, *parts.values()):
+            part.signal(signal.SIGCONT)
+            part.kill()
+        server.should_exit = True
+        await proxy_task
+        await proxy.client.aclose()
+    for fault in broken:  # the first request compressed again after the part's return
+        back = [s.sent_s for s in samples if s.sent_s >= fault["returned_s"] and s.specprefill == "compressed"]
+        fault["compressing_again_after_s"] = round(min(back) - fault["returned_s"], 2) if back else None
+    report = ChaosReport(samples, broken, before, after, resources=resources,
+                         sigterm={"sent_around_the_signal": len(finished),
+                                  "statuses": dict(Counter(str(s.status) for s in finished)),
+                                  "sent_after_the_signal": refused.status})
+    await _check_answers(report, proxy, root, ports["oracle"])
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "chaos.json").write_text(json.dumps({"summary": report.summary(),
+                                                "samples": [asdict(s) for s in samples]}, indent=1))
+    return report
+
+
+def _break(fault: str, parts: dict[str, Part], proxy: FaultProxy) -> None:
+    if fault in ("redis", "together"):
+        parts["redis"].kill()
+    if fault == "engine":
+        parts["engine"].kill()
+    if fault in ("draft", "together"):
+        parts["draft0"].kill()
+    if fault in ("stall", "together"):
+        parts["engine"].signal(signal.SIGSTOP)
+    if fault == "swap":
+        proxy.refuse_swaps = True
+
+
+def _restore(fault: str, parts: dict[str, Part], proxy: FaultProxy) -> None:
+    if fault in ("redis", "together"):
+        parts["redis"].start()
+    if fault == "engine":
+        parts["engine"].start()
+    if fault in ("draft", "together"):
+        parts["draft0"].start()
+    if fault in ("stall", "together"):
+        parts["engine"].signal(signal.SIGCONT)
+    if fault == "swap":
+        proxy.refuse_swaps = False
+
+
+async def _request(client: httpx.AsyncClient, gateway: str, sample: ChaosSample, body: dict) -> ChaosSample:
+    path = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "responses": "/v1/responses"}[sample.api]
+    body = {**body, "user": sample.user}  # the engine gets the client's body: its answers are matched by it
+    start = time.perf_counter()
+    try:
+        if sample.stream:
+            text, status, headers, error = "", None, None, None
+            async with client.stream("POST", gateway + path, json={**body, "stream": True}) as response:
+                status, headers = response.status_code, response.headers
+                if status != 200:
+                    error = _json(await response.aread())
+                else:
+                    async for line in response.aiter_lines():
+                        if line.startswith("data: {"):
+                            event = json.loads(line[6:])
+                            if "error" in event:
+                                error = event
+                            text += "".join((c.get("delta") or {}).get("content") or c.get("text") or ""
+                                            for c in event.get("choices") or [])
+            sample.status = 500 if error and status == 200 else status
+        else:
+            response = await client.post(gateway + path, json=body)
+            sample.status, headers = response.status_code, response.headers
+            error = _json(response.content) if response.status_code != 200 else None
+            text = _answer_text(_json(response.content)) if response.status_code == 200 else None
+    except httpx.HTTPError as exc:
+        sample.cause = type(exc).__name__  # status stays None: lost
+        sample.seconds = time.perf_counter() - start
+        return sample
+    sample.seconds = time.perf_counter() - start
+    sample.specprefill = headers.get("x-specprefill-status", "") if headers else ""
+    sample.reason = headers.get("x-specprefill-reason", "") if headers else ""
+    sample.answer = text if sample.status == 200 else None
+    sample.predicted_cached = predicted_cached(headers.get("server-timing")) if headers else None
+    timing = parse_server_timing(headers.get("server-timing")) if headers else {}
+    sample.predicted_ms, sample.backend_ms = timing.get("predicted"), timing.get("backend")
+    if not sample.stream and sample.status == 200:
+        usage = (_json(response.content) or {}).get("usage") or {}
+        details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details") or {}
+        sample.reported_cached = details.get("cached_tokens")
+    if error is not None:
+        shaped = isinstance(error, dict) and isinstance(error.get("error"), dict) and bool(error["error"].get("message"))
+        sample.shaped = shaped
+        sample.cause = (error.get("error") or {}).get("code") or (error.get("error") or {}).get("type") or "?" \
+            if shaped else "unshaped"
+    return sample
+
+
+async def _check_answers(report: ChaosReport, proxy: FaultProxy, root: Path, port: int) -> None:
+    """Every greedy answer the engine gave under chaos, asked again of a fresh engine; and what each client got
+    against what the engine gave."""
+    oracle = Part("oracle", CLI + ["engine", "--port", str(port), "--model", str(root / "target"), "--log-level",
+                                   "warning", "--device", "cpu"], f"http://127.0.0.1:{port}")
+    await asyncio.to_thread(oracle.start)
+    by_user = {s.user: s for s in report.samples}
+    try:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(120.0)) as client:
+            for path, body, text in proxy.answers:
+                expected = _answer_text((await client.post(oracle.health.removesuffix("/health") + path,
+                                                           json=body)).json())
+                report.answers_checked += 1
+                user = body.get("user")
+                got = by_user[user].answer if user in by_user else text
+                if expected != text or got != text:
+                    report.wrong_answers.append({"user": user, "engine": text, "client": got, "oracle": expected})
+    finally:
+        oracle.kill()
+
+
+def _resources(pid: int) -> tuple[float, int]:
+    """A process's resident memory (MiB) and open file descriptors."""
+    rss = next((int(line.split()[1]) / 1024 for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                if line.startswith("VmRSS:")), float("nan"))
+    return round(rss, 1), len(os.listdir(f"/proc/{pid}/fd"))
+
+
+async def _coefficients(client: httpx.AsyncClient, gateway: str) -> dict[str, float]:
+    text = (await client.get(f"{gateway}/metrics")).text
+    return {f"{model}.{term}": float(value) for model, term, value in COEFFICIENT.findall(text)}
+
+
+def _bodies(tokens: int, seed: int) -> list[tuple[str, bool, bool, dict, str]]:
+    """The load's requests, in a shuffled cycle: (api, streamed, long, body, shared document), greedy, a few
+    tokens each."""
+    rng = random.Random(seed)
+    sentences = synthetic_corpus(seed=seed + 11, n_sentences=4000)
+
+    def text(words: int) -> str:
+        start = rng.randrange(len(sentences) - 400)
+        out, n = [], 0
+        for sentence in sentences[start:]:
+            out.append(sentence)
+            n += len(sentence.split())
+            if n >= words:
+                break
+        return " ".join(out)
+
+    shared = [text(int(tokens * 0.7)) for _ in range(2)]
+    bodies = []
+    for i in range(24):
+        long = i % 4 != 3
+        context = f"document {i % 2}" if long and i % 3 else ""
+        document = (shared[i % 2] if context else text(int(tokens * 0.7))) if long else text(60)
+        question = f"\n\nQuestion {i}: which number comes after sentence {i}?"
+        api = ("chat", "chat", "completions", "responses")[i % 4] if long else "chat"
+        stream = api == "chat" and i % 2 == 0
+        common = {"model": "chaos", "max_tokens": 4, "temperature": 0}
+        if api == "chat":
+            body = {**common, "messages": [{"role": "user", "content": document + question}]}
+        elif api == "completions":
+            body = {**common, "prompt": document + question}
+        else:
+            body = {"model": "chaos", "input": document + question, "max_output_tokens": 4, "temperature": 0}
+        bodies.append((api, stream, long, body, context))
+    rng.shuffle(bodies)
+    return bodies
+
+
+def _answer_text(body) -> str | None:
+    if not isinstance(body, dict):
+        return None
+    if body.get("choices"):
+        choice = body["choices"][0]
+        return (choice.get("message") or {}).get("content") or choice.get("text") or ""
+    if body.get("object") == "response":
+        return "".join(c.get("text", "") for item in body.get("output") or [] for c in item.get("content") or [])
+    return None
+
+
+def _json(raw: bytes):
+    with contextlib.suppress(ValueError):
+        return json.loads(raw)
+    return None
+
+
+async def _send(send, status: int, headers: list, body: bytes) -> None:
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+def format_chaos(summary: dict) -> str:
+    lines = [f"chaos: {summary['requests']} requests, {summary['lost']} lost, {summary['unshaped_errors']} errors "
+             f"not in OpenAI's shape, {summary['compressed']} compressed; {summary['wrong_answers']} wrong answers of "
+             f"{summary['engine_answers_checked']} greedy engine answers asked again of an undisturbed engine",
+             f"statuses: {summary['statuses']}; after the engine's restart, plans that mispredicted its cache past "
+             f"each shared document's first request: {summary['restart_mispredicted']}",
+             f"{'fault':>9} {'compressing again after':>24}"]
+    for fault in summary["faults"]:
+        again = fault["compressing_again_after_s"]
+        lines.append(f"{fault['fault']:>9} {'never' if again is None else f'{again:.1f} s':>24}")
+    lines.append("5xx by phase and cause: " + (", ".join(f"{k} x{v}" for k, v in summary["errors_5xx"].items())
+                                               or "none"))
+    lines.append(f"SIGTERM: {summary['sigterm']}")
+    lines.append(f"compressed answers predicted within 2x, by phase: {summary['predicted_within_2x']}")
+    lines.append(f"cost coefficients before: {summary['coefficients_before']}")
+    lines.append(f"cost coefficients after:  {summary['coefficients_after']}")
+    return "\n".join(lines)

@@ -1,0 +1,29 @@
+"""The chaos run, short: faults of every part under a steady mixed load (``specprefill.lab.chaos``); the full
+run is ``specprefill bench --chaos`` (docs: Operations)."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+
+import pytest
+
+from specprefill.lab.chaos import FAULTS, run_chaos
+from specprefill.lab.demo_models import ensure_demo_models
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server (make test installs it)")
+def test_faults_under_load_lose_nothing_and_change_no_answer(tmp_path):
+    # the demo pair, whose target costs 32x its draft: compressing is the planner's normal answer there, so the
+    # time to compress again says when a part's return was noticed (the tests' tiny pair would go whole)
+    report = asyncio.run(run_chaos(ensure_demo_models(), tmp_path, fault_s=3.0, calm_s=4.0, rate=2.0, tokens=1200))
+    summary = report.summary()
+    assert summary["lost"] == 0 and summary["unshaped_errors"] == 0, summary
+    assert summary["wrong_answers"] == 0 and summary["engine_answers_checked"] > 20, report.wrong_answers
+    # 5xx only while the one engine is down, each a clean 502
+    assert all(key.startswith("engine: 502") for key in summary["errors_5xx"]), summary["errors_5xx"]
+    assert [f["fault"] for f in summary["faults"]] == list(FAULTS)
+    assert all(f["compressing_again_after_s"] is not None and f["compressing_again_after_s"] <= 10
+               for f in summary["faults"]), summary["faults"]
+    assert summary["restart_mispredicted"] == 0
+    assert set(summary["sigterm"]["statuses"]) <= {"200", "503"} and summary["sigterm"]["sent_after_the_signal"] == 503
