@@ -169,16 +169,20 @@ class ChaosReport:
                 "rss_growth": round(after[-1][1] / after[0][1], 3), "fd_growth": round(after[-1][2] / after[0][2], 3)}
 
     def restart_mispredicted(self) -> int:
-        """After the engine came back empty: requests whose plan mispredicted the engine's cache, past the first
-        request of each shared document (which finds the gateway's model stale, and corrects it)."""
+        """After the engine came back empty: requests whose plan mispredicted the engine's cache although an
+        earlier request on the same context (API and shared document) had been answered since the restart, and
+        had told the gateway what the engine holds."""
         after = sorted((s for s in self.samples if s.phase == "after engine" and s.context
                         and s.predicted_cached is not None and s.reported_cached is not None),
                        key=lambda s: s.sent_s)
-        seen, wrong = set(), 0
+        answered: dict[str, float] = {}  # context -> when its first request since the restart was answered
+        wrong = 0
         for sample in after:
-            if sample.context in seen and sample.predicted_cached != sample.reported_cached:
+            context = f"{sample.api} {sample.context}"
+            if context in answered and answered[context] <= sample.sent_s \
+                    and sample.predicted_cached != sample.reported_cached:
                 wrong += 1
-            seen.add(sample.context)
+            answered.setdefault(context, sample.sent_s + sample.seconds)
         return wrong
 
     def predicted_within_2x(self) -> dict[str, float]:
