@@ -46,7 +46,11 @@ from specprefill.lab.bench import parse_server_timing, predicted_cached
 from specprefill.lab.demo_models import synthetic_corpus
 from specprefill.lab.launch import CLI
 
-FAULTS = ("redis", "engine", "draft", "stall", "swap", "together")
+# each fault: the parts it breaks and how (killed, then started again; stopped, then continued; swaps refused)
+BREAKS = {"redis": [("redis", "kill")], "engine": [("engine", "kill")], "draft": [("draft0", "kill")],
+          "stall": [("engine", "stop")], "swap": [("proxy", "refuse")],
+          "together": [("redis", "kill"), ("draft0", "kill"), ("engine", "stop")]}
+FAULTS = tuple(BREAKS)
 COEFFICIENT = re.compile(r'^specprefill_cost_coefficient\{model="(\w+)",term="(\w+)"\} (\S+)$', re.MULTILINE)
 
 
@@ -285,9 +289,9 @@ async def run_chaos(root: Path, out: Path, *, fault_s: float = 8.0, calm_s: floa
             await hold("calm", calm_s)
             for fault in faults:
                 broken_at = time.perf_counter() - start
-                await asyncio.to_thread(_break, fault, parts, proxy)
+                await asyncio.to_thread(_fault, fault, parts, proxy, on=True)
                 await hold(fault, fault_s)
-                await asyncio.to_thread(_restore, fault, parts, proxy)
+                await asyncio.to_thread(_fault, fault, parts, proxy, on=False)
                 returned = time.perf_counter() - start
                 broken.append({"fault": fault, "broken_s": round(broken_at, 2), "returned_s": round(returned, 2)})
                 await hold(f"after {fault}", calm_s)
@@ -328,30 +332,17 @@ async def run_chaos(root: Path, out: Path, *, fault_s: float = 8.0, calm_s: floa
     return report
 
 
-def _break(fault: str, parts: dict[str, Part], proxy: FaultProxy) -> None:
-    if fault in ("redis", "together"):
-        parts["redis"].kill()
-    if fault == "engine":
-        parts["engine"].kill()
-    if fault in ("draft", "together"):
-        parts["draft0"].kill()
-    if fault in ("stall", "together"):
-        parts["engine"].signal(signal.SIGSTOP)
-    if fault == "swap":
-        proxy.refuse_swaps = True
-
-
-def _restore(fault: str, parts: dict[str, Part], proxy: FaultProxy) -> None:
-    if fault in ("redis", "together"):
-        parts["redis"].start()
-    if fault == "engine":
-        parts["engine"].start()
-    if fault in ("draft", "together"):
-        parts["draft0"].start()
-    if fault in ("stall", "together"):
-        parts["engine"].signal(signal.SIGCONT)
-    if fault == "swap":
-        proxy.refuse_swaps = False
+def _fault(fault: str, parts: dict[str, Part], proxy: FaultProxy, *, on: bool) -> None:
+    """Breaks (``on``) or restores what ``fault`` names (``BREAKS``)."""
+    for name, how in BREAKS[fault]:
+        if how == "refuse":
+            proxy.refuse_swaps = on
+        elif how == "stop":
+            parts[name].signal(signal.SIGSTOP if on else signal.SIGCONT)
+        elif on:
+            parts[name].kill()
+        else:
+            parts[name].start()
 
 
 async def _request(client: httpx.AsyncClient, gateway: str, sample: ChaosSample, body: dict) -> ChaosSample:
