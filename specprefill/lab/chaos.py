@@ -16,10 +16,11 @@ and at the end a SIGTERM to the gateway while it serves (and warms).
 
 Between the gateway and the engine sits a recording proxy (``FaultProxy``). Per request: the status, whether an
 error had OpenAI's shape, the plan, the latency. Lost: a request that got neither an answer nor an error. After
-the run, every greedy answer the engine gave through the proxy is asked again of a fresh, undisturbed engine with
-the same body (the same kept tokens at the same positions): a different answer counts as wrong; so does a
-client's answer that differs from what the engine gave. Per fault: the 5xx by cause, and the seconds from the
-part's return to the first request compressed again. The cost models' coefficients before and after.
+the run, the greedy answers the engine gave through the proxy (400 at most, evenly spaced) are asked again of a
+fresh, undisturbed engine with the same body (the same kept tokens at the same positions): a different answer
+counts as wrong; so does a client's answer that differs from what the engine gave. Per fault: the 5xx by cause,
+and the seconds from the part's return to the first request compressed again. The cost models' coefficients
+before and after.
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ BREAKS = {"redis": [("redis", "kill")], "engine": [("engine", "kill")], "draft":
           "together": [("redis", "kill"), ("draft0", "kill"), ("engine", "stop")]}
 FAULTS = tuple(BREAKS)
 COEFFICIENT = re.compile(r'^specprefill_cost_coefficient\{model="(\w+)",term="(\w+)"\} (\S+)$', re.MULTILINE)
+MAX_CHECKED = 400  # greedy engine answers asked again of an undisturbed engine, at most (evenly spaced)
+WARMING = re.compile(r'^specprefill_warming_total\{outcome="(\w+)"\} (\S+)$', re.MULTILINE)
 
 
 class Part:
@@ -163,6 +166,7 @@ class ChaosReport:
     wrong_answers: list[dict] = field(default_factory=list)
     sigterm: dict = field(default_factory=dict)
     resources: list[tuple[float, float, int]] = field(default_factory=list)  # (seconds, gateway RSS MiB, fds)
+    warming: dict[str, int] = field(default_factory=dict)  # the gateway's warming by outcome, over the run
 
     def growth(self, warm_up_s: float) -> dict[str, float] | None:
         """Resident memory and open file descriptors at the end over their values once ``warm_up_s`` passed."""
@@ -211,7 +215,7 @@ class ChaosReport:
                 "predicted_within_2x": self.predicted_within_2x(),
                 "unshaped_errors": sum(1 for s in self.samples if s.status and s.status >= 400 and not s.shaped),
                 "compressed": sum(1 for s in self.samples if s.specprefill == "compressed"),
-                "errors_5xx": dict(errors), "faults": self.faults, "sigterm": self.sigterm,
+                "errors_5xx": dict(errors), "faults": self.faults, "sigterm": self.sigterm, "warming": self.warming,
                 "resources": self.resources[-1:] and {"first": self.resources[0], "last": self.resources[-1]},
                 "coefficients_before": self.coefficients_before, "coefficients_after": self.coefficients_after}
 
@@ -253,7 +257,7 @@ async def run_chaos(root: Path, out: Path, *, fault_s: float = 8.0, calm_s: floa
         await asyncio.to_thread(part.start)
     await asyncio.to_thread(gateway.start)
     await asyncio.to_thread(wait_healthy, url["gateway"], gateway.process, 300)
-    bodies = _bodies(tokens, seed)
+    load = Load(tokens, seed)
     samples: list[ChaosSample] = []
     broken: list[dict] = []
     resources: list[tuple[float, float, int]] = []
@@ -268,7 +272,7 @@ async def run_chaos(root: Path, out: Path, *, fault_s: float = 8.0, calm_s: floa
             async def traffic(until: float) -> None:
                 while time.perf_counter() < until:
                     number = len(samples)
-                    api, stream, long, body, context = bodies[number % len(bodies)]
+                    api, stream, long, body, context = load(number)
                     sample = ChaosSample(number, phase, api, stream, long, time.perf_counter() - start,
                                          user=f"chaos-{number}", context=context)
                     samples.append(sample)
@@ -298,18 +302,21 @@ async def run_chaos(root: Path, out: Path, *, fault_s: float = 8.0, calm_s: floa
             await asyncio.gather(*tasks)
             watcher.cancel()
             after = await _coefficients(client, url["gateway"])
+            warming = {outcome: int(float(n)) for outcome, n in
+                       WARMING.findall((await client.get(f"{url['gateway']}/metrics")).text)}
             # a SIGTERM while requests are in flight: they finish, later ones get 503, nothing is lost
             phase = "sigterm"
-            terms = [ChaosSample(len(samples) + i, "sigterm", *bodies[i][:3], time.perf_counter() - start,
-                                 user=f"chaos-{len(samples) + i}") for i in range(8)]
+            terms = [ChaosSample(len(samples) + i, "sigterm", *load(len(samples) + i)[:3],
+                                 time.perf_counter() - start, user=f"chaos-{len(samples) + i}") for i in range(8)]
             samples.extend(terms)
-            in_flight = [asyncio.ensure_future(_request(client, url["gateway"], s, bodies[i][3]))
-                         for i, s in enumerate(terms)]
+            in_flight = [asyncio.ensure_future(_request(client, url["gateway"], s, load(s.number)[3]))
+                         for s in terms]
             await asyncio.sleep(0.3)
             gateway.signal(signal.SIGTERM)
             await asyncio.sleep(0.3)
-            refused = ChaosSample(-1, "sigterm", "chat", False, False, time.perf_counter() - start)
-            await _request(client, url["gateway"], refused, bodies[-1][3])
+            api, stream, long, body, _ = load(len(samples))
+            refused = ChaosSample(-1, "sigterm", api, stream, long, time.perf_counter() - start)
+            await _request(client, url["gateway"], refused, body)
             finished = await asyncio.gather(*in_flight)
     finally:
         for part in (gateway, *parts.values()):
@@ -321,7 +328,7 @@ async def run_chaos(root: Path, out: Path, *, fault_s: float = 8.0, calm_s: floa
     for fault in broken:  # the first request compressed again after the part's return
         back = [s.sent_s for s in samples if s.sent_s >= fault["returned_s"] and s.specprefill == "compressed"]
         fault["compressing_again_after_s"] = round(min(back) - fault["returned_s"], 2) if back else None
-    report = ChaosReport(samples, broken, before, after, resources=resources,
+    report = ChaosReport(samples, broken, before, after, resources=resources, warming=warming,
                          sigterm={"sent_around_the_signal": len(finished),
                                   "statuses": dict(Counter(str(s.status) for s in finished)),
                                   "sent_after_the_signal": refused.status})
@@ -386,10 +393,9 @@ async def _request(client: httpx.AsyncClient, gateway: str, sample: ChaosSample,
         details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details") or {}
         sample.reported_cached = details.get("cached_tokens")
     if error is not None:
-        shaped = isinstance(error, dict) and isinstance(error.get("error"), dict) and bool(error["error"].get("message"))
-        sample.shaped = shaped
-        sample.cause = (error.get("error") or {}).get("code") or (error.get("error") or {}).get("type") or "?" \
-            if shaped else "unshaped"
+        inner = error.get("error") if isinstance(error, dict) else None
+        sample.shaped = isinstance(inner, dict) and bool(inner.get("message"))
+        sample.cause = (inner.get("code") or inner.get("type") or "?") if sample.shaped else "unshaped"
     return sample
 
 
@@ -402,7 +408,8 @@ async def _check_answers(report: ChaosReport, proxy: FaultProxy, root: Path, por
     by_user = {s.user: s for s in report.samples}
     try:
         async with httpx.AsyncClient(timeout=httpx.Timeout(120.0)) as client:
-            for path, body, text in proxy.answers:
+            step = max(1, len(proxy.answers) // MAX_CHECKED)  # a soak's thousands: an even sample of them
+            for path, body, text in proxy.answers[::step]:
                 expected = _answer_text((await client.post(oracle.health.removesuffix("/health") + path,
                                                            json=body)).json())
                 report.answers_checked += 1
@@ -426,41 +433,47 @@ async def _coefficients(client: httpx.AsyncClient, gateway: str) -> dict[str, fl
     return {f"{model}.{term}": float(value) for model, term, value in COEFFICIENT.findall(text)}
 
 
-def _bodies(tokens: int, seed: int) -> list[tuple[str, bool, bool, dict, str]]:
-    """The load's requests, in a shuffled cycle: (api, streamed, long, body, shared document), greedy, a few
-    tokens each."""
-    rng = random.Random(seed)
-    sentences = synthetic_corpus(seed=seed + 11, n_sentences=4000)
+class Load:
+    """The load's requests: a shuffled cycle of 24 shapes (api, streamed, long, shared document), greedy, a few
+    tokens each. A long prompt asks about one of two shared documents or about a new one, made for that request
+    (so that not every context recurs); a short chat is new each time too."""
 
-    def text(words: int) -> str:
-        start = rng.randrange(len(sentences) - 400)
+    def __init__(self, tokens: int, seed: int) -> None:
+        self.tokens, self.seed = tokens, seed
+        self.sentences = synthetic_corpus(seed=seed + 11, n_sentences=4000)
+        rng = random.Random(seed)
+        self.shared = [self._text(rng, int(tokens * 0.7)) for _ in range(2)]
+        self.shapes = []
+        for i in range(24):
+            long = i % 4 != 3
+            api = ("chat", "chat", "completions", "responses")[i % 4] if long else "chat"
+            self.shapes.append((api, api == "chat" and i % 2 == 0, long, f"document {i % 2}" if long and i % 3 else ""))
+        rng.shuffle(self.shapes)
+
+    def __call__(self, number: int) -> tuple[str, bool, bool, dict, str]:
+        api, stream, long, context = self.shapes[number % len(self.shapes)]
+        rng = random.Random(self.seed * 1_000_003 + number)
+        words = int(self.tokens * 0.7) if long else 60
+        document = self.shared[int(context[-1])] if context else self._text(rng, words)
+        prompt = document + f"\n\nQuestion {number}: which number comes after sentence {number % 50}?"
+        common = {"model": "chaos", "max_tokens": 4, "temperature": 0}
+        if api == "chat":
+            body = {**common, "messages": [{"role": "user", "content": prompt}]}
+        elif api == "completions":
+            body = {**common, "prompt": prompt}
+        else:
+            body = {"model": "chaos", "input": prompt, "max_output_tokens": 4, "temperature": 0}
+        return api, stream, long, body, context
+
+    def _text(self, rng: random.Random, words: int) -> str:
+        start = rng.randrange(len(self.sentences) - 400)
         out, n = [], 0
-        for sentence in sentences[start:]:
+        for sentence in self.sentences[start:]:
             out.append(sentence)
             n += len(sentence.split())
             if n >= words:
                 break
         return " ".join(out)
-
-    shared = [text(int(tokens * 0.7)) for _ in range(2)]
-    bodies = []
-    for i in range(24):
-        long = i % 4 != 3
-        context = f"document {i % 2}" if long and i % 3 else ""
-        document = (shared[i % 2] if context else text(int(tokens * 0.7))) if long else text(60)
-        question = f"\n\nQuestion {i}: which number comes after sentence {i}?"
-        api = ("chat", "chat", "completions", "responses")[i % 4] if long else "chat"
-        stream = api == "chat" and i % 2 == 0
-        common = {"model": "chaos", "max_tokens": 4, "temperature": 0}
-        if api == "chat":
-            body = {**common, "messages": [{"role": "user", "content": document + question}]}
-        elif api == "completions":
-            body = {**common, "prompt": document + question}
-        else:
-            body = {"model": "chaos", "input": document + question, "max_output_tokens": 4, "temperature": 0}
-        bodies.append((api, stream, long, body, context))
-    rng.shuffle(bodies)
-    return bodies
 
 
 def _answer_text(body) -> str | None:
@@ -498,6 +511,7 @@ def format_chaos(summary: dict) -> str:
     lines.append("5xx by phase and cause: " + (", ".join(f"{k} x{v}" for k, v in summary["errors_5xx"].items())
                                                or "none"))
     lines.append(f"SIGTERM: {summary['sigterm']}")
+    lines.append(f"warming over the run, by outcome: {summary['warming']}")
     lines.append(f"compressed answers predicted within 2x, by phase: {summary['predicted_within_2x']}")
     lines.append(f"cost coefficients before: {summary['coefficients_before']}")
     lines.append(f"cost coefficients after:  {summary['coefficients_after']}")
