@@ -12,10 +12,11 @@ import sys
 from pathlib import Path
 
 import httpx
+import pytest
 
 from gateway.app import create_app
-from gateway.settings import GatewaySettings
 from specprefill import reference
+from specprefill.cli import Main, main
 from tests.helpers import gateway_settings, serve
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,14 +36,22 @@ def test_the_site_builds_strictly_with_every_page_and_the_generated_reference(tm
 
 
 def test_every_flag_setting_and_metric_in_the_code_is_in_the_reference(gateway_url, engine_backend):
-    cli = reference.cli()
-    for command, actions in reference.cli_options().items():
-        assert f"## `specprefill {command}`" in cli
-        for action in actions:
-            assert f"`{action.option_strings[0]}`" in cli, (command, action.option_strings)
-    settings = reference.settings()
-    for name in GatewaySettings.model_fields:
-        assert f"`--{name.replace('_', '-')}` | `SPECPREFILL_{name.upper()}`" in settings, name
+    # the flags as users see them, from each subcommand's --help: the pages must list every one
+    cli, settings = reference.cli(), reference.settings()
+    for command in Main.model_fields:
+        command = command.replace("_", "-")
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+            main([command, "--help"])
+        # the options list: each line that starts with its flags ("  --cuda-graphs, --no-cuda-graphs  ...")
+        listed = re.findall(r"^ {2}(--[a-z][\w-]*(?:, --[a-z][\w-]*)*)", out.getvalue(), re.MULTILINE)
+        flags = {flag for line in listed for flag in line.split(", ")} - {"--help"}
+        section = cli.split(f"## `specprefill {command}`\n")[1].split("\n## ")[0]
+        assert flags, command
+        for flag in flags:
+            assert f"`{flag}`" in section, (command, flag)
+            if command == "serve" and not flag.startswith("--no-"):  # every gateway setting, with its variable
+                assert f"`{flag}` | `SPECPREFILL_{flag[2:].replace('-', '_').upper()}`" in settings, flag
     # what live servers export, the gateway's and the engine's, is what the page lists
     metrics = reference.metrics()
     for url in (gateway_url, engine_backend[0]):
