@@ -5,7 +5,10 @@ a part per cached token (every forward reads the whole KV cache once), and a par
 attend to each other (``n × (ctx + n/2)``); scoring adds a part per prompt token (the look-ahead queries and
 the reduction read every key). The coefficients are fitted by least
 squares on relative error, non-negative, over a short probe at start-up and a window of recent requests,
-so they follow the hardware and the load the gateway actually sees.
+so they follow the hardware and the load the gateway actually sees. Recent timings the fit misses by more than
+``OUTLIER``x either way, at the window's median speed (a stalled engine, a request that met a fault, a burst the
+gateway could not see) are left out: a passing fault teaches nothing, a lasting change of speed becomes the
+median and is learnt.
 """
 
 from __future__ import annotations
@@ -17,6 +20,9 @@ import numpy as np
 
 TARGET_TERMS = ("fixed", "per_token", "per_cached_token", "per_token_pair")
 DRAFT_TERMS = ("fixed", "per_token", "per_token_pair", "per_prompt_token")
+# a recent timing this many times off the fit, either way, is not the engine's usual cost (a shape of request the
+# fit misprices this badly is learnt once it is most of the window: a smaller bound would keep more out for longer)
+OUTLIER = 4.0
 
 
 def target_features(new: int, cached: int) -> list[float]:
@@ -69,7 +75,25 @@ class CostModel:
             y = np.concatenate([np.asarray([t for _, t in self._probe], dtype=float), y])
         if len(y) < len(self.terms):
             return
-        self.coefficients = _nonnegative_fit(x / y[:, None], np.ones_like(y))  # relative error
+        probes = len(y) - recent
+        rows = x / y[:, None]  # relative error: a row predicts 1 when the fit is exact
+        # the fit so far judges the recent timings, at the window's own median speed (an engine that changed speed
+        # for good is most of the window, and learnt); the trimmed fit judges them again, until it settles. (Fitted
+        # first, a few timings 10x too fast would pull the fit to themselves and pass for the rule.)
+        coefficients, keep = self.coefficients, None
+        for _ in range(3):
+            ratio = rows[probes:] @ coefficients  # predicted over measured
+            if recent:
+                ratio = ratio / max(float(np.median(ratio)), 1e-12)
+            inlier = (ratio <= OUTLIER) & (ratio >= 1 / OUTLIER)
+            if probes + inlier.sum() < len(self.terms):
+                inlier[:] = True
+            trimmed = np.concatenate([np.ones(probes, dtype=bool), inlier])
+            if keep is not None and np.array_equal(trimmed, keep):
+                break
+            keep = trimmed
+            coefficients = _nonnegative_fit(rows[keep], np.ones(int(keep.sum())))
+        self.coefficients = coefficients
 
     def describe(self) -> dict[str, float]:
         return dict(zip(self.terms, self.coefficients.tolist()))

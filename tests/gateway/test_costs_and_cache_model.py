@@ -7,7 +7,7 @@ import logging
 import numpy as np
 import pytest
 
-from gateway.costs import cost_models
+from gateway.costs import _nonnegative_fit, cost_models
 from gateway.engine_cache import MemoryEngineCache, RedisEngineCache
 
 
@@ -25,6 +25,40 @@ def test_the_fit_recovers_the_coefficients_and_never_goes_negative():
     assert (flat.coefficients >= 0).all() and flat.predict(100, 0) == pytest.approx(0.5, rel=0.05)
     with pytest.raises(ValueError, match="'draft': 4 numbers"):
         cost_models({"target": [1, 2, 3, 4], "draft": [1]})
+
+
+def test_timings_a_fault_explains_leave_the_fit_as_it_was_and_a_lasting_change_is_learnt():
+    """An engine stopped for a while (SIGSTOP, a hung GPU) answers requests sent into it 5-30x late, one at a
+    time, so nothing flags them contended; an engine that serves from a cache it does not report answers 10x
+    early. A minority of the window, they are left out (fitted in, a few fast ones price everything at a
+    fraction of its cost). A slowdown that lasts becomes the majority and is learnt."""
+    truth = np.array([0.02, 4e-4, 5e-6, 2e-8])
+    rng = np.random.default_rng(0)
+    shapes = [(8000, 0), (64, 12000), (500, 4000)]
+
+    def seconds(coefficients, new: int, cached: int) -> float:
+        return float(np.dot(coefficients, [1, new, cached, new * (cached + new / 2)]))
+
+    def timings(count: int, slower: tuple[float, float]):
+        for _ in range(count):
+            new, cached = int(rng.integers(100, 4000)), int(rng.integers(0, 8000))
+            yield new, cached, seconds(truth, new, cached) * rng.uniform(*slower)
+
+    target, _ = cost_models()
+    for timing in timings(120, (0.9, 1.1)):
+        target.observe(*timing)
+    for faulty in ((5, 30), (0.05, 0.2)):
+        for timing in timings(10 if faulty[0] < 1 else 40, faulty):
+            target.observe(*timing)
+        for shape in shapes:
+            assert target.predict(*shape) == pytest.approx(seconds(truth, *shape), rel=0.15)
+    recent = min(target._seen, len(target._y))  # the same window fitted whole: what the rule keeps out
+    whole = _nonnegative_fit(target._x[:recent] / target._y[:recent, None], np.ones(recent))
+    assert seconds(whole, 8000, 0) < 0.5 * seconds(truth, 8000, 0)
+    for timing in timings(200, (5.4, 6.6)):  # the engine is now 6x slower, for good
+        target.observe(*timing)
+    for shape in shapes:
+        assert target.predict(*shape) == pytest.approx(6 * seconds(truth, *shape), rel=0.25)
 
 
 async def test_the_memory_model_predicts_reusable_full_blocks_and_evicts_tails_first():
