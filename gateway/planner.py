@@ -333,11 +333,12 @@ class Planner:
         wanted = kept_importance(scores, fresh, end, chunk)
         return wanted == 0 or kept_importance(scores, reused, end, chunk) >= self.settings.reuse_threshold * wanted
 
-    async def moved(self, plan: Plan) -> None:
-        """``plan`` goes to another replica than the one it was planned for: its predictions there."""
-        moved = await self._candidate(plan.kind, np.asarray(plan.token_ids, dtype=np.int64), plan.kept_indices,
+    async def priced(self, plan: Plan) -> None:
+        """``plan``'s predictions at its replica, for a plan that goes elsewhere than it was priced for: to
+        another replica (its own is down), or whole (its swap was refused)."""
+        there = await self._candidate(plan.kind, np.asarray(plan.token_ids, dtype=np.int64), plan.kept_indices,
                                       plan.replica)
-        plan.engine_cached, plan.target_s = moved.cached, moved.seconds
+        plan.engine_cached, plan.target_s = there.cached, there.seconds
 
     def _choose(self, candidates: list[Candidate]) -> Candidate:
         """The cheapest, unless one that keeps more of the prompt costs at most ``plan_slack`` more."""

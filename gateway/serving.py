@@ -210,7 +210,8 @@ class GatewayServing:
                 raise
             self._mismatched(exc.message)
         whole = Plan(plan.token_ids, reason=Reason.SWAP_MISMATCH, cache=plan.cache, draft_ms=plan.draft_ms,
-                     tokenize_ms=plan.tokenize_ms)
+                     tokenize_ms=plan.tokenize_ms, replica=plan.replica)
+        await self.planner.priced(whole)
         return await self.forward(whole, body, path)
 
     def _mismatched(self, message: str) -> None:
@@ -245,7 +246,7 @@ class GatewayServing:
                 replica.down(exc.message)
                 self.metrics.failovers.inc()
                 plan.replica = min(others, key=lambda r: r.load.outstanding)
-                await self.planner.moved(plan)
+                await self.planner.priced(plan)
         if ticket.behind:
             self.metrics.behind_background.observe(plan.background_ms / 1e3)
         if streamed:
