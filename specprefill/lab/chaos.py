@@ -20,7 +20,8 @@ the run, the greedy answers the engine gave through the proxy (400 at most, even
 fresh, undisturbed engine with the same body (the same kept tokens at the same positions): a different answer
 counts as wrong; so does a client's answer that differs from what the engine gave. Per fault: the 5xx by cause,
 and the seconds from the part's return to the first request compressed again. The cost models' coefficients
-before and after.
+at the end of every phase, and what the target's model prices the load's shapes at, against the calm phase
+before the first fault: a fault must leave them unpoisoned.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ import httpx
 
 from common.process import free_port, quiet_openmp, wait_healthy
 from common.swap import KEPT_KEY, MISMATCH_CODE, SWAP_PARAM
+from gateway.costs import target_features
 from specprefill.lab.bench import parse_server_timing, predicted_cached
 from specprefill.lab.demo_models import synthetic_corpus
 from specprefill.lab.launch import CLI
@@ -54,6 +56,8 @@ BREAKS = {"redis": [("redis", "kill")], "engine": [("engine", "kill")], "draft":
 FAULTS = tuple(BREAKS)
 COEFFICIENT = re.compile(r'^specprefill_cost_coefficient\{model="(\w+)",term="(\w+)"\} (\S+)$', re.MULTILINE)
 MAX_CHECKED = 400  # greedy engine answers asked again of an undisturbed engine, at most (evenly spaced)
+# (new, cached) prompt tokens: a long prompt of the load whole, compressed, and a few tokens after a cached one
+PRICED = ((1500, 0), (450, 0), (64, 1000))
 WARMING = re.compile(r'^specprefill_warming_total\{outcome="(\w+)"\} (\S+)$', re.MULTILINE)
 
 
@@ -160,8 +164,7 @@ class ChaosSample:
 class ChaosReport:
     samples: list[ChaosSample]
     faults: list[dict]
-    coefficients_before: dict[str, float]
-    coefficients_after: dict[str, float]
+    coefficients: dict[str, dict[str, float]]  # at the start (after the gateway's probe), then each phase's end
     answers_checked: int = 0
     wrong_answers: list[dict] = field(default_factory=list)
     sigterm: dict = field(default_factory=dict)
@@ -205,6 +208,17 @@ class ChaosReport:
                                    / len(timed), 2)
         return out
 
+    def target_prices(self) -> dict[str, list[float]]:
+        """The target model's price of each ``PRICED`` shape at the end of each phase, over its price at the end
+        of the calm phase before the first fault (1.0: the fault taught the model nothing)."""
+        def prices(coefficients: dict[str, float]) -> list[float]:
+            terms = [v for k, v in coefficients.items() if k.startswith("target.")]
+            return [sum(c * f for c, f in zip(terms, target_features(new, cached))) for new, cached in PRICED]
+
+        calm = prices(self.coefficients["calm"])
+        return {phase: [round(p / c, 2) for p, c in zip(prices(coefficients), calm)]
+                for phase, coefficients in self.coefficients.items()}
+
     def summary(self) -> dict:
         lost = [s for s in self.samples if s.status is None]
         errors = Counter(f"{s.phase}: {s.status} {s.cause}" for s in self.samples if s.status and s.status >= 500)
@@ -217,7 +231,7 @@ class ChaosReport:
                 "compressed": sum(1 for s in self.samples if s.specprefill == "compressed"),
                 "errors_5xx": dict(errors), "faults": self.faults, "sigterm": self.sigterm, "warming": self.warming,
                 "resources": self.resources[-1:] and {"first": self.resources[0], "last": self.resources[-1]},
-                "coefficients_before": self.coefficients_before, "coefficients_after": self.coefficients_after}
+                "coefficients": self.coefficients, "target_prices": self.target_prices()}
 
 
 async def run_chaos(root: Path, out: Path, *, fault_s: float = 8.0, calm_s: float = 10.0, rate: float = 2.0,
@@ -267,7 +281,7 @@ async def run_chaos(root: Path, out: Path, *, fault_s: float = 8.0, calm_s: floa
     rng = random.Random(seed)
     try:
         async with httpx.AsyncClient(timeout=httpx.Timeout(120.0), limits=httpx.Limits(max_connections=256)) as client:
-            before = await _coefficients(client, url["gateway"])
+            coefficients = {"start": await _coefficients(client, url["gateway"])}
 
             async def traffic(until: float) -> None:
                 while time.perf_counter() < until:
@@ -283,6 +297,8 @@ async def run_chaos(root: Path, out: Path, *, fault_s: float = 8.0, calm_s: floa
                 nonlocal phase
                 phase = name
                 await traffic(time.perf_counter() + seconds)
+                if name not in FAULTS:
+                    coefficients[name] = await _coefficients(client, url["gateway"])
 
             async def watch() -> None:
                 while True:
@@ -301,7 +317,7 @@ async def run_chaos(root: Path, out: Path, *, fault_s: float = 8.0, calm_s: floa
                 await hold(f"after {fault}", calm_s)
             await asyncio.gather(*tasks)
             watcher.cancel()
-            after = await _coefficients(client, url["gateway"])
+            coefficients["end"] = await _coefficients(client, url["gateway"])
             warming = {outcome: int(float(n)) for outcome, n in
                        WARMING.findall((await client.get(f"{url['gateway']}/metrics")).text)}
             # a SIGTERM while requests are in flight: they finish, later ones get 503, nothing is lost
@@ -328,7 +344,7 @@ async def run_chaos(root: Path, out: Path, *, fault_s: float = 8.0, calm_s: floa
     for fault in broken:  # the first request compressed again after the part's return
         back = [s.sent_s for s in samples if s.sent_s >= fault["returned_s"] and s.specprefill == "compressed"]
         fault["compressing_again_after_s"] = round(min(back) - fault["returned_s"], 2) if back else None
-    report = ChaosReport(samples, broken, before, after, resources=resources, warming=warming,
+    report = ChaosReport(samples, broken, coefficients, resources=resources, warming=warming,
                          sigterm={"sent_around_the_signal": len(finished),
                                   "statuses": dict(Counter(str(s.status) for s in finished)),
                                   "sent_after_the_signal": refused.status})
@@ -513,6 +529,7 @@ def format_chaos(summary: dict) -> str:
     lines.append(f"SIGTERM: {summary['sigterm']}")
     lines.append(f"warming over the run, by outcome: {summary['warming']}")
     lines.append(f"compressed answers predicted within 2x, by phase: {summary['predicted_within_2x']}")
-    lines.append(f"cost coefficients before: {summary['coefficients_before']}")
-    lines.append(f"cost coefficients after:  {summary['coefficients_after']}")
+    lines.append(f"the target's price of (new, cached) tokens {', '.join(map(str, PRICED))} at each phase's end, "
+                 f"over the calm phase's: " + "; ".join(f"{phase} {'/'.join(map(str, prices))}"
+                                                        for phase, prices in summary["target_prices"].items()))
     return "\n".join(lines)

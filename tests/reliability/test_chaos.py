@@ -26,4 +26,7 @@ def test_faults_under_load_lose_nothing_and_change_no_answer(tmp_path):
     assert all(f["compressing_again_after_s"] is not None and f["compressing_again_after_s"] <= 10
                for f in summary["faults"]), summary["faults"]
     assert summary["restart_mispredicted"] == 0
+    # no fault taught the target's cost model a price it does not have once the part is back
+    assert all(0.5 <= price <= 2 for phase, prices in summary["target_prices"].items() if phase != "start"
+               for price in prices), summary["target_prices"]
     assert set(summary["sigterm"]["statuses"]) <= {"200", "503"} and summary["sigterm"]["sent_after_the_signal"] == 503
