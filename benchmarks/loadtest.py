@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import subprocess
 import sys
@@ -27,6 +28,17 @@ from common.process import free_port, wait_healthy
 from specprefill.lab.load import percentile
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def _cpu_s(pid: int) -> float:
+    """CPU seconds the process has used, user and system."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_now(pids: dict[str, int]) -> dict[str, float]:
+    """CPU seconds used so far by each process, and by this one (the client)."""
+    return {**{name: _cpu_s(pid) for name, pid in pids.items()}, "client": time.process_time()}
 
 
 def _rss_mib(pid: int) -> float:
@@ -113,7 +125,13 @@ def main() -> None:
                 time.sleep(args.pause)
             for name, url, model in (("direct", backend_url, "fast"), ("gateway", gateway_url, "demo")):
                 label = name if args.rounds == 1 else f"{name} {index + 1}"
+                pids = {"gateway": gateway.pid, "backend": processes[0].pid}
+                before = _cpu_now(pids)
                 results[label] = asyncio.run(load(url, model, args.concurrency, args.duration))
+                after, done = _cpu_now(pids), results[label]["requests"] or 1
+                # CPU per request of each process: a round that served fewer requests at the same CPU per request
+                # was starved of the cores (scheduling), not slower (the gateway's own state)
+                results[label]["cpu_ms"] = {part: (after[part] - before[part]) / done * 1e3 for part in after}
                 rounds[name].append(results[label]["rps"])
                 rss_peak = max(rss_peak, _rss_mib(gateway.pid))
         time.sleep(3)
@@ -123,11 +141,13 @@ def main() -> None:
             process.terminate()
         for process in processes:
             process.wait(timeout=30)
-    print(f"\n{'':>19} {'clients':>7} {'requests':>8} {'errors':>6} {'req/s':>7} {'TTFT p50':>9} {'p99':>8}")
+    print(f"\n{'':>19} {'clients':>7} {'requests':>8} {'errors':>6} {'req/s':>7} {'TTFT p50':>9} {'p99':>8}"
+          f"  CPU ms per request: gateway / backend / client")
     for name, r in results.items():
         clients = 1 if name.startswith("sequential") else args.concurrency
+        cpu = " / ".join(f"{r['cpu_ms'][part]:.2f}" for part in ("gateway", "backend", "client")) if "cpu_ms" in r else ""
         print(f"{name:>19} {clients:>7} {r['requests']:>8} {r['errors']:>6} {r['rps']:>7.1f} "
-              f"{r['p50_ms']:>7.2f}ms {r['p99_ms']:>6.1f}ms")
+              f"{r['p50_ms']:>7.2f}ms {r['p99_ms']:>6.1f}ms  {cpu}")
     for name, r in results.items():
         if r["error_reasons"]:
             print(f"{name} errors: {r['error_reasons']}")
