@@ -38,10 +38,6 @@ class Ticket:
     busy_at_send: bool = False  # something was at the engine when it was sent
     behind: list[Ticket] = field(default_factory=list)  # background work it found at the engine
 
-    def remaining(self, now: float) -> float:
-        """Predicted prefill seconds left (0 once it is decoding)."""
-        return 0.0 if self.first_event is not None else max(0.0, self.predicted_s - (now - self.started))
-
 
 @dataclass(frozen=True, slots=True)
 class Snapshot:
@@ -163,7 +159,9 @@ class EngineLoad:
         """Predicted seconds before the engine starts on a new foreground request: the prefill left of every
         request ahead of it (an engine runs what it has first: vLLM schedules running requests before waiting
         ones, whatever their priority; background work only where it does not yield), and a typical request for
-        each of someone else's; at the busy engine's speed."""
+        each of someone else's; at the busy engine's speed. The engine's prefill throughput is shared, not
+        multiplied: requests ahead are worked off one after the other (FCFS, or batched in the same steps, the
+        total is the same), each from when the engine was done with those before it."""
         return self._idle_wait() * self.slowdown(busy=True)
 
     def estimate(self, target_s: float) -> tuple[float, float, float]:
@@ -186,10 +184,19 @@ class EngineLoad:
         return min(20.0, max(1.0, statistics.median(recent)))
 
     def _idle_wait(self) -> float:
-        now = self.clock()
-        own = sum(t.remaining(now) for t in self._alive if not (t.background and self.background_yields))
+        # when the engine is done with this gateway's prefills, each begun after those sent before it are done
+        # (a request answered is done at its first event); counting each from its own send, a backlog was taken
+        # for parallel work: requests queued behind a 10 s backlog were priced at 1 s
+        now, free = self.clock(), float("-inf")
+        for ticket in self._alive:  # in the order they were sent
+            if ticket.background and self.background_yields:
+                continue
+            if ticket.first_event is not None:
+                free = max(free, ticket.first_event)
+            else:
+                free = max(free, ticket.started) + ticket.predicted_s
         typical = statistics.median(self._typical) if self._typical else 0.0
-        return own + self.external * typical
+        return max(0.0, free - now) + self.external * typical
 
     def snapshot(self) -> Snapshot:
         return Snapshot(self._epoch)

@@ -23,6 +23,7 @@ def _load(**kwargs) -> tuple[EngineLoad, Clock]:
 
 
 def test_a_request_waits_for_the_prefill_left_ahead_of_it():
+    """The requests ahead are worked off one after the other: the second starts when the first is done."""
     load, clock = _load()
     assert load.wait_s() == 0
     first = load.begin(2.0)
@@ -30,11 +31,28 @@ def test_a_request_waits_for_the_prefill_left_ahead_of_it():
     second = load.begin(1.0, background=True)
     assert load.wait_s() == pytest.approx(1.5 + 1.0)
     clock.now += 1.0
-    assert load.wait_s() == pytest.approx(0.5 + 0.0)  # the second ran past its prediction: nothing left of it
-    load.answered(first)  # decoding now: a new request is not held up by it
-    assert load.wait_s() == 0
+    assert load.wait_s() == pytest.approx(0.5 + 1.0)  # the second has not begun: all of it is left
+    load.answered(first)  # decoding now, 0.5 s early: the second begins
+    assert load.wait_s() == pytest.approx(1.0)
+    clock.now += 1.5
+    assert load.wait_s() == 0  # the second ran past its prediction: nothing left of it
     load.end(first), load.end(second)
     assert load.wait_s() == 0 and load.idle
+
+
+def test_a_backlog_is_worked_off_in_turn_not_all_at_once():
+    """Ten 1 s prefills sent together: 10 s of work ahead. Counted each from its own send, as if the engine ran
+    them side by side at full speed each, 5 s later the wait read 0 where 5 s of it was left."""
+    load, clock = _load()
+    backlog = [load.begin(1.0) for _ in range(10)]
+    assert load.wait_s() == pytest.approx(10.0)
+    clock.now += 5.0
+    assert load.wait_s() == pytest.approx(5.0)
+    for ticket in backlog[:5]:  # answered as predicted: nothing changes
+        load.answered(ticket)
+    assert load.wait_s() == pytest.approx(5.0)
+    for ticket in backlog:
+        load.end(ticket)
 
 
 def test_background_work_an_engine_stops_for_a_request_is_not_ahead_of_it():
