@@ -230,7 +230,7 @@ class ChaosReport:
                 "unshaped_errors": sum(1 for s in self.samples if s.status and s.status >= 400 and not s.shaped),
                 "compressed": sum(1 for s in self.samples if s.specprefill == "compressed"),
                 "errors_5xx": dict(errors), "faults": self.faults, "sigterm": self.sigterm, "warming": self.warming,
-                "resources": self.resources[-1:] and {"first": self.resources[0], "last": self.resources[-1]},
+                "resources": self.resources,  # every sample: the shape of a growth says what it is
                 "coefficients": self.coefficients, "target_prices": self.target_prices()}
 
 
