@@ -3,7 +3,10 @@
 A chat template puts special tokens between messages, and a tokenizer splits its input at its added tokens
 before anything else. So the text between two special tokens tokenizes the same wherever it stands, and a
 long system prompt, a shared document or a conversation's earlier turns need tokenizing once: later
-requests look their pieces up (LRU, bounded by characters). Whether a tokenizer really behaves so (some
+requests look their pieces up (LRU, bounded by the bytes it holds: a piece's text, its token IDs and their
+character spans, each token 12 bytes as int32 arrays; as Python lists of ints they took 14–26 bytes a character,
+and a bound of 16 million characters let a gateway that sees new documents grow by 3 MiB a minute for over an
+hour). Whether a tokenizer really behaves so (some
 add a prefix space to every piece, or strip whitespace beside special tokens) is checked once, on a sample
 chat, against a plain tokenization; where the two differ, every text is tokenized whole.
 
@@ -21,10 +24,10 @@ GPU server's CPU, a tenth of an H100's whole compressed request.
 from __future__ import annotations
 
 import collections
-import itertools
 import logging
 import os
 import re
+import sys
 import threading
 from collections.abc import Sequence
 
@@ -48,11 +51,12 @@ class PieceCache:
     """``encode(text) -> (ids, offsets)`` as ``tokenizer(text, add_special_tokens=False)`` gives them (offsets as an
     int64 array [N, 2])."""
 
-    def __init__(self, tokenizer, capacity_chars: int = 16 << 20) -> None:
+    def __init__(self, tokenizer, capacity_bytes: int = 32 << 20) -> None:
         self.tokenizer = tokenizer
-        self.capacity_chars = capacity_chars
-        self._pieces: collections.OrderedDict[str, tuple[list[int], np.ndarray]] = collections.OrderedDict()
-        self._chars = 0
+        self.capacity_bytes = capacity_bytes
+        # piece -> (token IDs, spans [N, 2]), both int32, and what the entry holds in bytes
+        self._pieces: collections.OrderedDict[str, tuple[np.ndarray, np.ndarray, int]] = collections.OrderedDict()
+        self.bytes = 0
         self._heads: dict[str, str] = {}  # a long piece's first characters -> that piece (the latest)
         self.extended = 0  # long pieces tokenized from an earlier piece they begin with
         self._lock = threading.Lock()
@@ -61,44 +65,50 @@ class PieceCache:
         self._workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         added = sorted(tokenizer.get_added_vocab(), key=len, reverse=True)
         self._split = re.compile("(" + "|".join(map(re.escape, added)) + ")") if added else None
-        self.enabled = self._split is not None and capacity_chars > 0 and self._agrees()
+        self.enabled = self._split is not None and capacity_bytes > 0 and self._agrees()
 
     def encode(self, text: str) -> tuple[list[int], np.ndarray]:
         """Token IDs, and each token's character span as an int64 array [N, 2]."""
         if not self.enabled:
-            return self._whole(text)
+            ids, offsets = self._whole(text)
+            return ids.tolist(), offsets.astype(np.int64)
         ids, offsets, start = [], [], 0
         for piece in self._split.split(text):
             if piece:
                 piece_ids, piece_offsets = self._piece(piece)
-                ids += piece_ids
-                offsets.append(piece_offsets + start)
+                ids.append(piece_ids)
+                offsets.append(piece_offsets.astype(np.int64) + start)
             start += len(piece)
-        return ids, np.concatenate(offsets) if offsets else np.zeros((0, 2), dtype=np.int64)
+        if not ids:
+            return [], np.zeros((0, 2), dtype=np.int64)
+        return np.concatenate(ids).tolist(), np.concatenate(offsets)
 
-    def _piece(self, piece: str) -> tuple[list[int], np.ndarray]:
+    def _piece(self, piece: str) -> tuple[np.ndarray, np.ndarray]:
         with self._lock:
             found = self._pieces.get(piece)
             if found is not None:
                 self._pieces.move_to_end(piece)
-                return found
+                return found[:2]
             head = self._heads.get(piece[:HEAD_CHARS]) if len(piece) > LONG_PIECE else None
             earlier = self._pieces.get(head) if head is not None else None
-        found = (earlier is not None and self._extended(piece, head, *earlier)) or self._segmented(piece)
-        if len(piece) <= self.capacity_chars:
+        found = (earlier is not None and self._extended(piece, head, *earlier[:2])) or self._segmented(piece)
+        size = sys.getsizeof(piece) + found[0].nbytes + found[1].nbytes
+        if size <= self.capacity_bytes:
             with self._lock:
-                self._pieces[piece] = found
-                self._chars += len(piece)
+                if (old := self._pieces.pop(piece, None)) is not None:  # tokenized twice at once
+                    self.bytes -= old[2]
+                self._pieces[piece] = (*found, size)
+                self.bytes += size
                 if len(piece) > LONG_PIECE:
                     self._heads[piece[:HEAD_CHARS]] = piece
-                while self._chars > self.capacity_chars:
-                    evicted, _ = self._pieces.popitem(last=False)
-                    self._chars -= len(evicted)
+                while self.bytes > self.capacity_bytes:
+                    evicted, (_, _, evicted_size) = self._pieces.popitem(last=False)
+                    self.bytes -= evicted_size
                     if self._heads.get(evicted[:HEAD_CHARS]) == evicted:
                         del self._heads[evicted[:HEAD_CHARS]]
         return found
 
-    def _extended(self, text: str, earlier: str, ids: list[int], offsets: np.ndarray):
+    def _extended(self, text: str, earlier: str, ids: np.ndarray, offsets: np.ndarray):
         """``text``'s tokens from those of an ``earlier`` piece it begins like (the same document, then another
         question): the earlier tokens up to ``OVERLAP`` tokens before the point where the two texts part are
         kept, and the rest is tokenized again. Kept only where the new tokenization reproduces those
@@ -115,9 +125,9 @@ class PieceCache:
         if not _agree(ids, offsets, cut, tail_ids, tail_offsets, 0, OVERLAP - 1):
             return None
         self.extended += 1
-        return ids[:cut] + tail_ids, np.concatenate([offsets[:cut], tail_offsets])
+        return np.concatenate([ids[:cut], tail_ids]), np.concatenate([offsets[:cut], tail_offsets])
 
-    def _segmented(self, text: str) -> tuple[list[int], np.ndarray]:
+    def _segmented(self, text: str) -> tuple[np.ndarray, np.ndarray]:
         """``text``'s tokens from segments tokenized in parallel and joined where neighbours agree; a short
         text, one CPU, or a seam without agreement: a plain tokenization."""
         n_segments = min(self._workers, len(text) // SEGMENT_CHARS)
@@ -127,7 +137,7 @@ class PieceCache:
         starts = [0] + [end - MARGIN_CHARS for end in ends[:-1]]
         batch = self.tokenizer([text[a:b] for a, b in zip(starts, ends)], add_special_tokens=False,
                                return_offsets_mapping=True)
-        segments = [(ids, _offsets(pairs, start)) for ids, pairs, start in
+        segments = [(np.asarray(ids, dtype=np.int32), _offsets(pairs, start)) for ids, pairs, start in
                     zip(batch.input_ids, batch["offset_mapping"], starts)]
         kept = []  # each segment's tokens from its seam with the previous one to its seam with the next
         ids, offsets = segments[0]
@@ -140,11 +150,11 @@ class PieceCache:
             ids, offsets = tail_ids[t:], tail_offsets[t:]
         kept.append((ids, offsets))
         self.segmented += 1
-        return list(itertools.chain.from_iterable(part for part, _ in kept)), np.concatenate([p for _, p in kept])
+        return np.concatenate([part for part, _ in kept]), np.concatenate([p for _, p in kept])
 
-    def _whole(self, text: str) -> tuple[list[int], np.ndarray]:
+    def _whole(self, text: str) -> tuple[np.ndarray, np.ndarray]:
         encoding = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        return encoding.input_ids, np.asarray(encoding["offset_mapping"], dtype=np.int64).reshape(-1, 2)
+        return np.asarray(encoding.input_ids, dtype=np.int32), _offsets(encoding["offset_mapping"], 0)
 
     def _agrees(self) -> bool:
         """A sample chat, then every added token between whitespace: split and whole must give one result."""
@@ -155,34 +165,35 @@ class PieceCache:
         text += "".join(f" word {token}  word\n{token}\n " for token in self.tokenizer.get_added_vocab())
         self.enabled = True
         (split_ids, split_offsets), (whole_ids, whole_offsets) = self.encode(text), self._whole(text)
-        agrees = split_ids == whole_ids and np.array_equal(split_offsets, whole_offsets)
+        agrees = split_ids == whole_ids.tolist() and np.array_equal(split_offsets, whole_offsets)
         self._pieces.clear()
-        self._chars = 0
+        self._heads.clear()
+        self.bytes = 0
         if not agrees:
             logger.info("this tokenizer does not split at its added tokens alone: chats are tokenized whole")
         return agrees
 
 
 def _offsets(pairs: list[tuple[int, int]], start: int) -> np.ndarray:
-    return np.asarray(pairs, dtype=np.int64).reshape(-1, 2) + start
+    return np.asarray(pairs, dtype=np.int32).reshape(-1, 2) + np.int32(start)
 
 
-def _agree(ids: list[int], offsets: np.ndarray, j: int, tail_ids: list[int], tail_offsets: np.ndarray, t: int,
+def _agree(ids: np.ndarray, offsets: np.ndarray, j: int, tail_ids: np.ndarray, tail_offsets: np.ndarray, t: int,
            n: int) -> bool:
     """Whether two tokenizations of one text (offsets in its characters) give the same ``n`` tokens, at the same
     characters, from token ``j`` of the first and ``t`` of the second: they have realigned there, so either one's
     tokens from that point on stand for both (the rule the cache's joins rest on)."""
-    return (len(ids) >= j + n and len(tail_ids) >= t + n and ids[j : j + n] == tail_ids[t : t + n]
+    return (len(ids) >= j + n and len(tail_ids) >= t + n and np.array_equal(ids[j : j + n], tail_ids[t : t + n])
             and np.array_equal(offsets[j : j + n], tail_offsets[t : t + n]))
 
 
-def _seam(ids: list[int], offsets: np.ndarray, cut_end: int, tail_ids: list[int],
+def _seam(ids: np.ndarray, offsets: np.ndarray, cut_end: int, tail_ids: np.ndarray,
           tail_offsets: np.ndarray) -> tuple[int, int] | None:
     """Where the tokens of a text cut at ``cut_end`` (``ids``) hand over to those of a segment that starts before
     that cut (``tail_ids``; offsets in the whole text's characters): the first token where both begin at the same
     character and ``_agree`` for ``OVERLAP`` tokens, all ending a margin before the cut (its last words may be cut
     through). (index in ``ids``, index in ``tail_ids``), or None where they never agree."""
-    if not tail_ids:
+    if not len(tail_ids):
         return None
     overlap = int(np.searchsorted(tail_offsets[:, 0], cut_end, side="left"))  # tail tokens starting before the cut
     where = {a: t for t, a in enumerate(tail_offsets[:overlap, 0].tolist())}

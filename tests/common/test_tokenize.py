@@ -23,6 +23,31 @@ def test_pieces_give_exactly_the_plain_tokens_and_repeats_come_from_the_cache(to
     assert "\n\n" + LONG_DOC in cache._pieces  # the system prompt (after its header) was tokenized once
 
 
+def test_the_cache_holds_no_more_memory_than_its_bound(tokenizer):
+    """New documents, one after another (a soak's traffic): the memory the cache keeps, measured, stays within
+    its bound in bytes (token IDs kept as Python lists of ints took 14–26 bytes a character, and a bound in
+    characters let a gateway grow by 3 MiB a minute for over an hour)."""
+    import gc
+    import tracemalloc
+
+    bound = 1 << 20
+    cache = PieceCache(tokenizer, capacity_bytes=bound)
+    documents = [f"Document {n}: " + " ".join(f"w{n * 7 + i}x{i % 13}" for i in range(1500)) for n in range(60)]
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    for document in documents:  # each held by its test's list, so only what the cache adds is counted
+        cache.encode(document)
+    gc.collect()
+    held = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    assert cache.bytes <= bound
+    assert held <= 1.25 * bound, f"{held / 2**20:.2f} MiB held under a bound of {bound / 2**20:.2f} MiB"
+    ids, offsets = cache.encode(documents[-1])  # the latest is still there, exactly as a plain tokenization
+    plain = tokenizer(documents[-1], add_special_tokens=False, return_offsets_mapping=True)
+    assert ids == plain.input_ids and offsets.tolist() == [list(o) for o in plain.offset_mapping]
+
+
 def test_a_tokenizer_that_strips_beside_special_tokens_is_tokenized_whole():
     tokenizer = train_tokenizer(vocab_size=600)
     tokenizer.add_special_tokens({"additional_special_tokens": [AddedToken("<|x|>", lstrip=True, rstrip=True)]})
