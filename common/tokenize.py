@@ -51,7 +51,7 @@ class PieceCache:
     """``encode(text) -> (ids, offsets)`` as ``tokenizer(text, add_special_tokens=False)`` gives them (offsets as an
     int64 array [N, 2])."""
 
-    def __init__(self, tokenizer, capacity_bytes: int = 32 << 20) -> None:
+    def __init__(self, tokenizer, capacity_bytes: int = 16 << 20) -> None:
         self.tokenizer = tokenizer
         self.capacity_bytes = capacity_bytes
         # piece -> (token IDs, spans [N, 2]), both int32, and what the entry holds in bytes

@@ -1,5 +1,5 @@
-"""The chaos run, short: faults of every part under a steady mixed load (``specprefill.lab.chaos``); the full
-run is ``specprefill bench --chaos`` (docs: Operations)."""
+"""The chaos run and the soak, short: faults of every part under a steady mixed load, then the same load without
+faults (``specprefill.lab.chaos``); the full runs are ``specprefill bench --chaos`` (docs: Operations)."""
 
 from __future__ import annotations
 
@@ -30,3 +30,15 @@ def test_faults_under_load_lose_nothing_and_change_no_answer(tmp_path):
     assert all(0.5 <= price <= 2 for phase, prices in summary["target_prices"].items() if phase != "start"
                for price in prices), summary["target_prices"]
     assert set(summary["sigterm"]["statuses"]) <= {"200", "503"} and summary["sigterm"]["sent_after_the_signal"] == 503
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server (make test installs it)")
+def test_a_short_soak_holds_memory_and_file_descriptors_flat(tmp_path):
+    # the soak's short version: new documents and shared ones at a steady rate, no faults; the full hour is
+    # ``specprefill bench --chaos --chaos-soak-s 3600`` (docs: Operations)
+    report = asyncio.run(run_chaos(ensure_demo_models(), tmp_path, calm_s=75.0, rate=2.0, tokens=1200, faults=(),
+                                   sample_s=5.0))
+    summary = report.summary()
+    assert summary["lost"] == 0 and summary["statuses"].get("200", 0) >= summary["requests"] - 8, summary["statuses"]
+    growth = report.growth(25.0)
+    assert growth is not None and growth["rss_growth"] <= 1.05 and growth["fds"][1] <= growth["fds"][0] + 2, growth
