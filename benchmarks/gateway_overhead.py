@@ -5,7 +5,7 @@ with the difference between two engine instances. Here both paths reach the same
 prompt, then the same request with a short question each round, directly and through the gateway in turn,
 the order alternating, after both are idle; each answer read to its end, as the workload bench reads them.
 Backends: ``vllm`` (the CPU build with the plugin, prefix caching on: the system prompt read once, then
-served from its cache), or ``fast`` (``fast_backend.py``, which answers at once: what is left is the
+served from its cache), or ``fast`` (``specprefill.lab.fast_backend``, which answers at once: what is left is the
 gateway's own time and the client's).
 
     .venv/bin/python benchmarks/gateway_overhead.py [--backend vllm|fast] [--rounds 14] [--think 0.1]
@@ -16,8 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import statistics
-import subprocess
-import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,10 +23,9 @@ from pathlib import Path
 import httpx
 from vllm_plugin_ab import options, system_prompt  # beside this script
 
-from common.process import free_port, quiet_openmp, wait_healthy
 from specprefill.lab.bench import parse_server_timing, stream_ttft, wait_idle
 from specprefill.lab.demo_models import DEMO_NAME, ensure_demo_models
-from specprefill.lab.launch import launched_gateway
+from specprefill.lab.launch import launched_gateway, launched_instant_backend
 
 COUNTED_FROM = 2  # the first reads the system prompt; the second follows it
 
@@ -71,16 +68,8 @@ def backend(kind: str, vllm_python: str, target: Path) -> Iterator[str]:
         finally:
             server.stop()
         return
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    process = subprocess.Popen([sys.executable, str(Path(__file__).with_name("fast_backend.py")), str(port)],
-                               env=quiet_openmp())
-    try:
-        wait_healthy(url, process)
+    with launched_instant_backend() as (url, _):
         yield url
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
 
 
 def main() -> None:

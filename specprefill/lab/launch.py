@@ -135,13 +135,34 @@ def launched_router(urls: list[str], policy: str) -> Iterator[str]:
 @contextlib.contextmanager
 def launched_gateway(args: list[str]) -> Iterator[str]:
     """``specprefill serve ARGS`` on a free port; its base URL once it answers."""
+    with launched_gateway_process(args) as (url, _):
+        yield url
+
+
+@contextlib.contextmanager
+def launched_gateway_process(args: list[str]) -> Iterator[tuple[str, subprocess.Popen]]:
+    """``specprefill serve ARGS`` on a free port; its base URL and process once it answers."""
+    with served(lambda port: CLI + ["serve", "--port", str(port), "--log-level", "warning", *args]) as both:
+        yield both
+
+
+@contextlib.contextmanager
+def launched_instant_backend(chunks: int = 8) -> Iterator[tuple[str, subprocess.Popen]]:
+    """A backend that answers every request at once (``specprefill.lab.fast_backend``): what a load test then
+    measures is the gateway and the client."""
+    with served(lambda port: [sys.executable, "-m", "specprefill.lab.fast_backend", str(port), str(chunks)]) as both:
+        yield both
+
+
+@contextlib.contextmanager
+def served(command: Callable[[int], list[str]]) -> Iterator[tuple[str, subprocess.Popen]]:
+    """``command(port)`` started on a free port; its base URL and process once it answers ``/health``."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    process = subprocess.Popen(CLI + ["serve", "--port", str(port), "--log-level", "warning", *args],
-                               env=quiet_openmp())
+    process = subprocess.Popen(command(port), env=quiet_openmp())
     try:
         wait_healthy(url, process)
-        yield url
+        yield url, process
     finally:
         _stop([process])
 

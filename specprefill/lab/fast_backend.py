@@ -1,6 +1,6 @@
 """A backend that answers at once (OpenAI completions and chat, streamed), so a load test measures the gateway.
 
-    .venv/bin/python benchmarks/fast_backend.py PORT [CHUNKS]
+    .venv/bin/python -m specprefill.lab.fast_backend PORT [CHUNKS]
 """
 
 from __future__ import annotations

@@ -1,0 +1,29 @@
+"""Rounds of load against one gateway agree: nothing the gateway keeps between rounds makes the next one slower.
+
+The short version of ``benchmarks/loadtest.py --concurrency 100 --rounds 5 --pause 60`` (docs: Operations). A
+gateway that grew state per request (the cost models refitting on every answer, a list scanned per request,
+collections walking a growing heap) served 219 requests/s in its first round and 88 in its second.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from specprefill.lab.rounds import closed_loop, instant_stack, rounds, spread
+
+
+def test_rounds_of_streams_against_one_gateway_agree():
+    with instant_stack() as stack:
+        asyncio.run(closed_loop(stack.gateway_url, "demo", 4, 2.0))  # warm-up
+        done = rounds(stack, count=4, concurrency=50, duration=6.0, pause=2.0, slice_s=1.5)
+    gateway = [r for r in done if r.path == "gateway"]
+    direct = [r for r in done if r.path == "direct"]
+    assert all(r.errors == 0 and r.requests > 0 for r in done), [r.summary() for r in done]
+    # this machine's speed moves from one round to the next (a fixed loop's means over 20 s spread 1.5x), so each
+    # gateway round is read against the direct one it took turns with, slice by slice
+    relative = [g.rps / d.rps for g, d in zip(gateway, direct)]
+    summary = [r.summary() for r in done]
+    assert spread(relative) <= 1.35, (relative, summary)
+    assert spread([r.rps for r in gateway]) <= 1.6, summary
+    # the gateway's work per request does not grow from the first round to the last
+    assert gateway[-1].cpu_ms["gateway"] <= 1.35 * gateway[0].cpu_ms["gateway"], summary
