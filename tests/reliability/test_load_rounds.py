@@ -8,11 +8,12 @@ collections walking a growing heap) served 219 requests/s in its first round and
 from __future__ import annotations
 
 import asyncio
+import statistics
 
-from specprefill.lab.rounds import closed_loop, instant_stack, rounds, spread
+from specprefill.lab.rounds import closed_loop, instant_stack, rounds
 
 
-def test_rounds_of_streams_against_one_gateway_agree():
+def test_later_rounds_of_streams_against_one_gateway_are_not_slower():
     with instant_stack() as stack:
         asyncio.run(closed_loop(stack.gateway_url, "demo", 4, 2.0))  # warm-up
         done = rounds(stack, count=4, concurrency=50, duration=6.0, pause=2.0, slice_s=1.5)
@@ -20,10 +21,16 @@ def test_rounds_of_streams_against_one_gateway_agree():
     direct = [r for r in done if r.path == "direct"]
     assert all(r.errors == 0 and r.requests > 0 for r in done), [r.summary() for r in done]
     # this machine's speed moves from one round to the next (a fixed loop's means over 20 s spread 1.5x), so each
-    # gateway round is read against the direct one it took turns with, slice by slice
-    relative = [g.rps / d.rps for g, d in zip(gateway, direct)]
+    # gateway round is read against the direct one it took turns with, slice by slice; and what the test looks
+    # for is the last rounds slower than the first (rounds 1-2 against 3-4, medians), not noise either way
     summary = [r.summary() for r in done]
-    assert spread(relative) <= 1.35, (relative, summary)
-    assert spread([r.rps for r in gateway]) <= 1.6, summary
-    # the gateway's work per request does not grow from the first round to the last
-    assert gateway[-1].cpu_ms["gateway"] <= 1.35 * gateway[0].cpu_ms["gateway"], summary
+    relative = [g.rps / d.rps for g, d in zip(gateway, direct)]
+    assert later_over_earlier(relative) >= 0.8, (relative, summary)
+    assert later_over_earlier([r.rps for r in gateway]) >= 0.65, summary
+    # the gateway's work per request does not grow from the first rounds to the last
+    assert later_over_earlier([r.cpu_ms["gateway"] for r in gateway]) <= 1.25, summary
+
+
+def later_over_earlier(values: list[float]) -> float:
+    half = len(values) // 2
+    return statistics.median(values[half:]) / statistics.median(values[:half])
