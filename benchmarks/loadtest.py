@@ -19,7 +19,8 @@ import json
 import time
 from pathlib import Path
 
-from specprefill.lab.rounds import Round, closed_loop, instant_stack, rounds, rss_mib, spread
+from common.process import rss_mib
+from specprefill.lab.rounds import Round, closed_loop, instant_stack, rounds, spread
 
 
 def main() -> None:

@@ -1,4 +1,4 @@
-"""Helpers for services started as separate processes: free ports, waiting until they answer."""
+"""Helpers for services started as separate processes: free ports, waiting until they answer, their memory."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import time
+from pathlib import Path
 
 import httpx
 
@@ -37,3 +38,11 @@ def wait_healthy(url: str, process: subprocess.Popen | None = None, timeout: flo
             pass
         time.sleep(0.2)
     raise RuntimeError(f"{url} did not become healthy within {timeout:.0f} s")
+
+
+def rss_mib(pid: int) -> float:
+    """A process's resident memory in MiB (NaN where /proc does not say)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")

@@ -42,7 +42,7 @@ from pathlib import Path
 
 import httpx
 
-from common.process import free_port, quiet_openmp, wait_healthy
+from common.process import free_port, quiet_openmp, rss_mib, wait_healthy
 from common.swap import KEPT_KEY, MISMATCH_CODE, SWAP_PARAM
 from gateway.costs import target_features
 from specprefill.lab.bench import parse_server_timing, predicted_cached
@@ -439,9 +439,7 @@ async def _check_answers(report: ChaosReport, proxy: FaultProxy, root: Path, por
 
 def _resources(pid: int) -> tuple[float, int]:
     """A process's resident memory (MiB) and open file descriptors."""
-    rss = next((int(line.split()[1]) / 1024 for line in Path(f"/proc/{pid}/status").read_text().splitlines()
-                if line.startswith("VmRSS:")), float("nan"))
-    return round(rss, 1), len(os.listdir(f"/proc/{pid}/fd"))
+    return round(rss_mib(pid), 1), len(os.listdir(f"/proc/{pid}/fd"))
 
 
 async def _coefficients(client: httpx.AsyncClient, gateway: str) -> dict[str, float]:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import aiohttp
 
+from common.process import rss_mib
 from specprefill.lab.demo_models import ensure_demo_models
 from specprefill.lab.launch import launched_gateway_process, launched_instant_backend
 from specprefill.lab.load import percentile
@@ -85,13 +86,6 @@ def cpu_seconds(pid: int) -> float:
     """CPU seconds the process has used, user and system."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def machine_times() -> tuple[int, int]:
