@@ -1,18 +1,49 @@
 #!/usr/bin/env bash
-# The README's GPU section in one go, on a machine with a CUDA GPU (no network needed):
-#   bash benchmarks/gpu.sh OUT [scorer] [sweep] [workloads]      (default: all three)
-# Makes a Llama-3.2-1B-shaped draft and a Llama-3.1-8B-shaped target with random bf16 weights (the demo
-# tokenizer; `specprefill demo-models --draft-shape/--target-shape`), once, in $PAIR, then:
-#   scorer     benchmarks/bench_scorer.py at 8k/16k/32k: scoring vs a plain prefill, time and peak memory
-#   sweep      specprefill bench: TTFT through the gateway vs direct at 8k-32k, keep 0.1/0.3/0.5, the ideal
-#   workloads  specprefill bench --workloads: repeated contexts (issue 13's five workloads); WORKLOAD_FLAGS adds
-#              flags (--shared-engine: one engine for both paths)
-# Python packages the machine lacks may be dropped as wheels in .whl/ (installed into /tmp/site).
-set -euo pipefail
-OUT=${1:?usage: bash benchmarks/gpu.sh OUT [scorer] [sweep] [workloads]}
+# The GPU results in one go, on a machine with a CUDA GPU (no network needed):
+#   bash benchmarks/gpu.sh OUT [tests] [attention] [regime] [rounds] [scorer] [sweep] [workloads]
+#   (default: tests attention regime rounds, about 9 minutes on an H200)
+#
+#   tests      the GPU tests (the flash kernel's chunked prefill, CUDA graphs, float32 products)
+#   attention  benchmarks/bench_attention.py: one prefill chunk's attention over 8k-128k cached tokens, with the
+#              end-aligned mask as before and as the flash kernel's lower-right causal form
+#   regime     the paper's regime: a 32B-class target (Qwen2.5-32B's shape, random bf16 weights made at load:
+#              `specprefill demo-models --no-weights`) on the reference engine, a Llama-3.2-1B-shaped draft in
+#              the gateway, both on the GPU and one engine for both paths (`specprefill engine`, `specprefill
+#              serve`, as a deployment starts them). Then, against that stack:
+#                the cold sweep, one `specprefill bench` per length (REGIME_LENGTHS, default 65536 131072 32768;
+#                keep REGIME_KEEPS) so that each length's JSON is kept whatever comes after it, then merged into
+#                one table and plot (`bench --merge`, in regime-sweep/);
+#                Poisson mixed sessions (`bench --workloads --arrivals poisson --shared-engine`: POISSON_RATES
+#                sessions/s, POISSON_SESSIONS each, POISSON_TOKENS-token contexts, keep POISSON_KEEP)
+#   rounds     benchmarks/loadtest.py: ROUNDS rounds of ROUND_STREAMS streams (the gateway's own cost on the CPU
+#              cores, the instant backend), after the GPU stack is gone
+#   scorer, sweep, workloads: the 2026-11-24 tables at Llama-3.2-1B / Llama-3.1-8B shapes (weights written in $PAIR)
+#
+# Each step has a time cap (STEP_CAP_S, and the sweep's and Poisson's own): a step over it is stopped and the next
+# one runs. With PACK=FILE, OUT is packed into that tar.gz after every step (a device run gets only a few files
+# back, and keeps what finished if it is stopped). Python packages the machine lacks may be dropped as wheels in
+# .whl/ (installed into /tmp/site).
+set -uo pipefail
+OUT=${1:?usage: bash benchmarks/gpu.sh OUT [tests] [attention] [regime] [rounds] [scorer] [sweep] [workloads]}
 shift
-STEPS=${*:-scorer sweep workloads}
+STEPS=${*:-tests attention regime rounds}
 PAIR=${PAIR:-/tmp/specprefill-gpu-pair}
+REGIME_PAIR=${REGIME_PAIR:-/tmp/specprefill-gpu-regime}
+REGIME_DRAFT=${REGIME_DRAFT:-llama-3.2-1b}
+REGIME_TARGET=${REGIME_TARGET:-qwen2.5-32b}
+REGIME_LENGTHS=${REGIME_LENGTHS:-65536 131072 32768}
+REGIME_KEEPS=${REGIME_KEEPS:-0.05,0.1,0.3}
+REGIME_REPEATS=${REGIME_REPEATS:-1}
+SWEEP_CAP_S=${SWEEP_CAP_S:-240}
+POISSON_RATES=${POISSON_RATES:-0.5,1,2,3}
+POISSON_SESSIONS=${POISSON_SESSIONS:-12}
+POISSON_TOKENS=${POISSON_TOKENS:-8000}
+POISSON_KEEP=${POISSON_KEEP:-0.1}
+POISSON_CAP_S=${POISSON_CAP_S:-220}
+ROUNDS=${ROUNDS:-5}
+ROUND_STREAMS=${ROUND_STREAMS:-100}
+ROUND_S=${ROUND_S:-4}
+STEP_CAP_S=${STEP_CAP_S:-150}
 PYTHON=${PYTHON:-python3}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TQDM_MININTERVAL=30
@@ -20,21 +51,100 @@ if compgen -G ".whl/*.whl" >/dev/null && ! "$PYTHON" -c "import fastapi" 2>/dev/
     "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
     export PYTHONPATH=/tmp/site:$PWD
 fi
+export PYTHONPATH=${PYTHONPATH:-$PWD}
+STARTED=$SECONDS
+
+stamp() { echo "== $* $(date +%T) (+$((SECONDS - STARTED)) s)"; }
+pack() { [ -n "${PACK:-}" ] && tar czf "$PACK.tmp" -C "$OUT" . && mv "$PACK.tmp" "$PACK"; return 0; }
+
+wait_health() {  # URL PID SECONDS: until URL/health answers 200, the process dies, or the time is up
+    "$PYTHON" - "$@" <<'EOF'
+import sys, time, os, httpx
+url, pid, limit = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+deadline = time.monotonic() + limit
+while time.monotonic() < deadline:
+    try:
+        if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+            sys.exit(0)
+    except httpx.HTTPError:
+        pass
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        sys.exit(f"{url}: the process {pid} ended before it answered")
+    time.sleep(0.5)
+sys.exit(f"{url}: no answer in {limit:.0f} s")
+EOF
+}
+
+regime() {
+    if [ ! -f "$REGIME_PAIR/demo.json" ]; then
+        "$PYTHON" -m specprefill demo-models "$REGIME_PAIR" --draft-shape "$REGIME_DRAFT" \
+            --target-shape "$REGIME_TARGET" --no-weights --max-positions 262144 --device cpu || return 1
+    fi
+    cp "$REGIME_PAIR/demo.json" "$OUT/regime-pair.json"
+    local engine=http://127.0.0.1:18001 gateway=http://127.0.0.1:18000 events
+    events='{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:18557", "replay_endpoint": "tcp://*:18558"}'
+    stamp "regime: engine ($REGIME_PAIR/target)"
+    "$PYTHON" -m specprefill engine --model "$REGIME_PAIR/target" --port 18001 --served-model-name specprefill-demo \
+        --kv-events-config "$events" --log-level warning >"$OUT/regime-engine.log" 2>&1 &
+    local engine_pid=$!
+    wait_health $engine $engine_pid 240 || { kill $engine_pid; return 1; }
+    stamp "regime: gateway ($REGIME_PAIR/draft)"
+    "$PYTHON" -m specprefill serve --port 18000 --backend-url $engine --backend-kind reference \
+        --target-model "$REGIME_PAIR/target" --draft-model "$REGIME_PAIR/draft" --served-model-name specprefill-demo \
+        --min-prompt-tokens 1024 --log-level warning >"$OUT/regime-gateway.log" 2>&1 &
+    local gateway_pid=$!
+    wait_health $gateway $gateway_pid 240 || { kill $gateway_pid $engine_pid; return 1; }
+    nvidia-smi --query-gpu=memory.used --format=csv >>"$OUT/device.txt" 2>/dev/null
+    for length in $REGIME_LENGTHS; do
+        stamp "regime: sweep at $length tokens"
+        timeout -k 10 "$SWEEP_CAP_S" "$PYTHON" -m specprefill bench --base-url $gateway --backend-url $engine \
+            --lengths "$length" --keep-rates "$REGIME_KEEPS" --repeats "$REGIME_REPEATS" --no-warmup-direct \
+            --out "$OUT/regime-$length" || echo "regime: the sweep at $length stopped ($?)"
+        nvidia-smi --query-gpu=memory.used --format=csv,noheader >>"$OUT/device.txt" 2>/dev/null
+        pack
+    done
+    local swept
+    swept=$(ls "$OUT"/regime-[0-9]*/bench.json 2>/dev/null | paste -sd,)
+    [ -n "$swept" ] && "$PYTHON" -m specprefill bench --merge "$swept" --out "$OUT/regime-sweep"
+    stamp "regime: Poisson mixed sessions"
+    timeout -k 10 "$POISSON_CAP_S" "$PYTHON" -m specprefill bench --base-url $gateway --backend-url $engine \
+        --workloads --arrivals poisson --shared-engine --session-rates "$POISSON_RATES" \
+        --sessions-per-rate "$POISSON_SESSIONS" --workload-tokens "$POISSON_TOKENS" \
+        --workload-keep-rate "$POISSON_KEEP" --out "$OUT/regime-poisson" || echo "regime: Poisson stopped ($?)"
+    kill $gateway_pid $engine_pid
+    wait $gateway_pid $engine_pid 2>/dev/null
+    return 0
+}
+
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/device.txt"
-"$PYTHON" -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)" | tee -a "$OUT/device.txt"
-if [ ! -f "$PAIR/demo.json" ]; then
-    time "$PYTHON" -m specprefill demo-models "$PAIR" --draft-shape llama-3.2-1b --target-shape llama-3.1-8b
-fi
+"$PYTHON" -c "import os, torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__, 'cpus', os.cpu_count())" | tee -a "$OUT/device.txt"
 for step in $STEPS; do
-    echo "== $step $(date +%T)"
+    stamp "$step"
     case $step in
-        scorer) "$PYTHON" benchmarks/bench_scorer.py --model "$PAIR/draft" --device cuda \
-                    --lengths 8192 16384 32768 --repeats 5 --json "$OUT/scorer.json" ;;
-        sweep) "$PYTHON" -m specprefill bench --pair "$PAIR" --lengths "${LENGTHS:-8192,16384,32768}" \
-                    --keep-rates 0.1,0.3,0.5,1.0 --repeats "${REPEATS:-3}" --out "$OUT/sweep" ;;
-        workloads) "$PYTHON" -m specprefill bench --pair "$PAIR" --workloads --workload-tokens "${WORKLOAD_TOKENS:-16000}" \
-                    --workload-requests "${WORKLOAD_REQUESTS:-5}" --out "$OUT/workloads" ${WORKLOAD_FLAGS:-} ;;
+        tests) timeout -k 10 "$STEP_CAP_S" "$PYTHON" -m pytest -q -p no:cacheprovider tests/common/test_attention.py \
+                   tests/draft_worker/test_graphs.py 2>&1 | tee "$OUT/tests.txt" ;;
+        attention) timeout -k 10 "$STEP_CAP_S" "$PYTHON" benchmarks/bench_attention.py --json "$OUT/attention.json" ;;
+        regime) regime ;;
+        rounds) timeout -k 10 "$STEP_CAP_S" "$PYTHON" benchmarks/loadtest.py --concurrency "$ROUND_STREAMS" \
+                    --rounds "$ROUNDS" --duration "$ROUND_S" --out "$OUT/rounds.json" 2>&1 | tee "$OUT/rounds.txt" ;;
+        scorer|sweep|workloads)
+            if [ ! -f "$PAIR/demo.json" ]; then
+                "$PYTHON" -m specprefill demo-models "$PAIR" --draft-shape llama-3.2-1b --target-shape llama-3.1-8b
+            fi
+            case $step in
+                scorer) "$PYTHON" benchmarks/bench_scorer.py --model "$PAIR/draft" --device cuda \
+                            --lengths 8192 16384 32768 --repeats 5 --json "$OUT/scorer.json" ;;
+                sweep) "$PYTHON" -m specprefill bench --pair "$PAIR" --lengths "${LENGTHS:-8192,16384,32768}" \
+                           --keep-rates 0.1,0.3,0.5,1.0 --repeats "${REPEATS:-3}" --out "$OUT/sweep" ;;
+                workloads) "$PYTHON" -m specprefill bench --pair "$PAIR" --workloads \
+                               --workload-tokens "${WORKLOAD_TOKENS:-16000}" \
+                               --workload-requests "${WORKLOAD_REQUESTS:-5}" --out "$OUT/workloads" \
+                               ${WORKLOAD_FLAGS:-} ;;
+            esac ;;
         *) echo "unknown step $step" >&2; exit 2 ;;
     esac
+    pack
 done
-echo "== done $(date +%T)"
+stamp done

@@ -12,15 +12,23 @@ fall back to the math kernel, which builds the attention matrix), so there this 
 for one new token with a mask (a decode step, the draft's look-ahead): SDPA's kernels split that work by
 query and head only, 32 blocks for a 4-query-group, 8-KV-head model, each streaming the whole cache, on a
 chip with 132 multiprocessors; two matrix products (``decode_attention``) spread the keys over all of them.
+A chunk of a prompt after a cached prefix (a chunked prefill, a prompt that extends a cached one) is causal
+over the whole cache, aligned at its end. transformers makes that a [Q, K] boolean mask, which on CUDA takes
+the memory-efficient kernel, after copying the cache once per query group. Where nothing is masked but
+causality, the mask interface here leaves the mask out on CUDA, and the attention runs SDPA's lower-right
+causal form (``causal_lower_right``: the flash kernel, which does the grouped heads itself). That holds for
+kept tokens at gapped positions too: their causal order is by index, and positions only turn RoPE.
+
 The kernel is registered when a model is loaded, never at import.
 """
 
 from __future__ import annotations
 
 import torch
+from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, causal_mask_function
 
 GQA_SDPA = "specprefill_gqa_sdpa"
 _BMM_OUT_DTYPE = "dtype" in torch.ops.aten.bmm.overloads()  # torch.bmm(..., out_dtype=): recent PyTorch only
@@ -33,6 +41,9 @@ def gqa_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
     plain = kwargs.get("cache") is None and kwargs.get("position_bias") is None and not dropout
     if plain and attention_mask is not None and query.device.type == "cuda" and query.shape[2] == 1:
         return decode_attention(query, key, value, attention_mask, scaling), None
+    if (plain and attention_mask is None and query.device.type == "cuda" and 1 < query.shape[2] < key.shape[2]
+            and getattr(module, "is_causal", True)):  # a chunk after a cache, its mask left out (below)
+        return lower_right_causal_attention(module, query, key, value, scaling), None
     # without a mask transformers already lets the kernel do GQA; CUDA, paged caches and position biases: as is
     if (attention_mask is None or query.device.type != "cpu" or getattr(module, "num_key_value_groups", 1) == 1
             or not plain):
@@ -42,6 +53,43 @@ def gqa_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
         query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True
     )
     return out.transpose(1, 2).contiguous(), None
+
+
+def lower_right_causal_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                                 value: torch.Tensor, scaling: float | None = None) -> torch.Tensor:
+    """Causal attention of the last Q of K positions: query i sees keys 0..K-Q+i. query: [B, Hq, Q, D]; key,
+    value: [B, Hkv, K, D]; returns [B, Q, Hq, D]. The flash kernel where it runs (it aligns a causal mask at the
+    end of the keys); elsewhere the mask made and handed to transformers' kernel choice, as before."""
+    q_length, kv_length = query.shape[2], key.shape[2]
+    grouped = query.shape[1] != key.shape[1]
+    params = torch.backends.cuda.SDPAParams(query, key, value, None, 0.0, False, grouped)
+    if query.device.type == "cuda" and torch.backends.cuda.can_use_flash_attention(params):
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=causal_lower_right(q_length, kv_length), scale=scaling, enable_gqa=grouped
+        )
+        return out.transpose(1, 2).contiguous()
+    mask = torch.ones(q_length, kv_length, dtype=torch.bool, device=query.device).tril(kv_length - q_length)
+    return sdpa_attention_forward(module, query, key, value, mask[None, None], scaling=scaling, is_causal=False)[0]
+
+
+def end_aligned_causal_mask(**kwargs) -> torch.Tensor | None:
+    """transformers' SDPA mask (its mask interface, called with keywords), except that on CUDA a plain causal mask
+    whose queries are the last ``q_length`` of the keys, with no padding, is left out (None) whatever the
+    query's length: ``gqa_sdpa_attention`` runs it as ``lower_right_causal_attention``. transformers itself
+    leaves it out only for one query or for no cache (there both alignments agree)."""
+    sdpa_mask = ALL_MASK_ATTENTION_FUNCTIONS["sdpa"]
+    q_offset, q_length = kwargs.get("q_offset"), kwargs.get("q_length")
+    kv_offset, kv_length = kwargs.get("kv_offset", 0), kwargs.get("kv_length")
+    if not (torch.device(kwargs.get("device", "cpu")).type == "cuda" and kwargs.get("allow_is_causal_skip", True)
+            and kwargs.get("mask_function", causal_mask_function) is causal_mask_function
+            and kwargs.get("local_size") is None and isinstance(q_offset, int) and isinstance(q_length, int)
+            and isinstance(kv_offset, int) and isinstance(kv_length, int)
+            and q_offset + q_length == kv_offset + kv_length):
+        return sdpa_mask(**kwargs)
+    padding = kwargs.get("attention_mask")  # [B, kv_offset + kv_length] (or None): 0 on padding
+    if padding is not None and (padding.shape[-1] != kv_offset + kv_length or not bool(padding[:, kv_offset:].all())):
+        return sdpa_mask(**kwargs)
+    return None
 
 
 def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor,
@@ -92,5 +140,5 @@ def use_gqa_sdpa(model: PreTrainedModel) -> None:
     if model.config._attn_implementation != "sdpa":
         return
     AttentionInterface.register(GQA_SDPA, gqa_sdpa_attention)
-    AttentionMaskInterface.register(GQA_SDPA, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    AttentionMaskInterface.register(GQA_SDPA, end_aligned_causal_mask)
     model.set_attn_implementation(GQA_SDPA)

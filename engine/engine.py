@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -26,6 +27,8 @@ from engine.sampling import SamplingParams, TextStream, adjust_logits, make_gene
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, StepOutput
 from engine.structured import StructuredOutputs
+
+logger = logging.getLogger("specprefill.engine")
 
 
 class ReferenceEngine:
@@ -105,10 +108,19 @@ class ReferenceEngine:
         while (running := self.scheduler.schedule()) is not None:
             for seq in running:
                 if seq.cancelled.is_set() or self._step_safely(seq):
-                    if self.prefix_cache is not None and seq.cache is not None:
-                        self.prefix_cache.store(*seq.computed(), seq.cache)
+                    self._store(seq)
                     self.scheduler.finish(seq)
             self.scheduler.drop_cancelled()
+
+    def _store(self, seq: Sequence) -> None:
+        """A finished sequence's blocks into the prefix cache. Keeping them is optional: a failure (the device
+        out of memory for the copies, say) is logged, and the engine goes on."""
+        if self.prefix_cache is None or seq.cache is None:
+            return
+        try:
+            self.prefix_cache.store(*seq.computed(), seq.cache)
+        except Exception:
+            logger.exception("could not keep a finished request's blocks in the prefix cache")
 
     def _step_safely(self, seq: Sequence) -> bool:
         try:

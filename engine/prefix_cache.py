@@ -71,26 +71,43 @@ class PrefixCache:
         return append_cache(config, len(token_ids) + reserve, reserve=reserve, layers=layers), n_tokens
 
     def store(self, token_ids: Sequence[int], position_ids: Sequence[int], cache: DynamicCache) -> None:
-        """Keeps the full blocks of a computed run (``cache`` holds KV for ``token_ids``, in order)."""
-        n_tokens = min(len(token_ids), cache.get_seq_length())
+        """Keeps the full blocks of a computed run (``cache`` holds KV for ``token_ids``, in order), at most as
+        many leading blocks as the cache holds: the head of a run is its most recently used part, so a longer
+        run's tail would be the first to go."""
+        n_tokens = min(len(token_ids), cache.get_seq_length(), self.max_blocks * self.block_size)
         keys = block_keys(token_ids[:n_tokens], position_ids[:n_tokens], self.block_size)
         hashes = chain(keys)
         new, removed = [], []
         with self._lock:
+            absent = [index for index, h in enumerate(hashes) if h not in self._blocks]
+            copies = self._copies(absent, cache)
             for index, h in reversed(list(enumerate(hashes))):
                 if h in self._blocks:
                     self._blocks.move_to_end(h)
                     continue
-                start, end = index * self.block_size, (index + 1) * self.block_size
-                self._blocks[h] = torch.stack([torch.stack((layer.keys[0, :, start:end],
-                                                            layer.values[0, :, start:end]))
-                                               for layer in cache.layers])
+                self._blocks[h] = copies[index]
                 new.append(index)
             while len(self._blocks) > self.max_blocks:  # when sequences side by side outgrew their room
                 removed.append(self._blocks.popitem(last=False)[0])
             if self.publish is not None and (new or removed):
                 events: list[Event] = [self._stored(run, hashes, keys) for run in _runs(sorted(new))]
                 self.publish(events + ([BlockRemoved(removed, "GPU")] if removed else []))
+
+    def _copies(self, indices: list[int], cache: DynamicCache, run_blocks: int = 256) -> dict[int, Block]:
+        """Each of these blocks' KV as a tensor of its own (evicting one frees it): a run of blocks is gathered
+        from every layer in one copy, then cut (one block at a time, every layer's keys and values were 130
+        small copies, and a 64-layer model's 128k-token prompt took seconds of the engine's time to store)."""
+        out: dict[int, Block] = {}
+        size = self.block_size
+        for run in _runs(indices):
+            for part in range(0, len(run), run_blocks):
+                blocks = run[part: part + run_blocks]
+                start, end = blocks[0] * size, (blocks[-1] + 1) * size
+                gathered = torch.stack([torch.stack((layer.keys[0, :, start:end], layer.values[0, :, start:end]))
+                                        for layer in cache.layers])  # [layers, 2, Hkv, tokens, D]
+                for offset, index in enumerate(blocks):
+                    out[index] = gathered[:, :, :, offset * size: (offset + 1) * size].clone()
+        return out
 
     def _evict(self, keep: int) -> None:
         """Least recently used blocks out until at most ``keep`` are left (under the lock)."""

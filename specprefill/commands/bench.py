@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import sys
 from pathlib import Path
 
@@ -28,6 +29,10 @@ class Bench(BaseSettings):
     keep_rates: list[float] = Field([0.1, 0.3, 0.5, 1.0], description="keep rates through the gateway")
     repeats: int = Field(3, description="measured requests per point (after the warm-up)")
     warmup: int = Field(1, description="unmeasured requests per length first")
+    warmup_direct: bool = Field(True, description="the warm-up requests also go directly (off: through the gateway "
+                                                  "only, where the draft has first-time costs at a new length and "
+                                                  "the engine has none: a 32B target's direct 128k-token prompt "
+                                                  "takes most of a minute on a GPU)")
     max_tokens: int = Field(1, description="tokens generated per request")
     out: str = Field("bench_results", description="folder for bench.json and the plots")
     load: bool = Field(False, description="also run the Poisson load mode")
@@ -79,6 +84,14 @@ class Bench(BaseSettings):
                                                    "prefix (prefix affinity, as SGLang's cache-aware router)")
     pair: str | None = Field(None, description="launched servers: a folder with draft/ and target/ (as "
                                                "`specprefill demo-models` writes; default: the demo pair)")
+    target_model: str | None = Field(None, description="launched servers: the target's folder instead of the pair's "
+                                                       "(`real`: the real model, SmolLM2-135M-Instruct)")
+    draft_model: str | None = Field(None, description="launched servers: the gateway's draft instead of the pair's "
+                                                      "(a folder, `target` for the target itself, or baseline:KIND)")
+    draft_layers: int | None = Field(None, ge=1, description="launched servers: the draft's first N layers only "
+                                                              "(with --draft-model target: a self-draft)")
+    merge: list[str] = Field([], description="merge these sweeps' bench.json files (one per length, say) into one "
+                                             "table and plot in --out, and run nothing")
     chaos: bool = Field(False, description="faults under load instead: Redis, the engine, a draft worker, a stalled "
                         "engine, refused swaps, several at once, then a SIGTERM, all on loopback (chaos.json)")
     chaos_fault_s: float = Field(8.0, description="chaos: seconds each part stays broken")
@@ -92,6 +105,14 @@ class Bench(BaseSettings):
 
 
 def run_bench(options: Bench) -> int:
+    if options.merge:
+        from specprefill.lab.bench import Row, format_table
+        from specprefill.lab.report import merge_outputs
+
+        written = merge_outputs(Path(options.out), [Path(source) for source in options.merge])
+        rows = [Row(**r) for r in json.loads(written[0].read_text())["rows"]]
+        print(format_table(rows) + "\nwrote " + ", ".join(str(p) for p in written))
+        return 0
     if (options.base_url is None) != (options.backend_url is None):
         print("specprefill bench: give --base-url with --backend-url (or neither, to launch the demo)", file=sys.stderr)
         return 2
@@ -111,10 +132,11 @@ def run_bench(options: Bench) -> int:
             print("specprefill bench: --router is round-robin or prefix", file=sys.stderr)
             return 2
         vllm_args = ("--scheduling-policy", "priority") if options.vllm_scheduling == "priority" else ()
+        target, draft = _models(options)
         context = launched(engines, gateway_args(options), options.vllm_python, out,
                            Path(options.pair) if options.pair else None, vllm_args=vllm_args,
                            kv_events=options.kv_events, cache_tokens=options.engine_cache_tokens,
-                           replicas=options.replicas, router=options.router)
+                           replicas=options.replicas, router=options.router, target=target, draft=draft)
     with context as stack, httpx.Client(timeout=60) as client:
         model = options.model or client.get(f"{stack.gateway_url}/v1/models").json()["data"][0]["id"]
         direct_model = options.backend_model or client.get(f"{stack.direct_url}/v1/models").json()["data"][0]["id"]
@@ -126,7 +148,9 @@ def run_bench(options: Bench) -> int:
                 "baseline": options.baseline, "gateway_warming": options.gateway_warming,
                 "gateway_keep_system_whole": options.gateway_keep_system_whole,
                 "replicas": options.replicas, "router": options.router if options.replicas > 1 else None,
-                "pair": _pair_description(options.pair) if options.base_url is None else None}
+                "pair": _pair_description(options.pair) if options.base_url is None else None,
+                "target_model": options.target_model, "draft_model": options.draft_model,
+                "draft_layers": options.draft_layers}
         if options.workloads:
             written = _workloads(options, stack, prompts, (model, direct_model), meta)
         else:
@@ -135,9 +159,30 @@ def run_bench(options: Bench) -> int:
     return 0
 
 
+def _models(options: Bench) -> tuple[Path | None, str | None]:
+    """The launched target's folder and the gateway's draft, where the options name them (else the pair's)."""
+    target = None
+    if options.target_model == "real":
+        from specprefill.lab.real_model import ensure_real_model
+
+        target = ensure_real_model()
+    elif options.target_model:
+        target = Path(options.target_model)
+    draft = options.draft_model
+    if draft == "target":
+        draft = str(target) if target else str(Path(options.pair) / "target") if options.pair else None
+        if draft is None:
+            from specprefill.lab.demo_models import ensure_demo_models
+
+            draft = str(ensure_demo_models() / "target")
+    return target, draft
+
+
 def gateway_args(options: Bench) -> list[str]:
     """The launched gateway's `specprefill serve` flags for these bench options."""
     args = ["--min-prompt-tokens", "1024" if options.workloads else str(min(options.lengths) // 2)]
+    if options.draft_layers:
+        args += ["--draft-layers", str(options.draft_layers)]
     if options.baseline:  # the gateway as it was before cache-aware planning
         return args + ["--planner", "fresh", "--no-warming", "--no-keep-system-whole"]
     if not options.gateway_warming:
@@ -156,7 +201,8 @@ def _sweep_and_load(options: Bench, stack: Stack, prompts, models: tuple[str, st
     samples, rows, load = [], [], None
     if not options.load_only:
         config = BenchConfig(stack.gateway_url, stack.direct_url, model, direct_model, options.lengths,
-                             options.keep_rates, options.repeats, options.warmup, options.max_tokens)
+                             options.keep_rates, options.repeats, options.warmup, options.max_tokens,
+                             options.warmup_direct)
         samples, rows = asyncio.run(run_sweep(config, prompts, stack.idle_urls))
         print(format_table(rows))
     if options.load or options.load_only:
@@ -181,6 +227,7 @@ def _sweep_and_load(options: Bench, stack: Stack, prompts, models: tuple[str, st
                       f"{r['errors']} errors")
         print(f"highest rate with p99 TTFT <= {options.ttft_slo:g} s: {load['max_rate']}")
     meta |= {"lengths": options.lengths, "keep_rates": options.keep_rates, "repeats": options.repeats,
+             "warmup": options.warmup, "warmup_direct": options.warmup_direct,
              "cost_coefficients": _cost_coefficients(stack.gateway_url)}
     return write_outputs(Path(options.out), rows, samples, load, meta)
 
@@ -277,7 +324,8 @@ def _engine_actions(options: Bench, stack: Stack, model: str):
 
 def _poisson(options: Bench, stack: Stack, prompts, paths) -> dict:
     """Each rate's schedule through both paths, one after the other (which first alternating), each once
-    everything is idle: the boundary between two systems under test."""
+    everything is idle: the boundary between two systems under test. The rates done so far are summarised in
+    ``sessions-partial.json`` after each one (a run stopped early keeps them)."""
     from specprefill.lab.bench import wait_idle
     from specprefill.lab.sessions import as_dicts, run_sessions, session_schedule, summarize_sessions
 
@@ -292,6 +340,8 @@ def _poisson(options: Bench, stack: Stack, prompts, paths) -> dict:
                     print(f"poisson: {rate:g} sessions/s through {path.name} "
                           f"({schedule[-1].start_s:.0f} s of arrivals)", flush=True)
                     samples += await run_sessions(path, schedule, rate, options.max_tokens)
+                (Path(options.out) / "sessions-partial.json").write_text(
+                    json.dumps({"summary": summarize_sessions(samples), "samples": as_dicts(samples)}))
         return samples
 
     samples = asyncio.run(run())
@@ -337,8 +387,6 @@ def _gateway_counters(gateway_url: str) -> dict[str, float]:
 
 def _pair_description(pair: str | None) -> dict:
     """What the launched servers ran: the pair's shapes (from its demo.json) and the device."""
-    import json
-
     import torch
 
     from specprefill.lab.demo_models import ensure_demo_models

@@ -13,6 +13,7 @@ import asyncio
 import json
 import random
 import re
+import secrets
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -75,11 +76,15 @@ class PromptMaker:
     """Chat prompts of a requested token length, each from a different document.
 
     Lengths are calibrated against the gateway's /v1/specprefill/compress (the target's own template and
-    tokenizer), so it works for any deployment without a local tokenizer.
+    tokenizer), so it works for any deployment without a local tokenizer. Every document begins with this
+    maker's ``nonce`` (new for each maker unless given): the text after it is drawn from the same seeds in every
+    run, so without it a second run against the same engine would send the first run's documents again (their
+    starts cached at the engine, and recurring contexts to the gateway's planner).
     """
 
-    def __init__(self, client: httpx.Client, gateway: str, model: str) -> None:
+    def __init__(self, client: httpx.Client, gateway: str, model: str, nonce: str | None = None) -> None:
         self.client, self.gateway, self.model = client, gateway, model
+        self.nonce = nonce if nonce is not None else secrets.token_hex(4)
         self._seed = 1000
         self._sentences: list[str] = []
         self._chars_per_token: float | None = None
@@ -101,7 +106,7 @@ class PromptMaker:
             probe = " ".join(self._sentences[:400])
             self._chars_per_token = len(probe) / self.count([{"role": "user", "content": probe}])
         start = rng.randrange(len(self._sentences) // 2)
-        text, chars = [], 0
+        text, chars = [f"Record {self.nonce}-{self._seed}."], 0
         target_chars = int(tokens * self._chars_per_token)
         for sentence in self._sentences[start:] + self._sentences[:start]:
             if chars >= target_chars:
@@ -127,12 +132,15 @@ ACTIVITY_METRICS = ("specprefill_engine_active_requests", "vllm:num_requests_run
                     "specprefill_backend_requests_in_flight", "specprefill_warming_pending_contexts")
 
 
-async def wait_idle(client: httpx.AsyncClient, urls: list[str], timeout: float = 600.0) -> None:
+async def wait_idle(client: httpx.AsyncClient, urls: list[str], timeout: float = 600.0, *,
+                    report_after: float = 30.0) -> None:
     """Until no engine or gateway in ``urls`` reports a request running, waiting or in flight, or a context
-    waiting to be warmed (their /metrics)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        busy = 0.0
+    waiting to be warmed (their /metrics). What keeps them busy is printed once after ``report_after`` seconds,
+    and named in the error at ``timeout``."""
+    start = time.monotonic()
+    reported = False
+    while True:
+        busy = []
         for url in urls:
             try:
                 response = await client.get(f"{url}/metrics")
@@ -140,13 +148,17 @@ async def wait_idle(client: httpx.AsyncClient, urls: list[str], timeout: float =
                 continue
             if response.status_code != 200:  # nothing to read (behind an API key, say): take it as idle
                 continue
-            text = response.text
-            busy += sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                        if line.split("{")[0].split(" ")[0] in ACTIVITY_METRICS)
-        if busy == 0:
+            busy += [f"{url} {line}" for line in response.text.splitlines()
+                     if line.split("{")[0].split(" ")[0] in ACTIVITY_METRICS and float(line.rsplit(" ", 1)[1])]
+        if not busy:
             return
+        waited = time.monotonic() - start
+        if waited > timeout:
+            raise RuntimeError(f"busy for {timeout:.0f} s: " + "; ".join(busy))
+        if waited > report_after and not reported:
+            print(f"waiting for idle for {waited:.0f} s: " + "; ".join(busy), flush=True)
+            reported = True
         await asyncio.sleep(0.1)
-    raise RuntimeError(f"{urls} stayed busy for {timeout:.0f} s")
 
 
 FIRST_MESSAGES_EVENTS = ("content_block_start", "content_block_delta", "message_delta")  # after the prefill
@@ -192,6 +204,7 @@ class BenchConfig:
     repeats: int = 3
     warmup: int = 1
     max_tokens: int = 1
+    warmup_direct: bool = True  # the warm-up requests also go directly (and the kept tokens' own request)
 
 
 async def run_sweep(config: BenchConfig, prompts: PromptMaker,
@@ -207,10 +220,12 @@ async def run_sweep(config: BenchConfig, prompts: PromptMaker,
                 messages = prompts.make(length)
                 direct_body = {"model": config.backend_model, "messages": messages, "max_tokens": config.max_tokens,
                                "temperature": 0}
-                await wait_idle(client, idle_urls)
-                ttft, _ = await stream_ttft(client, f"{config.backend_url}/v1/chat/completions", direct_body, {})
-                if measured:
-                    samples.append(Sample("direct", length, 1.0, ttft))
+                direct = measured or config.warmup_direct
+                if direct:
+                    await wait_idle(client, idle_urls)
+                    ttft, _ = await stream_ttft(client, f"{config.backend_url}/v1/chat/completions", direct_body, {})
+                    if measured:
+                        samples.append(Sample("direct", length, 1.0, ttft))
                 for keep in config.keep_rates:
                     body = {**direct_body, "model": config.model, "messages": prompts.make(length)}
                     await wait_idle(client, idle_urls)
@@ -221,7 +236,7 @@ async def run_sweep(config: BenchConfig, prompts: PromptMaker,
                         samples.append(Sample("gateway", length, keep, ttft, kept,
                                               parse_server_timing(headers.get("server-timing")),
                                               headers.get("x-specprefill-status"), headers.get("x-specprefill-reason")))
-                    if keep < 1.0:  # the target reading only the kept tokens, directly
+                    if keep < 1.0 and direct:  # the target reading only the kept tokens, directly
                         kept_body = {**direct_body, "messages": prompts.make(kept)}
                         await wait_idle(client, idle_urls)
                         ttft, _ = await stream_ttft(client, f"{config.backend_url}/v1/chat/completions", kept_body,

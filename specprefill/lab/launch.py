@@ -71,7 +71,8 @@ class Engine:
 @contextlib.contextmanager
 def launched(engines: int, gateway_args: list[str], vllm_python: str | None, out: Path,
              pair: Path | None = None, vllm_args: tuple[str, ...] = (), *, kv_events: bool = False,
-             cache_tokens: int | None = None, replicas: int = 1, router: str = "round-robin") -> Iterator[Stack]:
+             cache_tokens: int | None = None, replicas: int = 1, router: str = "round-robin",
+             target: Path | None = None, draft: str | None = None) -> Iterator[Stack]:
     """The pair's target (``pair/target``; default: the demo pair) on ``engines`` engines (reference engines, or
     vLLM: the gateway's with the plugin, the direct one stock, both with ``vllm_args``) and a gateway in front
     of the first with ``pair/draft``, as local processes. With two, the direct path has its own engine, so
@@ -83,6 +84,9 @@ def launched(engines: int, gateway_args: list[str], vllm_python: str | None, out
     from specprefill.lab.vllm_server import VLLMServer
 
     root = pair or ensure_demo_models()
+    target = target or root / "target"
+    draft = draft or str(root / "draft")
+    max_len = min(32768, json.loads((target / "config.json").read_text())["max_position_embeddings"])
     servers: list = []
     gateway_extra = [] if kv_events else ["--backend-kv-events", "off"]
     try:
@@ -91,13 +95,13 @@ def launched(engines: int, gateway_args: list[str], vllm_python: str | None, out
             events = ("--kv-events-config", kv_events_config()) if gateways and kv_events else ()
             if vllm_python:
                 assert cache_tokens is None, "vLLM's cache is sized in GiB here (VLLM_CPU_KVCACHE_SPACE)"
-                servers.append(VLLMServer(vllm_python, root / "target", out / f"vllm-{index}.log", plugin=gateways,
-                                          served_name="specprefill-demo", max_model_len=32768,
+                servers.append(VLLMServer(vllm_python, target, out / f"vllm-{index}.log", plugin=gateways,
+                                          served_name="specprefill-demo", max_model_len=max_len,
                                           kv_cache_gib=4 if replicas == 1 else 2,
                                           extra_args=(*README_VLLM_ARGS, *vllm_args, *events)))
             else:
                 size = ("--kv-cache-tokens", str(cache_tokens)) if cache_tokens else ()
-                servers.append(Engine(["--model", str(root / "target"), *events, *size]))
+                servers.append(Engine(["--model", str(target), *events, *size]))
         for server in servers:
             server.wait()
         urls = [server.url for server in servers]
@@ -107,7 +111,7 @@ def launched(engines: int, gateway_args: list[str], vllm_python: str | None, out
         with contextlib.ExitStack() as stack:
             gateway_url = stack.enter_context(launched_gateway([
                 *backends, "--backend-kind", "vllm" if vllm_python else "reference", "--target-model",
-                str(root / "target"), "--draft-model", str(root / "draft"), "--served-model-name", "specprefill-demo",
+                str(target), "--draft-model", draft, "--served-model-name", "specprefill-demo",
                 *gateway_extra, *gateway_args]))
             direct_url = direct[0] if replicas == 1 else stack.enter_context(launched_router(direct, router))
             yield Stack(gateway_url, direct_url, [gateway_url, *urls], mine[0] if engines > 1 else None,

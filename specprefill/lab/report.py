@@ -20,6 +20,15 @@ def write_outputs(out_dir: Path, rows: list[Row], samples: list[Sample], load: d
     return written
 
 
+def merge_outputs(out_dir: Path, sources: list[Path]) -> list[Path]:
+    """Several sweeps' ``bench.json`` (one per length, say) as one: their rows, samples and each one's meta."""
+    payloads = [json.loads(Path(source).read_text()) for source in sources]
+    rows = sorted((Row(**r) for p in payloads for r in p["rows"]), key=lambda r: (r.tokens, r.keep_rate))
+    samples = [Sample(**s) for p in payloads for s in p["samples"]]
+    meta = {"merged": [{"source": str(source), **p["meta"]} for source, p in zip(sources, payloads, strict=True)]}
+    return write_outputs(out_dir, rows, samples, None, meta)
+
+
 def plot(out_dir: Path, rows: list[Row], load: dict | None) -> list[Path]:
     import matplotlib
 

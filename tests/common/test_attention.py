@@ -3,7 +3,17 @@ import copy
 import pytest
 import torch
 
-from common.attention import GQA_SDPA, decode_attention, float_logits, use_gqa_sdpa
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+from common import attention
+from common.attention import (
+    GQA_SDPA,
+    decode_attention,
+    end_aligned_causal_mask,
+    float_logits,
+    lower_right_causal_attention,
+    use_gqa_sdpa,
+)
 from engine.runner import prefill
 from tests.helpers import reference_logits, tiny_llama
 
@@ -72,3 +82,79 @@ def test_float_logits_on_cuda_are_the_upcast_products(dtype):
     got = float_logits(queries, keys)
     assert got.dtype == torch.float32 and got.shape == (1, 8, 4, 700)
     torch.testing.assert_close(got, queries.float() @ keys.float().transpose(-1, -2), rtol=1e-5, atol=1e-4)
+
+
+def _mask_arguments(q_length: int, kv_length: int, padding: torch.Tensor | None, device: str) -> dict:
+    return {"batch_size": 1, "q_length": q_length, "kv_length": kv_length, "q_offset": kv_length - q_length,
+            "kv_offset": 0, "attention_mask": padding, "allow_is_causal_skip": True, "device": device,
+            "dtype": torch.float32}
+
+
+def test_a_chunk_at_the_end_of_its_cache_gets_no_mask_on_cuda_only(monkeypatch):
+    """Left out (None), the attention runs the lower-right causal kernel; padding, a chunk not at the end of the
+    keys or another device keep transformers' own mask."""
+    made = []
+    sdpa_mask = ALL_MASK_ATTENTION_FUNCTIONS["sdpa"]
+
+    def spy(**kwargs):
+        made.append(kwargs["device"])
+        return sdpa_mask(**{**kwargs, "device": "cpu"})
+
+    monkeypatch.setitem(ALL_MASK_ATTENTION_FUNCTIONS, "sdpa", spy)
+    ones = torch.ones(1, 300, dtype=torch.long)
+    assert end_aligned_causal_mask(**_mask_arguments(100, 300, ones, "cuda")) is None
+    assert end_aligned_causal_mask(**_mask_arguments(100, 300, None, "cuda")) is None
+    assert made == []
+    padded = ones.clone()
+    padded[0, 5] = 0
+    cases = [_mask_arguments(100, 300, padded, "cuda"), _mask_arguments(100, 300, ones, "cpu"),
+             {**_mask_arguments(100, 300, ones, "cuda"), "q_offset": 0},  # not at the end: a static cache's room
+             {**_mask_arguments(100, 300, ones, "cuda"), "local_size": 64}]
+    for arguments in cases:
+        mask = end_aligned_causal_mask(**arguments)
+        assert mask is not None and mask.shape[-2:] == (100, 300)
+    assert made == ["cuda", "cpu", "cuda", "cuda"]
+
+
+@pytest.mark.parametrize("kv_heads", [2, 8])
+def test_lower_right_causal_attention_is_attention_under_the_end_aligned_mask(kv_heads):
+    g = torch.Generator().manual_seed(0)
+    query = torch.randn(1, 8, 40, 32, generator=g)
+    key, value = (torch.randn(1, kv_heads, 100, 32, generator=g) for _ in range(2))
+    visible = torch.arange(100)[None, :] <= torch.arange(60, 100)[:, None]  # query i sees keys 0..60+i
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=visible, enable_gqa=kv_heads != 8
+    ).transpose(1, 2)
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = 8 // kv_heads, True
+    torch.testing.assert_close(lower_right_causal_attention(module, query, key, value), expected)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_chunked_prefill_on_cuda_runs_the_flash_kernel_and_matches_the_oracle(monkeypatch):
+    """Kept tokens at gapped positions, in three chunks on a bf16 model: every chunk after the first without a
+    mask, through SDPA's lower-right causal form, and the logits as an explicit-mask float32 forward gives."""
+    model = tiny_llama(hidden=256, heads=8, kv_heads=2, max_positions=8192).to("cuda", torch.bfloat16)
+    use_gqa_sdpa(model)
+    flash = []
+    lower_right = attention.lower_right_causal_attention
+
+    def spy(module, query, key, value, scaling=None):  # (SDPA itself cannot be wrapped: CausalBias dispatches on it)
+        params = torch.backends.cuda.SDPAParams(query, key, value, None, 0.0, False, True)
+        flash.append(torch.backends.cuda.can_use_flash_attention(params))
+        return lower_right(module, query, key, value, scaling)
+
+    monkeypatch.setattr(attention, "lower_right_causal_attention", spy)
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(2, 256, (1500,), generator=generator).tolist()
+    positions = sorted(torch.randperm(6000, generator=generator)[:1500].tolist())
+    _, cache = prefill(model, torch.tensor([ids[:600]], device="cuda"), torch.tensor([positions[:600]], device="cuda"))
+    prefill(model, torch.tensor([ids[600:1200]], device="cuda"), torch.tensor([positions[600:1200]], device="cuda"),
+            cache)
+    logits, _ = prefill(model, torch.tensor([ids[1200:]], device="cuda"),
+                        torch.tensor([positions[1200:]], device="cuda"), cache)
+    assert flash == [True] * 2 * model.config.num_hidden_layers, flash
+    eager = copy.deepcopy(model).float()
+    eager.set_attn_implementation("eager")
+    expected = reference_logits(eager.cpu(), ids, positions)
+    assert torch.nn.functional.cosine_similarity(logits.cpu(), expected, dim=0) > 0.99

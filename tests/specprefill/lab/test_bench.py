@@ -66,6 +66,10 @@ def test_made_prompts_are_counted_through_a_copy_that_begins_otherwise():
     assert len(counted) == 4  # the characters-per-token probe, then one count per prompt
     assert all(c[:HEAD_CHARS] != m[:HEAD_CHARS] for c in counted for m in made)
     assert all(abs(len(m) // 4 - 2000) <= 100 for m in made)
+    # another run (another maker) draws from the same seeds: its documents still begin otherwise
+    again = PromptMaker(Counting(), "http://gateway", "tiny")
+    assert all(a[:HEAD_CHARS] != m[:HEAD_CHARS] for a in (again.make(2000)[0]["content"] for _ in range(3))
+               for m in made)
 
 
 def test_a_live_sweep_and_load_run(gateway_url, engine_backend, tmp_path):
