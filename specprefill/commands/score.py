@@ -44,7 +44,8 @@ def run_score(options: Score) -> int:
         raw = _read_input(options.file)
         token_ids = parse_token_ids(raw) if options.token_ids else None
         config = options.scoring_config()
-        worker = DraftWorker.from_pretrained(options.model, config, device=options.device, dtype=options.dtype)
+        worker = DraftWorker.from_pretrained(options.model, config, device=options.device, dtype=options.dtype,
+                                             layers=options.draft_layers)
         if token_ids is None:
             token_ids = worker.tokenizer(raw).input_ids  # as the gateway tokenizes a completion prompt
         scores = worker.score(token_ids)

@@ -19,7 +19,10 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-DEMO_VERSION = "v2"  # v2: the chat template renders tools
+from common.models import RANDOM_WEIGHTS
+
+DEMO_VERSION = "v3"  # v2: the chat template renders tools; v3: 131,072 positions (a coding agent's prompts)
+DEMO_POSITIONS = 131_072  # random weights need no training at any length
 DEMO_NAME = "specprefill-demo"  # the model name clients send to a gateway serving the demo pair
 BOS, EOS, EOT, PAD = "<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>", "<|pad|>"
 HEADER_START, HEADER_END = "<|start_header_id|>", "<|end_header_id|>"
@@ -67,6 +70,7 @@ SHAPES = {
     "llama-3.2-1b": ModelShape(2048, 8192, 16, 32, 8, tie_word_embeddings=True),
     "llama-3.2-3b": ModelShape(3072, 8192, 28, 24, 8, tie_word_embeddings=True),
     "llama-3.1-8b": ModelShape(4096, 14336, 32, 32, 8),
+    "qwen2.5-32b": ModelShape(5120, 27648, 64, 40, 8),  # in the Llama architecture: no biases on q, k and v
 }
 
 
@@ -151,10 +155,19 @@ def write_model(
     *,
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
+    weights: bool = True,
 ) -> None:
     """Random weights from ``seed``, initialised on ``device`` in ``dtype`` (an 8B model is made on a GPU in
-    seconds) and saved in ``dtype``."""
+    seconds) and saved in ``dtype``; without ``weights``, the config, the tokenizer and ``RANDOM_WEIGHTS`` only:
+    every load makes the same weights where it runs."""
     config = llama_config(shape, tokenizer, max_positions, init_std)
+    if not weights:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        config.save_pretrained(out_dir)
+        tokenizer.save_pretrained(out_dir)
+        dtype_name = str(dtype).removeprefix("torch.")
+        (out_dir / RANDOM_WEIGHTS).write_text(json.dumps({"seed": seed, "dtype": dtype_name}))
+        return
     torch.manual_seed(seed)
     with torch.device(device):
         model = LlamaForCausalLM._from_config(config, dtype=dtype).eval()
@@ -168,24 +181,25 @@ def write_model(
 def write_demo_models(out_dir: str | Path, seed: int = 0) -> Path:
     """Writes ``out_dir/draft`` and ``out_dir/target``. Deterministic for a given seed."""
     return write_shaped_pair(out_dir, "demo-draft", "demo-target", seed=seed, dtype=torch.float32,
-                             max_positions=32768)
+                             max_positions=DEMO_POSITIONS)
 
 
 def write_shaped_pair(out_dir: str | Path, draft: str, target: str, *, seed: int = 0,
                       device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16,
-                      max_positions: int = 65536) -> Path:
+                      max_positions: int = 65536, weights: bool = True) -> Path:
     """``out_dir/draft`` and ``out_dir/target`` at the named ``SHAPES`` with random weights and the demo
     tokenizer (the demo pair itself, or real models' compute and memory without their weights: for timing,
-    never for answers)."""
+    never for answers). Without ``weights`` the weights are made at each load instead (``RANDOM_WEIGHTS``)."""
     out_dir = Path(out_dir)
     tokenizer = train_tokenizer(seed=seed)
     tokenizer.model_max_length = max_positions
-    write_model(out_dir / "draft", SHAPES[draft], tokenizer, seed=seed + 1, max_positions=max_positions,
-                device=device, dtype=dtype)
-    write_model(out_dir / "target", SHAPES[target], tokenizer, seed=seed + 2, max_positions=max_positions,
-                device=device, dtype=dtype)
+    for name, shape, offset in (("draft", draft, 1), ("target", target, 2)):
+        write_model(out_dir / name, SHAPES[shape], tokenizer, seed=seed + offset, max_positions=max_positions,
+                    device=device, dtype=dtype, weights=weights)
     (out_dir / "demo.json").write_text(json.dumps({"version": DEMO_VERSION, "seed": seed, "draft": draft,
-                                                   "target": target, "dtype": str(dtype).removeprefix("torch.")}))
+                                                   "target": target, "dtype": str(dtype).removeprefix("torch."),
+                                                   "max_positions": max_positions,
+                                                   "weights": "saved" if weights else "made at load"}))
     return out_dir
 
 

@@ -45,3 +45,27 @@ def test_special_tokens_and_the_last_token_are_always_kept():
     assert select_tokens(ids, scores, 0.1, config, special_ids={2}) == [3] + list(range(50, 58)) + [99]
     assert select_tokens(ids, scores, 0.1, config) == list(range(50, 59)) + [99]
     assert select_tokens(ids, scores, 1.0, config) == list(range(100))
+
+
+def test_a_self_draft_is_the_model_cut_after_its_first_layers(model_pair, capsys):
+    """``--draft-layers K``: the model's first K decoder layers, then its own final norm and head, as transformers
+    builds the same checkpoint with a K-layer config; another identity (score-cache keys) than all the layers."""
+    from transformers import AutoModelForCausalLM
+
+    from specprefill.cli import main
+
+    full = DraftWorker.from_pretrained(model_pair / "target", device="cpu")
+    cut = DraftWorker.from_pretrained(model_pair / "target", device="cpu", layers=1)
+    assert cut.model.config.num_hidden_layers == len(cut.model.get_decoder().layers) == 1
+    assert cut.identity != full.identity
+    reference = AutoModelForCausalLM.from_pretrained(model_pair / "target", num_hidden_layers=1).eval()
+    ids = torch.tensor([cut.tokenizer("Bafu anbe zadubu ancuci focahe. " * 20).input_ids])
+    with torch.no_grad():
+        torch.testing.assert_close(cut.model(ids).logits, reference(ids).logits)
+    assert not torch.allclose(cut.score(ids[0].tolist()), full.score(ids[0].tolist()))
+    with pytest.raises(ValueError, match="has 2 decoder layers; use 1 to 2"):
+        DraftWorker.from_pretrained(model_pair / "target", device="cpu", layers=3)
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "--target-model", str(model_pair / "target"), "--draft-model", str(model_pair / "target"),
+              "--draft-layers", "3"])
+    assert exited.value.code == 2 and "--draft-layers 3" in capsys.readouterr().err

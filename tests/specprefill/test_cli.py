@@ -10,6 +10,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
+from common.models import load_causal_lm
+from engine.server import create_app as create_engine_app
+from engine.settings import EngineSettings
 from gateway.app import create_app
 from specprefill.cli import main
 from specprefill.lab.demo_models import SHAPES, flops_per_token, llama_config, write_demo_models
@@ -92,6 +95,30 @@ def test_demo_models_at_named_shapes(tmp_path, capsys):
     with pytest.raises(SystemExit) as excinfo:
         main(["demo-models", str(tmp_path / "x"), "--draft-shape", "llama-9b", "--target-shape", "llama-3.1-8b"])
     assert excinfo.value.code == 2 and "unknown shape 'llama-9b'" in capsys.readouterr().err
+
+
+def test_a_shaped_pair_without_weights_makes_the_same_weights_at_every_load(tmp_path):
+    """``--no-weights``: configs and the tokenizer on disk, the weights made by each loader from the seed (a
+    32B shape on a GPU, where 64 GB of weights could not be written); the engine serves it as any folder."""
+    main(["demo-models", str(tmp_path), "--draft-shape", "demo-draft", "--target-shape", "demo-target",
+          "--device", "cpu", "--no-weights", "--max-positions", "131072"])
+    assert not list(tmp_path.glob("*/*.safetensors"))
+    assert json.loads((tmp_path / "demo.json").read_text())["weights"] == "made at load"
+    first, again = (load_causal_lm(tmp_path / "target", device="cpu") for _ in range(2))
+    assert first.dtype == torch.bfloat16 and first.config.max_position_embeddings == 131072
+    assert first.config.num_hidden_layers == SHAPES["demo-target"].num_hidden_layers
+    for (name, a), b in zip(first.state_dict().items(), again.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    assert load_causal_lm(tmp_path / "draft", device="cpu", dtype="float32").dtype == torch.float32
+    with serve(create_engine_app(EngineSettings(model=str(tmp_path / "target"), device="cpu"))) as url:
+        answer = httpx.post(f"{url}/v1/completions", json={"model": str(tmp_path / "target"), "prompt": [5, 6, 7],
+                                                           "max_tokens": 2}, timeout=60)
+    assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] >= 1
+
+    config = llama_config(SHAPES["qwen2.5-32b"], AutoTokenizer.from_pretrained(tmp_path / "target"))
+    with torch.device("meta"):
+        billions = sum(p.numel() for p in LlamaForCausalLM(config).parameters()) / 1e9
+    assert 31.0 < billions < 31.5  # Qwen2.5-32B's 32.8B less its 152,064-row embedding and head
 
 
 def test_unknown_subcommand_fails_cleanly(capsys):

@@ -1,0 +1,186 @@
+"""Quality on real text with the real model (``specprefill eval --real``): SmolLM2-135M-Instruct answering
+questions about facts planted in the standard library's prose (``specprefill.lab.haystack``), through live
+gateways, with each draft and at each keep rate.
+
+Every draft is one ``specprefill serve`` process serving the real model on the in-process reference engine,
+asked with the OpenAI SDK as a user would (``x-keep-rate`` per request, greedy, 16 tokens):
+
+- ``target``: the target as its own draft (the paper's upper bound);
+- ``self-K``: the target's first K layers with its final norm and head (``--draft-layers K``);
+- ``cross``: the project's small trained draft with another tokenizer, mapped (``--draft-tokenizer-mapping``);
+- ``random``, ``head``, ``tail``: the same selection rule on baseline scores.
+
+The full prompt (``x-specprefill: off``) is asked once per sample. Planner ``fresh``: every request gets a fresh
+selection at its keep rate (the cost planner would send some prompts whole and measure nothing). Answers go
+to ``answers.jsonl`` as they come: a run that stops resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import openai
+from tqdm import tqdm
+
+from common.models import load_tokenizer
+from specprefill.lab.haystack import RULE_TASK, TASKS, HaystackSample, make_haystack
+from specprefill.lab.launch import launched_gateway
+from specprefill.lab.real_model import REAL_MODEL_NAME
+
+KEEP_RATES = (0.3, 0.1, 0.05)
+LENGTHS = (2000, 4000, 7000)
+SELF_LAYERS = (4, 8, 12)
+CROSS_DRAFT = Path(__file__).resolve().parents[1] / "data" / "retrieval-pair" / "draft-bpe"
+MAX_TOKENS = 16
+
+
+def variants(real: Path, self_layers=SELF_LAYERS) -> dict[str, list[str]]:
+    """Each draft as the gateway's flags."""
+    out = {"target": ["--draft-model", str(real)]}
+    out |= {f"self-{k}": ["--draft-model", str(real), "--draft-layers", str(k)] for k in self_layers}
+    out["cross"] = ["--draft-model", str(CROSS_DRAFT)]
+    out |= {kind: ["--draft-model", f"baseline:{kind}"] for kind in ("random", "head", "tail")}
+    return out
+
+
+@dataclass(frozen=True)
+class Item:
+    length: int  # the asked length (the chat's tokens, about)
+    index: int  # the haystack's number at that length
+    sample: HaystackSample
+
+
+def items(real: Path, lengths, samples: int, rule_length: int | None, seed: int = 1234) -> list[Item]:
+    """Every length's haystacks (each asked every task's question), and the rule's own haystacks."""
+    tokenizer = load_tokenizer(real)
+
+    def count(messages: list[dict]) -> int:
+        return len(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False))
+
+    out = []
+    for length in lengths:
+        rng = random.Random(seed + length)
+        for index in range(samples):
+            out += [Item(length, index, s) for s in make_haystack(length, rng, count)]
+    if rule_length:
+        rng = random.Random(seed + rule_length + 1)
+        for index in range(samples):
+            out += [Item(rule_length, index, s) for s in make_haystack(rule_length, rng, count, (RULE_TASK,))]
+    return out
+
+
+def _key(length: int, index: int, task: str, variant: str, keep: float) -> str:
+    return f"{length}/{index}/{task}/{variant}/{keep:g}"
+
+
+def _done(path: Path) -> dict[str, dict]:
+    if not path.exists():
+        return {}
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return {_key(r["length"], r["index"], r["task"], r["variant"], r["keep"]): r for r in rows}
+
+
+def _ask(client: openai.OpenAI, item: Item, variant: str, keep: float, headers: dict) -> dict:
+    raw = client.chat.completions.with_raw_response.create(
+        model=REAL_MODEL_NAME, messages=item.sample.messages, max_tokens=MAX_TOKENS, temperature=0,
+        extra_headers=headers)
+    text = raw.parse().choices[0].message.content or ""
+    return {"length": item.length, "index": item.index, "task": item.sample.task, "variant": variant, "keep": keep,
+            "tokens": int(raw.headers["x-specprefill-original-tokens"]),
+            "kept": int(raw.headers["x-specprefill-kept-tokens"]), "status": raw.headers["x-specprefill-status"],
+            "answer": text, "expected": item.sample.answer, "correct": item.sample.correct(text),
+            "obeys": item.sample.obeys(text), "depths": item.sample.depths}
+
+
+def run_real_eval(real: Path, out: Path, *, lengths=LENGTHS, samples: int = 50, keep_rates=KEEP_RATES,
+                  self_layers=SELF_LAYERS, names: list[str] | None = None, rule_length: int | None = 2000
+                  ) -> list[dict]:
+    """Every answer (resumed from ``out/answers.jsonl``), lengths in order, each length's drafts one after the
+    other."""
+    out.mkdir(parents=True, exist_ok=True)
+    answers = out / "answers.jsonl"
+    done = _done(answers)
+    drafts = variants(real, self_layers)
+    drafts = {name: args for name, args in drafts.items() if names is None or name in names}
+    everything = items(real, lengths, samples, rule_length)
+    common = ["--target-model", str(real), "--served-model-name", REAL_MODEL_NAME, "--planner", "fresh",
+              "--min-prompt-tokens", "64", "--device", "cpu", "--log-level", "warning"]
+    with answers.open("a") as sink:
+        for length in sorted({i.length for i in everything}):
+            mine = [i for i in everything if i.length == length]
+            for name, args in drafts.items():
+                todo = [(i, keep) for i in mine for keep in (1.0, *keep_rates)
+                        if _key(length, i.index, i.sample.task, "full" if keep == 1 else name, keep) not in done]
+                if not todo:
+                    continue
+                with launched_gateway([*common, *args]) as url, \
+                        openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600) as client:
+                    for item, keep in tqdm(todo, desc=f"real eval: {length} tokens, {name}", unit="answer"):
+                        variant = "full" if keep == 1 else name
+                        headers = {"x-specprefill": "off"} if keep == 1 else {"x-keep-rate": f"{keep:g}"}
+                        row = _ask(client, item, variant, keep, headers)
+                        done[_key(length, item.index, item.sample.task, variant, keep)] = row
+                        sink.write(json.dumps(row) + "\n")
+                        sink.flush()
+    return list(done.values())
+
+
+def wilson(successes: int, total: int, z: float = 1.96) -> tuple[float, float]:
+    """The 95% Wilson score interval of a proportion."""
+    if total == 0:
+        return 0.0, 1.0
+    p = successes / total
+    centre = (p + z * z / (2 * total)) / (1 + z * z / total)
+    half = z * math.sqrt(p * (1 - p) / total + z * z / (4 * total * total)) / (1 + z * z / total)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """One cell per task, length, draft and keep rate (the full prompt as draft ``full``, keep 1): accuracy with
+    its 95% interval, and for the rule task how often the answer obeyed it."""
+    cells: dict[tuple, list[dict]] = {}
+    for r in rows:
+        cells.setdefault((r["task"], r["length"], r["variant"], r["keep"]), []).append(r)
+    out = []
+    for (task, length, variant, keep), group in sorted(cells.items(), key=lambda c: (c[0][0], c[0][1], -c[0][3],
+                                                                                    c[0][2])):
+        right = sum(r["correct"] for r in group)
+        low, high = wilson(right, len(group))
+        cell = {"task": task, "length": length, "variant": variant, "keep": keep, "samples": len(group),
+                "accuracy": right / len(group), "low": low, "high": high,
+                "tokens": sum(r["tokens"] for r in group) / len(group),
+                "kept": sum(r["kept"] for r in group) / len(group)}
+        if task == RULE_TASK:
+            cell["obeyed"] = sum(bool(r["obeys"]) for r in group) / len(group)
+        out.append(cell)
+    full = {(c["task"], c["length"]): c["accuracy"] for c in out if c["variant"] == "full"}
+    for c in out:
+        base = full.get((c["task"], c["length"]))
+        c["of_full"] = c["accuracy"] / base if base else None
+    return out
+
+
+def format_summary(cells: list[dict]) -> Iterator[str]:
+    for task in dict.fromkeys(c["task"] for c in cells):
+        for length in sorted({c["length"] for c in cells if c["task"] == task}):
+            mine = [c for c in cells if c["task"] == task and c["length"] == length]
+            full = next((c for c in mine if c["variant"] == "full"), None)
+            head = f"{task}, {length} tokens (about {mine[0]['tokens']:.0f}): "
+            yield head + (f"full prompt {full['accuracy']:.0%} [{full['low']:.0%}, {full['high']:.0%}] of "
+                          f"{full['samples']}" if full else "full prompt not asked")
+            keeps = sorted({c["keep"] for c in mine if c["variant"] != "full"}, reverse=True)
+            yield f"{'':>10} " + " ".join(f"{'keep ' + format(k, 'g'):>18}" for k in keeps)
+            for variant in dict.fromkeys(c["variant"] for c in mine if c["variant"] != "full"):
+                row = {c["keep"]: c for c in mine if c["variant"] == variant}
+                yield f"{variant:>10} " + " ".join(
+                    f"{row[k]['accuracy']:>6.0%} [{row[k]['low']:.0%}-{row[k]['high']:.0%}]".rjust(18)
+                    if k in row else " " * 18 for k in keeps)
+            yield ""
+
+
+TASK_ORDER = (*TASKS, RULE_TASK)

