@@ -3,12 +3,14 @@ answers as Response objects and Responses stream events.
 
 The gateway renders a Responses request with ``as_chat`` to score it, and forwards the client's body to the
 backend's ``/v1/responses`` with the swap; the reference engine serves ``/v1/responses`` with the same
-conversion. Items the conversion does not know (reasoning, files, a ``previous_response_id``) are refused by
-``as_chat`` with a 400, so the gateway sends such requests whole and the engine says what to change.
+conversion, so both read the same prompt. Input items a chat cannot hold (an earlier turn's reasoning, tools
+announced mid-conversation as Codex CLI sends them) are left out, with a debug log, as vLLM leaves out what
+its template cannot render; a ``previous_response_id`` is refused with a 400 (it needs a stored response).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -18,6 +20,8 @@ from pydantic import Field
 
 from common.errors import InvalidRequestError
 from common.protocol import ChatCompletionRequest, SpecPrefillOptions, WireModel
+
+logger = logging.getLogger("specprefill")
 
 
 class ResponsesRequest(WireModel):
@@ -83,9 +87,8 @@ def _append_item(messages: list[dict[str, Any]], item: dict[str, Any]) -> None:
             messages.append({"role": "assistant", "tool_calls": [call]})
     elif kind == "function_call_output":
         messages.append({"role": "tool", "content": item.get("output"), "tool_call_id": item.get("call_id")})
-    else:
-        raise InvalidRequestError(f"input items of type {kind!r} are not supported here; send messages, "
-                                  "function_call and function_call_output items", param="input")
+    else:  # reasoning, additional_tools, ...: nothing a chat template renders
+        logger.debug("a Responses input item of type %r is left out of the prompt", kind)
 
 
 def _chat_tool(tool: dict[str, Any]) -> dict[str, Any]:

@@ -101,15 +101,14 @@ class EngineServing:
         _check_positions(positions, len(token_ids), self.engine.max_positions)
         last = positions[-1]
         room = self.engine.max_positions - 1 - last
-        max_tokens = request.max_tokens if request.max_tokens is not None else room
-        if max_tokens <= 0:
+        if request.max_tokens is not None and request.max_tokens <= 0:
             raise InvalidRequestError("max_tokens must be at least 1", param="max_tokens")
-        if max_tokens > room:
-            raise InvalidRequestError(
-                f"the prompt ends at position {last} and max_tokens is {max_tokens}, past the model's "
-                f"{self.engine.max_positions} positions; ask for at most {room} tokens",
-                param="max_tokens",
-            )
+        if room <= 0:
+            raise InvalidRequestError(f"the prompt ends at position {last}, the model's last "
+                                      f"({self.engine.max_positions} positions): no room for a token",
+                                      param="max_tokens")
+        # at most what fits in the model's positions, as vLLM lowers it (agents ask for 32,000-128,000)
+        max_tokens = min(request.max_tokens, room) if request.max_tokens is not None else room
         params = SamplingParams(
             max_tokens=max_tokens,
             temperature=request.temperature,

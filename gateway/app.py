@@ -117,9 +117,11 @@ def create_app(settings: GatewaySettings | None = None, *, draft: DraftClient | 
 
     @app.get("/v1/models", dependencies=auth)
     async def models(raw_request: Request) -> JSONResponse:
-        """The served model (``--served-model-name``)."""
+        """The served model (``--served-model-name``), then its ``--model-alias`` names."""
         serving: GatewayServing = raw_request.app.state.serving
-        data = [{"id": serving.model_name, "object": "model", "created": int(time.time()), "owned_by": "specprefill"}]
+        names = [serving.model_name, *(a for a in serving.settings.model_alias if a != serving.model_name)]
+        created = int(time.time())
+        data = [{"id": name, "object": "model", "created": created, "owned_by": "specprefill"} for name in names]
         return JSONResponse({"object": "list", "data": data})
 
     @app.get("/health")

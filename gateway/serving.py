@@ -143,7 +143,7 @@ class GatewayServing:
             raise InvalidRequestError(f"the prompt has {len(token_ids)} tokens; this gateway accepts at most {limit}",
                                       param=param, code="context_length_exceeded")
         requested = request.completion_params().get("max_tokens")
-        if requested is not None and requested > settings.max_tokens_limit:
+        if requested is not None and settings.max_tokens_limit is not None and requested > settings.max_tokens_limit:
             raise InvalidRequestError(f"max_tokens is {requested}; this gateway allows at most "
                                       f"{settings.max_tokens_limit}", param="max_tokens")
 

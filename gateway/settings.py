@@ -40,7 +40,8 @@ class GatewaySettings(ServerOptions, DeviceOptions, ScoringOptions):
                                            "health checks (a replica that fails one is out until it passes)")
     backend_api_key: SecretStr | None = Field(None, description="Bearer token the gateway sends to the backend")
     target_model: str | None = Field(None, description="the target model (its tokenizer and chat template); "
-                                     "without it and --draft-model, `specprefill serve` runs the demo pair")
+                                     "without it and --draft-model, `specprefill serve` runs the real model, "
+                                     "SmolLM2-135M-Instruct, drafting for itself")
     draft_model: str | None = Field(None, description="the draft model (ideally with the target's tokenizer; "
                                     "see --draft-tokenizer-mapping), or baseline:random|head|tail (scores "
                                     "without a model, to compare against in evals)")
@@ -52,6 +53,9 @@ class GatewaySettings(ServerOptions, DeviceOptions, ScoringOptions):
     draft_tokenizer: str | None = Field(None, description="the draft's tokenizer, for remote draft workers whose "
                                         "tokenizer differs from the target's (default: --draft-model)")
     served_model_name: str | None = Field(None, description="the model name clients use (default: the target's)")
+    model_alias: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="other names clients may send for the served model; repeated (or "
+        "comma-separated): coding agents send their own, e.g. claude-sonnet-4-5 (Claude Code) or gpt-5 (Codex CLI)")
     redis_url: str | None = Field(None, description="Redis for the shared score cache (default: in-memory)")
     redis_key_prefix: str = Field("specprefill:", description="prefix of every Redis key")
     score_cache_ttl: float = Field(3600.0, gt=0, description="seconds a cached score array lives")
@@ -101,7 +105,9 @@ class GatewaySettings(ServerOptions, DeviceOptions, ScoringOptions):
     backend_read_timeout: float = Field(600.0, gt=0, description="seconds to wait for each backend read")
     max_request_bytes: int = Field(16 << 20, gt=0, description="larger request bodies get 413")
     max_prompt_tokens: int | None = Field(None, gt=0, description="longer prompts get 400 (default: the target's limit)")
-    max_tokens_limit: int = Field(32768, gt=0, description="max_tokens above this gets 400")
+    max_tokens_limit: int | None = Field(None, gt=0, description="max_tokens above this gets 400 (default: none; "
+                                        "the engine lowers max_tokens to what fits in the model's positions, as "
+                                        "vLLM does, and coding agents ask for 32,000-128,000)")
     max_messages: int = Field(4096, gt=0, description="chats with more messages get 400")
     metrics_public: bool = Field(False, description="serve /metrics without the API key")
 
@@ -116,6 +122,15 @@ class GatewaySettings(ServerOptions, DeviceOptions, ScoringOptions):
         if value is not None:
             cost_models(value)  # a ValueError names what is missing
         return value
+
+    @field_validator("model_alias", mode="before")
+    @classmethod
+    def _aliases(cls, value: str | list[str] | None) -> list[str]:
+        if value is None:
+            return []
+        if isinstance(value, str):
+            value = re.split(r"[,\s]+", value.strip())
+        return [name for name in value if name]
 
     @field_validator("backend_url", mode="before")
     @classmethod

@@ -29,6 +29,32 @@ def model_pair(tmp_path_factory, tokenizer) -> Path:
     return root
 
 
+@pytest.fixture(scope="session")
+def long_pair(tmp_path_factory, tokenizer) -> Path:
+    """The small pair's shapes with 131,072 positions (a coding agent's prompt: 35,000+ tokens), for the agents'
+    sessions. The target's end-of-turn row is doubled, so its random answers end within tens of tokens (agents ask
+    for 32,000), and its generation config is greedy (vLLM's default sampling for requests that set none)."""
+    import copy
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from specprefill.lab.demo_models import eos_ids
+
+    root = tmp_path_factory.mktemp("long-pair")
+    long = copy.deepcopy(tokenizer)
+    long.model_max_length = 131_072
+    write_model(root / "draft", ModelShape(64, 128, 2, 4, 2), long, seed=1, max_positions=131_072, init_std=0.2)
+    write_model(root / "target", ModelShape(128, 256, 2, 4, 2), long, seed=2, max_positions=131_072, init_std=0.2)
+    weights = load_file(root / "target" / "model.safetensors")
+    weights["lm_head.weight"][eos_ids(tokenizer)[0]] *= 2.0
+    save_file({k: v.contiguous() for k, v in weights.items()}, root / "target" / "model.safetensors",
+              metadata={"format": "pt"})
+    generation = json.loads((root / "target" / "generation_config.json").read_text())
+    (root / "target" / "generation_config.json").write_text(json.dumps({**generation, "temperature": 0.0}))
+    return root
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _close_sdk_clients():
     yield

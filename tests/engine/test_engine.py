@@ -13,6 +13,7 @@ import torch
 
 from common.models import load_causal_lm, load_tokenizer
 from engine.engine import ReferenceEngine
+from engine.prefix_cache import PrefixCache
 from engine.sampling import SamplingParams
 from tests.helpers import disconnects_release_the_engine, engine_app, reference_logits, serve
 
@@ -172,7 +173,7 @@ BAD_REQUESTS = [
     ({"prompt": [5, 6, 7], "position_ids": [3, 2, 5]}, "position_ids"),
     ({"prompt": [5, 6, 7], "position_ids": [-1, 2, 5]}, "position_ids"),
     ({"prompt": [5, 6, 7], "position_ids": [0, 1, 4096]}, "position_ids"),
-    ({"prompt": [5, 6, 7], "position_ids": [0, 1, 4090], "max_tokens": 10}, "max_tokens"),
+    ({"prompt": [5, 6, 7], "position_ids": [0, 1, 4095]}, "max_tokens"),
     ({"prompt": [5, 6], "max_tokens": 0}, "max_tokens"),
     ({"prompt": [5, 6], "max_tokens": -3}, "max_tokens"),
     ({"prompt": [5, 6], "temperature": -1}, "temperature"),
@@ -190,6 +191,13 @@ BAD_REQUESTS = [
     ({"prompt": [5, 6], "model": "nope"}, "model"),
     ({}, "prompt"),
 ]
+
+
+def test_max_tokens_past_the_positions_is_lowered_to_what_fits(engine_url):
+    """As vLLM does: coding agents ask for 32,000-128,000 tokens whatever the context left."""
+    answer = _complete(engine_url, prompt=[5, 6, 7], position_ids=[0, 1, 4090], max_tokens=100, ignore_eos=True,
+                       return_token_ids=True)
+    assert answer["choices"][0]["finish_reason"] == "length" and answer["usage"]["completion_tokens"] == 5
 
 
 @pytest.mark.parametrize("body,param", BAD_REQUESTS)
@@ -346,3 +354,23 @@ async def test_a_background_chunk_yields_to_a_new_request_between_layers(model_p
     for got, want in zip(together, alone[::-1]):
         assert [t for t, _ in got] == [t for t, _ in want]
         assert [lp for _, lp in got] == pytest.approx([lp for _, lp in want], abs=1e-4)
+
+
+async def test_a_prefix_cache_that_cannot_keep_the_blocks_stops_nothing(model_pair, target, monkeypatch, caplog):
+    """Keeping a finished request's blocks is optional: a store that fails (the device out of memory for the
+    copies) is logged, and the next request is served."""
+    engine = ReferenceEngine(target, load_tokenizer(model_pair / "target"), prefix_cache=PrefixCache(4096))
+
+    def out_of_memory(*args):
+        raise torch.OutOfMemoryError("CUDA out of memory (a test)")
+
+    monkeypatch.setattr(engine.prefix_cache, "store", out_of_memory)
+    params = SamplingParams(max_tokens=2, temperature=0)
+    async def answer(seed: int) -> list:
+        return [s async for s in engine.generate(*_gapped(seed=seed), params)]
+
+    for seed in (16, 17):  # without the engine thread the second would wait for ever
+        steps = await asyncio.wait_for(answer(seed), 60)
+        assert steps[-1].finish_reason == "length"
+    engine.close()
+    assert "could not keep a finished request's blocks" in caplog.text
