@@ -83,7 +83,7 @@ def _validation_error(errors: list[dict]) -> InvalidRequestError:
     if first.get("type") == "json_invalid":
         return InvalidRequestError("the request body is not valid JSON")
     param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
-    message = first.get("msg", "invalid value")
+    message = first.get("msg", "invalid value").removeprefix("Value error, ")
     return InvalidRequestError(f"{param}: {message}" if param else message, param=param)
 
 

@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 import jinja2
 import jinja2.sandbox
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from common.errors import APIError, InvalidRequestError, parse_body
 from common.protocol import ChatCompletionRequest, SpecPrefillOptions, WireModel
@@ -47,6 +47,8 @@ class ContentBlock(WireModel):
     thinking: str | None = None
     signature: str | None = None
     data: str | None = None
+    tool: dict[str, Any] | None = None  # tool_addition / tool_removal: {"type": "tool_reference", "name": ...} or
+    # {"type": "tool_definition", "definition": {...}} (tools announced or withdrawn mid-conversation)
 
 
 class MessageParam(WireModel):
@@ -59,6 +61,7 @@ class ToolParam(WireModel):
     description: str | None = None
     input_schema: dict[str, Any]
     strict: bool | None = None
+    defer_loading: bool | None = None  # advanced tool use: announced, its schema loaded when searched for
 
 
 class ToolChoice(WireModel):
@@ -76,6 +79,19 @@ class Conversation(WireModel):
     tools: list[ToolParam] | None = None
     tool_choice: ToolChoice | None = None
     thinking: dict[str, Any] | None = None
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _client_tools(cls, tools: Any) -> Any:
+        """Tools with a ``type`` (web search, code execution, Anthropic's computer, bash and editor tools) run on
+        Anthropic's servers or take Anthropic's own schemas: a chat template renders neither."""
+        for tool in tools if isinstance(tools, list) else ():
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            if kind not in (None, "custom"):
+                raise ValueError(f"the tool {tool.get('name', kind)!r} is Anthropic's {kind}, which its servers run "
+                                 "or define; this gateway's model calls client tools (a name and an input_schema) "
+                                 "only: leave it out")
+        return tools
 
     def chat_messages(self, merge_inline_system: bool = False) -> list[dict[str, Any]]:
         """The conversation as chat messages, as vLLM converts it (``merge_inline_system``: system messages
@@ -108,10 +124,39 @@ class Conversation(WireModel):
             fields["parallel_tool_calls"] = not choice.disable_parallel_tool_use
             fields["tool_choice"] = ({"auto": "auto", "any": "required", "none": "none"}.get(choice.type)
                                      or {"type": "function", "function": {"name": choice.name}})
-        if self.tools is not None:
-            fields["tools"] = [_chat_tool(tool) for tool in self.tools]
+        tools = self.resolved_tools()
+        if tools is not None:
+            fields["tools"] = [_chat_tool(tool) for tool in tools]
             fields.setdefault("tool_choice", "auto")
         return fields
+
+    def resolved_tools(self) -> list[ToolParam] | None:
+        """The tools in effect at the end of the conversation, as vLLM resolves them (chat templates see one
+        list): ``tools``, then each ``tool_addition`` block (a tool by value is declared; one by name is no longer
+        deferred) and ``tool_removal`` block in the messages, in order."""
+        changes = [block for message in self.messages if not isinstance(message.content, str)
+                   for block in message.content if block.type in ("tool_addition", "tool_removal")]
+        if not changes:
+            return self.tools
+        tools = {tool.name: tool for tool in self.tools or []}
+        removed: set[str] = set()
+        for block in changes:
+            change = block.tool or {}
+            if change.get("type") == "tool_definition":
+                definition = ToolParam.model_validate(change.get("definition") or {})
+                name, tools[definition.name] = definition.name, definition
+            else:
+                name = change.get("name")
+                if name not in tools:
+                    raise InvalidRequestError(f"{block.type} names the tool {name!r}, which is not in tools",
+                                              param="messages")
+                if block.type == "tool_addition":
+                    tools[name] = tools[name].model_copy(update={"defer_loading": None})
+            if block.type == "tool_removal":
+                removed.add(name)
+            else:
+                removed.discard(name)
+        return [tool for name, tool in tools.items() if name not in removed]
 
     def as_chat(self, merge_inline_system: bool = False) -> ChatCompletionRequest:
         return _chat(self.chat_fields(merge_inline_system))
@@ -158,6 +203,8 @@ def _chat_tool(tool: ToolParam) -> dict[str, Any]:
     function = {"name": tool.name, "description": tool.description, "parameters": schema}
     if tool.strict is not None:
         function["strict"] = tool.strict
+    if tool.defer_loading is not None:
+        function["defer_loading"] = tool.defer_loading
     return {"type": "function", "function": function}
 
 

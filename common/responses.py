@@ -16,12 +16,13 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from common.errors import InvalidRequestError
 from common.protocol import ChatCompletionRequest, SpecPrefillOptions, WireModel
 
 logger = logging.getLogger("specprefill")
+HOSTED_TOOLS = ("web_search", "file_search", "code_interpreter", "image_generation", "computer_use", "mcp")
 
 
 class ResponsesRequest(WireModel):
@@ -38,6 +39,16 @@ class ResponsesRequest(WireModel):
     # --- extensions ---
     vllm_xargs: dict[str, Any] | None = None
     specprefill: SpecPrefillOptions | None = None
+
+    @field_validator("tools")
+    @classmethod
+    def _client_tools(cls, tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        for tool in tools or ():
+            kind = str(tool.get("type"))
+            if kind.startswith(HOSTED_TOOLS):
+                raise ValueError(f"the {kind} tool runs on OpenAI's servers; this gateway's model calls the "
+                                 "client's own tools (function, custom) only: leave it out")
+        return tools
 
     def as_chat(self) -> ChatCompletionRequest:
         """The chat this request renders as (instructions as the system turn, items as messages, flat tools as

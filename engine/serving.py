@@ -15,7 +15,7 @@ from common.chat import ChatChunkConverter, as_chat_chunks, completion_to_chat, 
 from common.errors import InvalidRequestError, NotFoundError
 from common.messages import Conversation, MessagesRequest, chat_to_message, merges_inline_system, message_events
 from common.models import load_causal_lm, load_tokenizer
-from common.protocol import ChatCompletionRequest, SamplingFields
+from common.protocol import TEXT_PARTS, ChatCompletionRequest, SamplingFields
 from common.responses import ResponsesRequest, chat_to_response, response_events
 from common.streams import merge, prepend
 from common.swap import requested_swap, swap_prompt
@@ -39,11 +39,12 @@ class PreparedRequest:
 
 
 class EngineServing:
-    def __init__(self, engine: ReferenceEngine, served_names: list[str], events: EventPublisher | None = None
-                 ) -> None:
+    def __init__(self, engine: ReferenceEngine, served_names: list[str], events: EventPublisher | None = None,
+                 max_new_tokens: int | None = None) -> None:
         self.engine = engine
         self.events = events  # the KV cache events' publisher, if any
         self.served_names = served_names
+        self.max_new_tokens = max_new_tokens  # every request's cap, whatever it asks
         self.pieces = PieceCache(engine.tokenizer)  # chats' repeated parts tokenized once, long new ones in parallel
         self.merge_inline_system = merges_inline_system(engine.tokenizer)  # for Messages, as vLLM decides it
 
@@ -61,7 +62,8 @@ class EngineServing:
                                  max_waiting=settings.max_waiting, prefill_chunk=settings.prefill_chunk,
                                  background_prefill_chunk=settings.background_prefill_chunk,
                                  prefix_cache=prefix_cache, on_active_change=on_active_change)
-        return cls(engine, [n for n in (settings.served_model_name, settings.model) if n], events)
+        names = [n for n in (settings.served_model_name, settings.model, *settings.model_alias) if n]
+        return cls(engine, list(dict.fromkeys(names)), events, settings.max_new_tokens)
 
     def close(self) -> None:
         self.engine.close()
@@ -109,6 +111,8 @@ class EngineServing:
                                       param="max_tokens")
         # at most what fits in the model's positions, as vLLM lowers it (agents ask for 32,000-128,000)
         max_tokens = min(request.max_tokens, room) if request.max_tokens is not None else room
+        if self.max_new_tokens is not None:
+            max_tokens = min(max_tokens, self.max_new_tokens)
         params = SamplingParams(
             max_tokens=max_tokens,
             temperature=request.temperature,
@@ -186,7 +190,11 @@ class EngineServing:
         """The chat rendered as vLLM renders it (tools in the template); the swap then applies to its tokens."""
         _check_supported(request)
         if not all(m.has_only_text() for m in request.messages):
-            raise InvalidRequestError("the reference engine reads text content parts only", param="messages")
+            kinds = sorted({str(part.get("type")) for m in request.messages if not m.has_only_text()
+                            for part in m.content} - set(TEXT_PARTS))
+            raise InvalidRequestError(f"the reference engine reads text content parts only, and this chat has "
+                                      f"{', '.join(kinds)} parts (a model without vision): send text",
+                                      param="messages")
         ids = render_chat(self.engine.tokenizer, request.messages, self.pieces.encode, tools=request.tools,
                           add_special_tokens=request.add_special_tokens).token_ids
         return EngineCompletionRequest(model=request.model, prompt=ids, **request.completion_params(),

@@ -32,6 +32,11 @@ class BackendGone(UpstreamError):
     """The backend refused the connection or dropped it (its process died, say)."""
 
 
+class StreamRefused(UpstreamError):
+    """A stream whose first event is an error: the backend refused the request after its 200 (vLLM's Messages
+    stream does so for a swap it refuses), before the client saw anything."""
+
+
 class Backend(Protocol):
     kind: str
 
@@ -255,6 +260,11 @@ class HTTPBackend:
         except StopAsyncIteration:
             await events.aclose()
             raise BackendGone("the backend closed the stream without an answer", code="backend_error") from None
+        except UpstreamError as exc:
+            await events.aclose()
+            if type(exc) is UpstreamError:  # an error event first
+                raise StreamRefused(exc.message, code=exc.code) from None
+            raise
         except BaseException:
             await events.aclose()
             raise

@@ -23,7 +23,7 @@ from common.errors import APIError, InvalidRequestError, NotFoundError
 from common.protocol import ChatCompletionRequest, CompletionRequest
 from common.swap import KEPT_KEY, POSITIONS_KEY, SWAP_PARAM
 from common.tokenize import PieceCache
-from gateway.backends import Backend, BackendGone
+from gateway.backends import Backend, BackendGone, StreamRefused
 from gateway.draft import DraftClient
 from gateway.engine_load import Ticket
 from gateway.metrics import GatewayMetrics
@@ -205,6 +205,8 @@ class GatewayServing:
         swap = {KEPT_KEY: plan.kept_token_ids(), POSITIONS_KEY: plan.kept_indices}
         try:
             return await self.forward(plan, {**body, "vllm_xargs": {**(body.get("vllm_xargs") or {}), **swap}}, path)
+        except StreamRefused as exc:  # refused after its 200, before any content: the whole prompt, as a mismatch
+            self._mismatched(exc.message)
         except APIError as exc:
             if exc.status_code != 400 or exc.param != SWAP_PARAM:
                 raise

@@ -198,6 +198,12 @@ def test_a_forced_tool_choice_is_compressed_and_reaches_the_engine(gateway_url, 
      "nope"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
       "stop_sequences": ["a", "b", "c", "d", "e"]}, 400, "invalid_request_error", "stop_sequences"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,  # a server tool
+      "tools": [{"type": "web_search_20250305", "name": "web_search"}]}, 400, "invalid_request_error",
+     "Anthropic's web_search_20250305"),
+    ({"messages": [{"role": "user", "content": [  # an image, for a model that reads text
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}},
+        {"type": "text", "text": "What is it?"}]}], "max_tokens": 4}, 400, "invalid_request_error", "image_url parts"),
 ])
 def test_bad_messages_input_gets_anthropics_error_shape(gateway_url, body, status, kind, says):
     response = httpx.post(f"{gateway_url}/v1/messages", json={"model": "tiny", **body}, timeout=30)

@@ -16,6 +16,7 @@ from specprefill.lab.bench import parse_server_timing
 from tests.helpers import (
     LONG_DOC,
     assert_swap_mismatch_is_a_400,
+    engine_app,
     gateway_settings,
     openai_client,
     reference_logits,
@@ -129,3 +130,59 @@ def test_a_swap_that_does_not_match_is_a_400_and_through_the_gateway_goes_whole(
         metrics = httpx.get(f"{gw}/metrics").text
         assert any(line.startswith("specprefill_swap_mismatch_total{") and line.endswith(" 2.0")
                    for line in metrics.splitlines())
+
+
+class _RefusesSwapsMidStream:
+    """An engine that answers a streamed swap with a 200 and an error as its first event, as vLLM's Messages
+    stream answers a swap its plugin refuses; everything else it serves as it is."""
+
+    def __init__(self, app) -> None:
+        self.app, self.refused = app, 0
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] != "POST":
+            return await self.app(scope, receive, send)
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        parsed = json.loads(body) if body else {}
+        if parsed.get("stream") and "kept_token_ids" in (parsed.get("vllm_xargs") or {}):
+            self.refused += 1
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"text/event-stream")]})
+            event = {"error": {"message": "kept token 9 at position 3 differs", "type": "BadRequestError",
+                               "code": 400}}
+            await send({"type": "http.response.body", "body": f"data: {json.dumps(event)}\n\n".encode()})
+            return
+        sent = False
+
+        async def replay():
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+def test_a_swap_refused_after_its_200_goes_whole_before_the_client_sees_anything(model_pair):
+    engine = _RefusesSwapsMidStream(engine_app(model_pair))
+    with serve(engine) as url, serve(create_app(gateway_settings(model_pair, backend_url=url))) as gw, \
+            openai_client(gw) as client:
+        raw = client.chat.completions.with_raw_response.create(model="tiny", messages=_messages(), max_tokens=2,
+                                                               stream=True, extra_headers=KEEP)
+        text = "".join(chunk.choices[0].delta.content or "" for chunk in raw.parse() if chunk.choices)
+    assert engine.refused == 1 and text
+    assert raw.headers["x-specprefill-status"] == "bypassed" and raw.headers["x-specprefill-reason"] == "swap_mismatch"
+
+
+def test_a_hosted_tool_in_a_responses_request_is_a_400_naming_it(gateway_url):
+    response = httpx.post(f"{gateway_url}/v1/responses", json={"model": "tiny", "input": "hi",
+                                                                "tools": [{"type": "web_search"}]}, timeout=30)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "tools" and "web_search tool runs on OpenAI's servers" in error["message"]

@@ -52,6 +52,15 @@ CASES = [
                                                     {"type": "text", "text": "Done."},
                                                     {"type": "tool_result", "tool_use_id": "t", "content": "x"}]},
                   {"role": "user", "content": "Again"}], "tool_choice": {"type": "none"}},
+    # Claude Code's advanced tool use: a deferred tool, then tools announced and withdrawn mid-conversation
+    {"tools": [TOOL, {**BARE_TOOL, "defer_loading": True}], "messages": [
+        {"role": "user", "content": "Go"},
+        {"role": "system", "content": [
+            {"type": "tool_addition", "tool": {"type": "tool_reference", "name": "list_files"}},
+            {"type": "tool_addition", "tool": {"type": "tool_definition", "definition": {
+                "name": "grep", "description": "Search", "input_schema": {"type": "object"}, "defer_loading": True}}},
+            {"type": "tool_removal", "tool": {"type": "tool_reference", "name": "read_file"}}]},
+        {"role": "user", "content": "Continue"}]},
     {"tools": [TOOL], "messages": [
         {"role": "user", "content": "Show me"},
         {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_9", "name": "read_file",
