@@ -129,6 +129,8 @@ class Planner:
         if (bypass := self._bypass(token_ids, options, unsupported)) is not None:
             return self._priced(bypass, whole, wait)
         priced = self.settings.planner == "cost"
+        if priced and self.settings.whole_when_cached and whole.cached >= self.settings.whole_when_cached * n:
+            return self._as_plan(whole, token_ids, options, reason=Reason.CACHED, wait=wait)
         seen = self.selections.longest_shared(tokens)
         began_like = self._began_like(seen, n)
         # likely to come back, so worth warming: a system prompt (shared by users), or a prompt that begins with

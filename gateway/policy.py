@@ -26,6 +26,9 @@ class Reason:
     """The backend rendered the request differently from the gateway, so the kept tokens were not its own."""
     CHEAPER_WHOLE = "cheaper_whole"
     """The cost model priced the whole prompt below any compression (short, mostly cached, or a slow draft)."""
+    CACHED = "cached"
+    """The engine holds nearly all of the prompt (``--whole-when-cached``): the target reads all of it, at the price
+    of its new tokens."""
 
     @staticmethod
     def unsupported(feature: str) -> str:

@@ -72,6 +72,10 @@ class GatewaySettings(ServerOptions, DeviceOptions, ScoringOptions):
                                               "(the paper's behaviour)")
     keep_system_whole: bool = Field(True, description="keep system prompts whole when that costs at most "
                                                       "--plan-slack more than compressing them")
+    whole_when_cached: float = Field(0.9, ge=0, le=1, description="send a prompt whole when the engine holds at least "
+                                     "this share of it (an agent's or a chat's next turn, once warmed): the target "
+                                     "reads all of it at the price of its new tokens, as directly, rather than a "
+                                     "compressed part of it a little sooner (0: price it like any plan)")
     plan_slack: float = Field(0.2, ge=0, description="a plan that keeps more of the prompt wins while it costs at "
                                                      "most this fraction more than the cheapest")
     reuse_threshold: float = Field(0.9, ge=0, le=1, description="an earlier selection is reused only if it keeps "

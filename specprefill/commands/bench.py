@@ -90,6 +90,16 @@ class Bench(BaseSettings):
                                                       "(a folder, `target` for the target itself, or baseline:KIND)")
     draft_layers: int | None = Field(None, ge=1, description="launched servers: the draft's first N layers only "
                                                               "(with --draft-model target: a self-draft)")
+    agents: bool = Field(False, description="coding agents' sessions instead: Claude Code (and Codex CLI) headless, "
+                         "turn after turn, through the gateway and directly, each path on its own engine "
+                         "(agents.json); the demo pair (131,072 positions), or --pair")
+    agent_names: list[str] = Field(["claude", "codex"], description="agents: which (claude, codex)")
+    agent_sessions: int = Field(1, ge=1, description="agents: sessions per agent and path")
+    agent_turns: int = Field(5, ge=1, description="agents: turns per session")
+    agent_think: float = Field(5.0, ge=0, description="agents: seconds between an answer and the next turn")
+    agent_max_new_tokens: int = Field(512, gt=0, description="agents: the engines' cap on each answer (a safety net: "
+                                      "the target's end-of-turn row is doubled so its random answers end by "
+                                      "themselves; an agent takes an answer cut at the cap for an error)")
     merge: list[str] = Field([], description="merge these sweeps' bench.json files (one per length, say) into one "
                                              "table and plot in --out, and run nothing")
     chaos: bool = Field(False, description="faults under load instead: Redis, the engine, a draft worker, a stalled "
@@ -120,6 +130,8 @@ def run_bench(options: Bench) -> int:
     out.mkdir(parents=True, exist_ok=True)
     if options.chaos:
         return _run_chaos(options, out)
+    if options.agents:
+        return _run_agents(options, out)
     if options.base_url is not None:
         urls = (options.base_url.rstrip("/"), options.backend_url.rstrip("/"))
         context = contextlib.nullcontext(Stack(*urls, list(urls)))
@@ -414,3 +426,55 @@ def _run_chaos(options: Bench, out: Path) -> int:
         print(f"soak: {report.growth(min(300.0, options.chaos_soak_s / 12))}")
     print(f"wrote {out / 'chaos.json'}")
     return 0 if summary["lost"] == 0 and not summary["wrong_answers"] and not summary["unshaped_errors"] else 1
+
+
+def _run_agents(options: Bench, out: Path) -> int:
+    """Each agent's sessions through each path's timing proxy: the direct path's engine stock, the gateway's with
+    the plugin (vLLM), the same turns in the same order, one path after the other (which first alternating)."""
+    import subprocess
+
+    from specprefill.lab.agents import AGENT_MODELS, TimingProxy, as_dicts, ending_target, format_turns, \
+        run_session, summarize_turns
+    from specprefill.lab.demo_models import ensure_demo_models
+
+    unknown = sorted(set(options.agent_names) - {"claude", "codex"})
+    if unknown:
+        print(f"specprefill bench: unknown agent {unknown[0]!r}: use claude or codex", file=sys.stderr)
+        return 2
+    script = Path(__file__).resolve().parents[2] / "scripts" / "agent-clis.sh"
+    installed = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=1800)
+    if installed.returncode != 0:
+        print(f"specprefill bench: the agents could not be installed:\n{installed.stderr[-2000:]}", file=sys.stderr)
+        return 1
+    bin_dir = Path(installed.stdout.strip().splitlines()[-1])
+    target, draft = _models(options)
+    pair = Path(options.pair) if options.pair else ensure_demo_models()
+    target = ending_target(target or pair / "target", out)
+    cap = options.agent_max_new_tokens
+    args = gateway_args(options) + ["--min-prompt-tokens", "1024", "--model-alias", ",".join(AGENT_MODELS)]
+    turns = []
+    with launched(2, args, options.vllm_python, out, pair,
+                  vllm_args=("--override-generation-config", json.dumps({"max_new_tokens": cap}),
+                             "--served-model-name", "specprefill-demo", *AGENT_MODELS),
+                  kv_events=options.kv_events, target=target, draft=draft, max_model_len=131_072,
+                  engine_args=("--max-new-tokens", str(cap), "--served-model-name", "specprefill-demo",
+                               *(arg for name in AGENT_MODELS for arg in ("--model-alias", name)))) as stack:
+        proxies = {"gateway": TimingProxy(stack.gateway_url), "direct": TimingProxy(stack.direct_url)}
+        with contextlib.ExitStack() as running:
+            urls = {name: running.enter_context(proxy.serving()) for name, proxy in proxies.items()}
+            for agent in options.agent_names:
+                for session in range(options.agent_sessions):
+                    order = ("direct", "gateway") if session % 2 == 0 else ("gateway", "direct")
+                    for path in order:
+                        print(f"agents: {agent} session {session + 1} through {path}", flush=True)
+                        turns += run_session(agent, bin_dir, path, urls[path], proxies[path], out / "sessions",
+                                             session, options.agent_turns, options.agent_think)
+        counters = _gateway_counters(stack.gateway_url)
+    rows = summarize_turns(turns)
+    print(format_turns(rows))
+    meta = {"engine": "vllm" if options.vllm_python else "reference", "think_s": options.agent_think,
+            "turns": options.agent_turns, "sessions": options.agent_sessions, "max_new_tokens": cap,
+            "pair": _pair_description(options.pair), "gateway_counters": counters}
+    (out / "agents.json").write_text(json.dumps({"meta": meta, "summary": rows, "turns": as_dicts(turns)}, indent=1))
+    print(f"wrote {out / 'agents.json'}")
+    return 0

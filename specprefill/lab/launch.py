@@ -72,21 +72,23 @@ class Engine:
 def launched(engines: int, gateway_args: list[str], vllm_python: str | None, out: Path,
              pair: Path | None = None, vllm_args: tuple[str, ...] = (), *, kv_events: bool = False,
              cache_tokens: int | None = None, replicas: int = 1, router: str = "round-robin",
-             target: Path | None = None, draft: str | None = None) -> Iterator[Stack]:
+             target: Path | None = None, draft: str | None = None, max_model_len: int | None = None,
+             engine_args: tuple[str, ...] = ()) -> Iterator[Stack]:
     """The pair's target (``pair/target``; default: the demo pair) on ``engines`` engines (reference engines, or
     vLLM: the gateway's with the plugin, the direct one stock, both with ``vllm_args``) and a gateway in front
     of the first with ``pair/draft``, as local processes. With two, the direct path has its own engine, so
     neither warms the other's prefix cache. ``kv_events``: the gateway's engine publishes its KV cache events
     and the gateway follows them; ``cache_tokens``: each engine's prefix cache holds this many tokens.
     ``replicas``: each path's engine is that many replicas: the gateway routes over its own, the direct path's
-    are behind a ``router`` of that policy."""
+    are behind a ``router`` of that policy. ``target``, ``draft``: instead of the pair's; ``max_model_len``:
+    vLLM's (default: the target's positions, at most 32,768); ``engine_args``: the reference engines' flags."""
     from specprefill.lab.demo_models import ensure_demo_models
     from specprefill.lab.vllm_server import VLLMServer
 
     root = pair or ensure_demo_models()
     target = target or root / "target"
     draft = draft or str(root / "draft")
-    max_len = min(32768, json.loads((target / "config.json").read_text())["max_position_embeddings"])
+    max_len = max_model_len or min(32768, json.loads((target / "config.json").read_text())["max_position_embeddings"])
     servers: list = []
     gateway_extra = [] if kv_events else ["--backend-kv-events", "off"]
     try:
@@ -101,7 +103,7 @@ def launched(engines: int, gateway_args: list[str], vllm_python: str | None, out
                                           extra_args=(*README_VLLM_ARGS, *vllm_args, *events)))
             else:
                 size = ("--kv-cache-tokens", str(cache_tokens)) if cache_tokens else ()
-                servers.append(Engine(["--model", str(target), *events, *size]))
+                servers.append(Engine(["--model", str(target), *events, *size, *engine_args]))
         for server in servers:
             server.wait()
         urls = [server.url for server in servers]

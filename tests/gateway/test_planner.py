@@ -104,8 +104,13 @@ async def test_a_prompt_the_engine_holds_goes_whole_without_the_draft():
     document = _ids(4000, 2)
     await planner.engine_cache.record(document, None)  # a warm, say
     plan = await planner.plan(document + _ids(30, 3), OPTIONS, [])
-    assert (plan.status, plan.reason, plan.kind, draft.calls) == ("bypassed", "cheaper_whole", "whole", 0)
+    assert (plan.status, plan.reason, plan.kind, draft.calls) == ("bypassed", "cached", "whole", 0)
     assert plan.engine_cached == 4000
+    # without --whole-when-cached it is priced like any plan, and whole is cheapest here too
+    priced, _ = _planner(whole_when_cached=0.0)
+    await priced.engine_cache.record(document, None)
+    plan = await priced.plan(document + _ids(30, 3), OPTIONS, [])
+    assert (plan.reason, plan.kind) == ("cheaper_whole", "whole")
     # the paper's planner compresses it anyway
     fresh, _ = _planner(planner="fresh")
     await fresh.engine_cache.record(document, None)
@@ -172,7 +177,7 @@ async def test_a_system_prompt_stays_whole_where_affordable():
     long[:3500] = True  # a long system prompt the engine has not seen: keeping it whole costs far more
     plan = await planner.plan(prompt, OPTIONS, [], long)
     assert plan.kind == "fresh" and not plan.protected and plan.kept_tokens < 0.5 * 4000
-    await planner.engine_cache.record(prompt[:3600], None)  # warmed: the system prompt now stays whole
+    await planner.engine_cache.record(prompt[:3520], None)  # warmed: the system prompt now stays whole
     plan = await planner.plan(prompt, OPTIONS, [], long)
     assert plan.kind == "fresh" and plan.protected and set(range(3500)) <= set(plan.kept_indices)
     assert plan.engine_cached >= 3488 and plan.kept_tokens < 3500 + 0.5 * 500
@@ -301,7 +306,7 @@ async def test_a_system_prompt_the_engine_holds_stays_whole_and_the_draft_is_ski
     await planner.engine_cache.record(prompt, None)  # the warm
     calls = draft.calls
     second = await planner.plan(prompt[:4000] + _ids(30, 11), OPTIONS, [], system)
-    assert second.kind == "whole" and second.reason == "cheaper_whole" and draft.calls == calls
+    assert second.kind == "whole" and second.reason == "cached" and draft.calls == calls
 
 
 async def test_a_system_prompt_the_engine_does_not_hold_extends_the_earlier_selection_of_it():
@@ -395,7 +400,7 @@ async def test_a_held_system_prompt_that_ends_inside_a_block_does_not_wake_the_d
     await planner.engine_cache.record(prompt, None)  # the warm
     plan = await planner.plan(prompt + _ids(30, 13), OPTIONS, [], system)
     assert plan.engine_cached == 4000
-    assert (plan.kind, plan.reason, draft.calls) == ("whole", "cheaper_whole", 0)
+    assert (plan.kind, plan.reason, draft.calls) == ("whole", "cached", 0)
 
 
 def _timed_engine(planner: Planner, lengths: list[int]):
@@ -538,3 +543,18 @@ async def test_an_engine_that_does_not_report_its_cache_hits_is_named(caplog):
     with caplog.at_level("WARNING", logger="specprefill.gateway"):
         await planner.calibrate(silent, list(range(10, 5000)), limit=1024)
     assert any("--enable-prompt-tokens-details" in r.message for r in caplog.records)
+
+
+async def test_a_prompt_the_engine_holds_nine_tenths_of_goes_whole_though_compressing_it_costs_less():
+    """Reading cached tokens is not free (here 1 ms each, as a 2-core CPU reads them), so a compressed plan that
+    reads fewer of them is cheaper; but the engine holds 90% of the prompt, and the target then reads all of it
+    at the price of its new tokens (an agent's next turn once warmed). Below 90% it is priced as always."""
+    costs = {"target": [0.0, 1e-3, 1e-3, 0.0], "draft": COSTS["draft"]}
+    planner, draft = _planner(cost_coefficients=costs)
+    prompt = _ids(4000, 40)
+    await planner.engine_cache.record(prompt[:3616], None)
+    plan = await planner.plan(prompt, OPTIONS, [])
+    assert (plan.kind, plan.reason, draft.calls) == ("whole", "cached", 0)
+    other, _ = _planner(cost_coefficients=costs)
+    await other.engine_cache.record(prompt[:3200], None)
+    assert (await other.plan(prompt, OPTIONS, [])).status == "compressed"
