@@ -130,7 +130,9 @@ def test_a_claude_code_session_answers_through_the_gateway_as_directly_at_vllm(a
         server.wait()
         answers = {}
         for path in ("direct", "gateway"):
-            work = _workdir(tmp_path / path)
+            # the same folder for both (Claude Code's system prompt names its working directory), emptied between
+            shutil.rmtree(tmp_path / "run", ignore_errors=True)
+            work = _workdir(tmp_path / "run")
             settings = _settings(long_pair, backend_url=server.url, backend_kind="vllm")
             with serve(create_app(settings), timeout=120) as gateway:
                 url, headers = (server.url, None) if path == "direct" else (gateway, "x-specprefill: off")
