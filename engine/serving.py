@@ -15,6 +15,7 @@ from common.chat import ChatChunkConverter, as_chat_chunks, completion_to_chat, 
 from common.errors import InvalidRequestError, NotFoundError
 from common.messages import Conversation, MessagesRequest, chat_to_message, merges_inline_system, message_events
 from common.models import load_causal_lm, load_tokenizer
+from common.prompt_bound import refuse_unfittable
 from common.protocol import TEXT_PARTS, ChatCompletionRequest, SamplingFields
 from common.responses import ResponsesRequest, chat_to_response, response_events
 from common.streams import merge, prepend
@@ -95,6 +96,7 @@ class EngineServing:
             raise NotFoundError(f"model {request.model!r} does not exist; this server serves {self.model_name!r}",
                                 param="model", code="model_not_found")
         _check_supported(request)
+        refuse_unfittable(request, self.engine.tokenizer, self.engine.max_positions, "the engine")
         token_ids = request.prompt_token_ids(self.engine.tokenizer, self.engine.vocab_size)
         if (swap := requested_swap(request.vllm_xargs)) is not None:  # the kept tokens, in place of the prompt
             token_ids, positions = swap_prompt(token_ids, *swap)
@@ -195,6 +197,7 @@ class EngineServing:
             raise InvalidRequestError(f"the reference engine reads text content parts only, and this chat has "
                                       f"{', '.join(kinds)} parts (a model without vision): send text",
                                       param="messages")
+        refuse_unfittable(request, self.engine.tokenizer, self.engine.max_positions, "the engine")
         ids = render_chat(self.engine.tokenizer, request.messages, self.pieces.encode, tools=request.tools,
                           add_special_tokens=request.add_special_tokens).token_ids
         return EngineCompletionRequest(model=request.model, prompt=ids, **request.completion_params(),

@@ -20,6 +20,7 @@ import torch
 
 from common.chat import RenderedChat, render_chat
 from common.errors import APIError, InvalidRequestError, NotFoundError
+from common.prompt_bound import refuse_unfittable
 from common.protocol import ChatCompletionRequest, CompletionRequest
 from common.swap import KEPT_KEY, POSITIONS_KEY, SWAP_PARAM
 from common.tokenize import PieceCache
@@ -36,6 +37,7 @@ from gateway.settings import GatewaySettings
 logger = logging.getLogger("specprefill.gateway")
 SYSTEM_ROLES = ("system", "developer")
 SWAP_KINDS = ("reference", "vllm")  # backends that render requests themselves and take the swap
+OFF_LOOP_CHARS = 65536  # prompts longer than this are rendered and tokenized off the event loop (about 20 ms)
 CHAT, COMPLETIONS, RESPONSES, MESSAGES = "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"
 
 
@@ -171,8 +173,10 @@ class GatewayServing:
         options = request_options(headers, request.specprefill, self.settings.keep_rate)
         if isinstance(request, ChatCompletionRequest) and not all(m.has_only_text() for m in request.messages):
             return Plan([], reason=Reason.UNSCORED_CONTENT, passthrough=True), Prompt([])  # images, audio
+        chars = refuse_unfittable(request, self.tokenizer, prompt_limit(self.settings, self.tokenizer))
         start = time.perf_counter()
-        prompt = self.prompt(request)
+        # a long prompt is rendered and tokenized on a worker thread: other requests and /health go on meanwhile
+        prompt = await asyncio.to_thread(self.prompt, request) if chars > OFF_LOOP_CHARS else self.prompt(request)
         tokenize_ms = (time.perf_counter() - start) * 1e3
         self.check_limits(request, prompt.token_ids)
         plan = await self.planner.plan(prompt.token_ids, options, self.unsupported(request), prompt.keep,

@@ -140,8 +140,7 @@ def test_sigterm_drains_in_flight_streams_and_refuses_new_requests(model_pair):
             assert httpx.get(f"{url}/health", timeout=10).status_code == 503
             rest = [line[6:] for line in lines if line.startswith("data: ")]
         assert rest[-1] == "[DONE]" and not any('"error"' in e for e in rest)  # the stream finished whole
-        # uvicorn re-raises the captured SIGTERM once it has shut down cleanly
-        assert gateway.wait(timeout=30) in (0, -signal.SIGTERM)
+        assert gateway.wait(timeout=30) == 0  # a clean drain exits 0 (not by the SIGTERM uvicorn raises again)
     finally:
         gateway.kill()
         gateway.wait()

@@ -35,6 +35,7 @@ LIMITS = [
      None),
     ("not an object", {"content": b"[1, 2, 3]"}, 400, None),
     ("wrong types", {"json": _chat(messages="hello")}, 400, "messages"),
+    ("a wrong type inside", {"json": _chat(messages=[{"role": "user", "content": 5}])}, 400, "messages[0].content"),
 ]
 
 
