@@ -2,7 +2,8 @@
 
 On the first SIGTERM (or SIGINT) the server keeps listening but answers new requests 503 (``/health``
 too, so load balancers take it out), lets in-flight requests and streams finish for up to
-``drain_timeout`` seconds, then stops. A second signal stops it at once.
+``drain_timeout`` seconds, then ends what is still in flight in its API's shape (a 503 with ``Retry-After``, or a
+stream's error event) and stops: with status 0 where nothing had to be ended. A second signal stops it at once.
 """
 
 from __future__ import annotations
@@ -13,10 +14,13 @@ import ctypes.util
 import gc
 import json
 import logging
+from dataclasses import dataclass
 
 import uvicorn
 
-from common.errors import error_body
+from common.errors import OverloadedError, error_body
+from common.messages import error_body as anthropic_error_body
+from common.streams import SSE_DONE, sse_error
 from common.options import ServerOptions
 
 logger = logging.getLogger("specprefill")
@@ -55,6 +59,20 @@ class GuardMiddleware:
         self.max_header_bytes = max_header_bytes
         self.in_flight = 0
         self.draining = False
+        self.requests: set[_InFlight] = set()
+
+    async def cut_off(self, timeout: float = 5.0) -> int:
+        """Ends every request still in flight, each in its API's shape (the drain ran out of time): a 503 with
+        ``Retry-After`` where nothing was sent yet, an error event (and ``[DONE]``, on OpenAI's chat and
+        completions streams) where a stream had begun. Returns how many it ended."""
+        requests = [r for r in self.requests if r.task is not None and not r.task.done()]
+        for request in requests:
+            request.cut = True
+            request.task.cancel()
+        deadline = asyncio.get_running_loop().time() + timeout
+        while self.requests and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.01)
+        return len(requests)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -81,21 +99,31 @@ class GuardMiddleware:
             return message
 
         self.in_flight += 1
-        started = False
+        request = _InFlight(scope.get("path", ""))
 
         async def tracking_send(message):
-            nonlocal started
             if message["type"] == "http.response.start":
-                started = True
+                request.started = True
+                request.stream = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream")
+                                     for k, v in message.get("headers", ()))
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                request.ended = True
             await send(message)
 
+        self.requests.add(request)
         try:
-            await self.app(scope, limited_receive, tracking_send)
+            request.task = asyncio.ensure_future(self.app(scope, limited_receive, tracking_send))
+            await request.task
         except _BodyTooLarge:
-            if not started:
+            if not request.started:
                 await _send_error(send, 413, f"the request body is larger than {self.max_body_bytes} bytes",
                                   "invalid_request_error")
+        except asyncio.CancelledError:
+            if not request.cut:
+                raise
+            await _cut_off(send, request)
         finally:
+            self.requests.discard(request)
             self.in_flight -= 1
             if received >= TRIM_AFTER_BYTES:
                 _give_back_memory()
@@ -103,6 +131,46 @@ class GuardMiddleware:
 
 class _BodyTooLarge(Exception):
     pass
+
+
+@dataclass(eq=False)
+class _InFlight:
+    """A request the guard is watching: where its answer stands, for ending it in shape if the drain runs out."""
+
+    path: str
+    task: asyncio.Future | None = None
+    started: bool = False  # the response's status line went out
+    stream: bool = False  # as server-sent events
+    ended: bool = False  # its last byte went out
+    cut: bool = False  # cancelled by the drain
+
+
+DRAIN_MESSAGE = "the server shut down before this request was answered; retry it on another replica"
+
+
+async def _cut_off(send, request: _InFlight) -> None:
+    """A request the drain cancelled, answered in its API's shape (Anthropic's on ``/v1/messages``, OpenAI's
+    elsewhere)."""
+    if request.ended:
+        return
+    anthropic = request.path.endswith("/messages")
+    error = OverloadedError(DRAIN_MESSAGE, headers={"retry-after": "1"})
+    if not request.started:
+        body = anthropic_error_body(error) if anthropic else error.body()
+        payload = json.dumps(body).encode()
+        await send({"type": "http.response.start", "status": 503,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
+                                (b"retry-after", b"1")]})
+        await send({"type": "http.response.body", "body": payload})
+    elif request.stream:
+        if anthropic:
+            frame = sse_error(error, named=True, shape=anthropic_error_body)
+        else:
+            responses = request.path.endswith("/responses")
+            frame = sse_error(error, named=responses) + (b"" if responses else SSE_DONE)
+        await send({"type": "http.response.body", "body": frame})
+    else:
+        await send({"type": "http.response.body", "body": b""})
 
 
 async def _send_error(send, status: int, message: str, error_type: str, headers: dict | None = None) -> None:
@@ -137,6 +205,10 @@ class DrainingServer(uvicorn.Server):
         while self.guard.in_flight > 0 and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.05)
         clean = self.guard.in_flight == 0
+        if not clean:
+            ended = await self.guard.cut_off()
+            logger.warning("drain: %.0f s passed; %d requests still in flight were ended with a 503 or an error "
+                           "event", self.drain_timeout, ended)
         super().handle_exit(sig, frame)
         if clean:  # every request answered: exit 0, not by the signal uvicorn would raise again on its way out
             self._captured_signals.clear()

@@ -144,3 +144,76 @@ def test_sigterm_drains_in_flight_streams_and_refuses_new_requests(model_pair):
     finally:
         gateway.kill()
         gateway.wait()
+
+
+def _stalling_backend():
+    """A chat backend whose answers never end: a stream sends one chunk and stalls, a whole answer never comes."""
+    from fastapi import FastAPI
+    from fastapi.responses import StreamingResponse
+
+    app = FastAPI()
+    app.state.arrived = 0
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: dict):
+        app.state.arrived += 1
+        if not body.get("stream"):
+            await asyncio.sleep(3600)
+        chunk = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 0, "model": "m",
+                 "choices": [{"index": 0, "delta": {"role": "assistant", "content": "Hel"}, "logprobs": None,
+                              "finish_reason": None}]}
+
+        async def stalling():
+            yield f"data: {json.dumps(chunk)}\n\n".encode()
+            await asyncio.sleep(3600)
+        return StreamingResponse(stalling(), media_type="text/event-stream")
+
+    return app
+
+
+def test_a_drain_that_runs_out_of_time_ends_every_request_in_its_shape(model_pair):
+    """Before: the non-streamed requests got a 500 with a non-JSON body, the streams were cut without an error
+    event or [DONE] (uvicorn cancelled them)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    stalling = _stalling_backend()
+    with serve(stalling) as backend:
+        gateway = start_command(["serve", "--port", str(port), "--target-model", str(model_pair / "target"),
+                                 "--draft-model", str(model_pair / "draft"), "--device", "cpu", "--served-model-name",
+                                 "tiny", "--backend-url", backend, "--backend-kind", "text", "--backend-model", "m",
+                                 "--no-calibrate", "--no-warming", "--drain-timeout", "1"], url)
+        try:
+            chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+            messages = {**chat, "stream": True}
+
+            def whole() -> httpx.Response:
+                return httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=60)
+
+            def streamed(path: str, body: dict) -> list[str]:
+                with httpx.stream("POST", f"{url}{path}", json=body, timeout=60) as response:
+                    assert response.status_code == 200
+                    return list(response.iter_lines())
+
+            with ThreadPoolExecutor(3) as pool:
+                answer = pool.submit(whole)
+                chat_stream = pool.submit(streamed, "/v1/chat/completions", {**chat, "stream": True})
+                messages_stream = pool.submit(streamed, "/v1/messages", messages)
+                deadline = time.monotonic() + 60
+                while stalling.state.arrived < 3 and time.monotonic() < deadline:  # all three at the backend
+                    time.sleep(0.05)
+                time.sleep(0.3)  # the streams' first chunks through
+                gateway.send_signal(signal.SIGTERM)
+                refused, chat_lines, messages_lines = answer.result(), chat_stream.result(), messages_stream.result()
+            assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+            assert refused.json()["error"]["type"] == "overloaded_error"
+            events = [line[6:] for line in chat_lines if line.startswith("data: ")]
+            assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["type"] == "overloaded_error"
+            assert "event: error" in messages_lines
+            error = json.loads(messages_lines[messages_lines.index("event: error") + 1][6:])
+            assert error == {"type": "error", "error": {"type": "overloaded_error", "message": error["error"]["message"]}}
+            assert gateway.wait(timeout=30) != 0  # not a clean drain
+        finally:
+            gateway.kill()
+            gateway.wait()
