@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from draft_worker.codec import decode_scores, encode_scores
+from gateway.redis_link import RedisLink
 
 logger = logging.getLogger("specprefill.cache")
 
@@ -80,65 +81,39 @@ class MemoryScoreCache:
 class RedisScoreCache:
     """Redis, shared by gateway replicas. Faults never fail a request: the cache reports ``off``.
 
-    After an error the cache stays off for ``retry_after`` seconds (no request waits on a dead server),
-    then tries again; redis-py reconnects by itself. One warning per outage, one line when it is back.
+    After an error the cache stays off for ``retry_after`` seconds, then tries again (``RedisLink``).
     """
 
     def __init__(self, url: str, ttl: float, max_entry_bytes: int, *, timeout: float = 0.5,
                  retry_after: float = 1.0) -> None:
-        import redis.asyncio as redis
-        from redis.backoff import NoBackoff
-        from redis.retry import Retry
-
         self.ttl = ttl
         self.max_entry_bytes = max_entry_bytes
-        self.retry_after = retry_after
-        self._client = redis.Redis.from_url(
-            url, socket_timeout=timeout, socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 0),
-            health_check_interval=0,
-        )
-        self._down_until = 0.0
-        self._outage = False
-
-    def _available(self) -> bool:
-        return time.monotonic() >= self._down_until
-
-    def _failed(self, exc: Exception) -> None:
-        self._down_until = time.monotonic() + self.retry_after
-        if not self._outage:
-            self._outage = True
-            logger.warning("score cache: Redis unavailable (%s); serving without it until it returns",
-                           type(exc).__name__)
-
-    def _succeeded(self) -> None:
-        if self._outage:
-            self._outage = False
-            logger.warning("score cache: Redis is back")
+        self.link = RedisLink(url, "score cache", "serving without it", logger, timeout=timeout, retry_after=retry_after)
 
     async def get(self, key: str) -> tuple[str, torch.Tensor | None]:
-        if not self._available():
+        if not self.link.available():
             return "off", None
         try:
-            data = await self._client.get(key)
+            data = await self.link.client.get(key)
         except Exception as exc:  # any Redis or network fault
-            self._failed(exc)
+            self.link.failed(exc)
             return "off", None
-        self._succeeded()
+        self.link.succeeded()
         if data is None or len(data) % 4:
             return "miss", None
         return "hit", decode_scores(data)
 
     async def put(self, key: str, scores: torch.Tensor) -> bool:
         data = encode_scores(scores)
-        if len(data) > self.max_entry_bytes or not self._available():
+        if len(data) > self.max_entry_bytes or not self.link.available():
             return False
         try:
-            await self._client.set(key, data, ex=max(1, int(self.ttl)))
+            await self.link.client.set(key, data, ex=max(1, int(self.ttl)))
         except Exception as exc:
-            self._failed(exc)
+            self.link.failed(exc)
             return False
-        self._succeeded()
+        self.link.succeeded()
         return True
 
     async def close(self) -> None:
-        await self._client.aclose()
+        await self.link.close()

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from engine.blocks import BlockHasher, block_hash, reusable_blocks
+from gateway.redis_link import RedisLink
 
 logger = logging.getLogger("specprefill.gateway")
 
@@ -83,67 +84,56 @@ class RedisEngineCache:
 
     def __init__(self, url: str, key: str, block_size: int, capacity_tokens: int, *, timeout: float = 0.5,
                  retry_after: float = 1.0) -> None:
-        import redis.asyncio as redis
-        from redis.backoff import NoBackoff
-        from redis.retry import Retry
-
         self.block_size = block_size
         self.max_blocks = max(0, capacity_tokens // block_size)
         self._hashes = BlockHasher(block_size)
         self.key = key
-        self.retry_after = retry_after
-        self._client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout,
-                                            retry=Retry(NoBackoff(), 0), health_check_interval=0)
-        self._down_until = 0.0
+        self.link = RedisLink(url, "engine cache model", "predicting no cache hits", logger, timeout=timeout,
+                              retry_after=retry_after)
 
     async def cached_tokens(self, token_ids: Sequence[int], position_ids: Sequence[int] | None) -> int:
         hashes = self._hashes(token_ids, position_ids)
-        if not hashes or time.monotonic() < self._down_until:
+        if not hashes or not self.link.available():
             return 0
         try:
-            scores = await self._client.zmscore(self.key, hashes)
+            scores = await self.link.client.zmscore(self.key, hashes)
         except Exception as exc:  # any Redis fault: predict nothing cached
-            self._failed(exc)
+            self.link.failed(exc)
             return 0
+        self.link.succeeded()
         hits = next((i for i, score in enumerate(scores) if score is None), len(hashes))
         return reusable_blocks(hits, len(token_ids), self.block_size) * self.block_size
 
     async def record(self, token_ids: Sequence[int], position_ids: Sequence[int] | None) -> None:
         hashes = self._hashes(token_ids, position_ids)
-        if not hashes or time.monotonic() < self._down_until:
+        if not hashes or not self.link.available():
             return
         now = time.time()
         # the head most recent: later blocks slightly older, so trimming takes a chain's tail first
         members = {h: now - i * 1e-6 for i, h in enumerate(hashes)}
         try:
-            async with self._client.pipeline(transaction=False) as pipe:
+            async with self.link.client.pipeline(transaction=False) as pipe:
                 pipe.zadd(self.key, members)
                 pipe.zremrangebyrank(self.key, 0, -self.max_blocks - 1)
                 await pipe.execute()
         except Exception as exc:
-            self._failed(exc)
+            self.link.failed(exc)
 
     async def corrected(self, token_ids: Sequence[int], position_ids: Sequence[int] | None, cached: int) -> None:
         """As ``MemoryEngineCache.corrected``: the first missing block and every block used before it go."""
         hashes = self._hashes(token_ids, position_ids)
         missing = cached // self.block_size
-        if missing >= len(hashes) or time.monotonic() < self._down_until:
+        if missing >= len(hashes) or not self.link.available():
             return
         try:
-            last_use = await self._client.zscore(self.key, hashes[missing])
+            last_use = await self.link.client.zscore(self.key, hashes[missing])
             if last_use is not None:
-                await self._client.zremrangebyscore(self.key, "-inf", last_use)
+                await self.link.client.zremrangebyscore(self.key, "-inf", last_use)
         except Exception as exc:
-            self._failed(exc)
-
-    def _failed(self, exc: Exception) -> None:
-        if time.monotonic() >= self._down_until:
-            logger.warning("engine cache model: Redis unavailable (%s); predicting no cache hits until it returns",
-                           type(exc).__name__)
-        self._down_until = time.monotonic() + self.retry_after
+            self.link.failed(exc)
 
     async def close(self) -> None:
-        await self._client.aclose()
+        await self.link.client.aclose()
 
 
 class EventEngineCache:

@@ -78,13 +78,13 @@ async def test_replicas_share_the_model_in_redis_and_an_outage_predicts_nothing(
     key = "specprefill-test:engine-cache"
     a = RedisEngineCache(redis_url, key, 16, 1 << 16)
     b = RedisEngineCache(redis_url, key, 16, 1 << 16)
-    await a._client.delete(key)
+    await a.link.client.delete(key)
     prompt = list(range(1000, 1100))
     await a.record(prompt, None)
     assert await b.cached_tokens(prompt, None) == 96
     small = RedisEngineCache(redis_url, key, 16, 32)  # trimming keeps the newest blocks of the budget
     await small.record(list(range(5000, 5100)), None)
-    assert await small._client.zcard(key) == 2
+    assert await small.link.client.zcard(key) == 2
     await a.close(), await b.close(), await small.close()
     down = RedisEngineCache("redis://127.0.0.1:1/0", key, 16, 1 << 16, timeout=0.2)
     with caplog.at_level(logging.WARNING, logger="specprefill.gateway"):
@@ -93,6 +93,25 @@ async def test_replicas_share_the_model_in_redis_and_an_outage_predicts_nothing(
             await down.record(prompt, None)
     assert sum("Redis unavailable" in r.message for r in caplog.records) == 1
     await down.close()
+
+
+async def test_a_connection_redis_dropped_is_replaced_without_an_outage(redis_url, caplog):
+    """A pooled connection that broke while Redis stayed up (here Redis closes it; a request cancelled mid-command
+    leaves one so) is replaced and the command retried at once: no outage, no warning."""
+    import redis.asyncio as redis
+
+    key = "specprefill-test:engine-cache-dropped"
+    cache = RedisEngineCache(redis_url, key, 16, 1 << 16)
+    prompt = list(range(2000, 2100))
+    await cache.record(prompt, None)
+    own_id = await cache.link.client.client_id()
+    async with redis.Redis.from_url(redis_url) as admin:
+        assert await admin.client_kill_filter(_id=own_id) == 1
+    with caplog.at_level(logging.WARNING, logger="specprefill.gateway"):
+        assert await cache.cached_tokens(prompt, None) == 96
+    assert not any("Redis unavailable" in r.message for r in caplog.records)
+    await cache.link.client.delete(key)
+    await cache.close()
 
 
 def test_the_block_hasher_reuses_chains_and_gives_exactly_the_block_hashes(monkeypatch):
@@ -123,3 +142,13 @@ def test_the_block_hasher_reuses_chains_and_gives_exactly_the_block_hashes(monke
     hashed.clear()
     hasher(base + [9] * 40, None)  # base (1,000 tokens: 62 full blocks) was hashed just before
     assert hashed == [1040 - 62 * 16]
+
+
+def test_the_cost_coefficients_help_names_each_term_in_order():
+    """--help and the generated reference say what the validator wants (they named 3 target terms of 4)."""
+    from gateway.costs import DRAFT_TERMS, TARGET_TERMS
+    from gateway.settings import GatewaySettings
+
+    help_text = GatewaySettings.model_fields["cost_coefficients"].description
+    for name, terms in (("target", TARGET_TERMS), ("draft", DRAFT_TERMS)):
+        assert f'"{name}": [{", ".join(terms)}]' in help_text
