@@ -15,6 +15,8 @@ class GatewayMetrics:
         self.requests = Counter("specprefill_requests", "Chat and completion requests",
                                 ["endpoint", "status", "reason"], registry=r)
         self.errors = Counter("specprefill_errors", "Answers with an error", ["endpoint", "code"], registry=r)
+        self.shed = Counter("specprefill_requests_shed", "Requests answered 503 at once because the engine's queue "
+                            "would have held them past --max-queue-wait", registry=r)
         self.ttft = Histogram("specprefill_ttft_seconds", "Request received to first answer byte",
                               ["endpoint", "status"], buckets=LATENCY_BUCKETS, registry=r)
         self.draft_latency = Histogram("specprefill_draft_seconds", "Draft scoring time", ["outcome"],

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import re
 import time
 from collections.abc import AsyncIterator, Callable
@@ -19,7 +20,7 @@ import numpy as np
 import torch
 
 from common.chat import RenderedChat, render_chat
-from common.errors import APIError, InvalidRequestError, NotFoundError
+from common.errors import APIError, InvalidRequestError, NotFoundError, OverloadedError
 from common.prompt_bound import refuse_unfittable
 from common.protocol import ChatCompletionRequest, CompletionRequest
 from common.swap import KEPT_KEY, POSITIONS_KEY, SWAP_PARAM
@@ -94,16 +95,6 @@ class GatewayServing:
         await self.draft.close()
         await self.planner.close()
 
-    @property
-    def warmer(self):
-        """The first replica's warming (the only one's, without replicas)."""
-        return self.replicas[0].warmer
-
-    @property
-    def events(self):
-        """The first replica's KV event subscriber."""
-        return self.replicas[0].events
-
     # --- the prologue every chat and completion request takes ---
 
     def prompt(self, request: ChatCompletionRequest | CompletionRequest) -> Prompt:
@@ -149,6 +140,21 @@ class GatewayServing:
             raise InvalidRequestError(f"max_tokens is {requested}; this gateway allows at most "
                                       f"{settings.max_tokens_limit}", param="max_tokens")
 
+    def admit(self) -> None:
+        """Load shed: a 503 with ``Retry-After`` at once where every replica's queue would hold this request past
+        ``--max-queue-wait`` (the wait the planner prices plans with), before any tokenizing or draft work."""
+        limit = self.settings.max_queue_wait
+        if limit is None:
+            return
+        wait = min(replica.load.wait_s() for replica in self.replicas if replica.up) if any(
+            replica.up for replica in self.replicas) else 0.0
+        if wait > limit:
+            self.metrics.shed.inc()
+            retry = max(1, math.ceil(wait - limit))
+            raise OverloadedError(f"the engine is busy: a request sent now would wait about {wait:.0f} s before "
+                                  f"it starts, over this gateway's {limit:g} s (--max-queue-wait); retry in "
+                                  f"{retry} s", code="queue_full", headers={"retry-after": str(retry)})
+
     def check_model(self, model: str) -> None:
         if model not in self.served_names:
             raise NotFoundError(f"model {model!r} does not exist; this gateway serves {self.model_name!r}",
@@ -170,6 +176,7 @@ class GatewayServing:
     async def planned(self, request: ChatCompletionRequest | CompletionRequest, headers) -> tuple[Plan, Prompt]:
         """The request checked, tokenized as the target reads it, and planned."""
         self.check_model(request.model)
+        self.admit()
         options = request_options(headers, request.specprefill, self.settings.keep_rate)
         if isinstance(request, ChatCompletionRequest) and not all(m.has_only_text() for m in request.messages):
             return Plan([], reason=Reason.UNSCORED_CONTENT, passthrough=True), Prompt([])  # images, audio

@@ -76,6 +76,10 @@ class GatewaySettings(ServerOptions, DeviceOptions, ScoringOptions):
                                      "this share of it (an agent's or a chat's next turn, once warmed): the target "
                                      "reads all of it at the price of its new tokens, as directly, rather than a "
                                      "compressed part of it a little sooner (0: price it like any plan)")
+    max_queue_wait: float | None = Field(None, gt=0, description="shed load: a request the engine would start on "
+                                         "only after this many seconds (the planner's own prediction of the queue "
+                                         "ahead, on the least busy replica) is answered 503 with Retry-After at "
+                                         "once, before any draft work (default: none waits too long to be taken)")
     plan_slack: float = Field(0.2, ge=0, description="a plan that keeps more of the prompt wins while it costs at "
                                                      "most this fraction more than the cheapest")
     reuse_threshold: float = Field(0.9, ge=0, le=1, description="an earlier selection is reused only if it keeps "
@@ -102,7 +106,8 @@ class GatewaySettings(ServerOptions, DeviceOptions, ScoringOptions):
     calibrate: bool = Field(True, description="time a few probe prompts at start-up to calibrate the cost models")
     cost_coefficients: dict[str, list[float]] | None = Field(
         None, description='fixed cost models instead of calibrated ones, seconds per unit: {"target": [fixed, '
-        'per_token, per_token_pair], "draft": [fixed, per_token, per_token_pair, per_prompt_token]}')
+        'per_token, per_cached_token, per_token_pair], "draft": [fixed, per_token, per_token_pair, '
+        'per_prompt_token]}')
     api_key: SecretStr | None = Field(None, description="clients must send this as a Bearer token")
     draft_timeout: float = Field(30.0, gt=0, description="seconds before a draft falls back to the full prompt")
     backend_connect_timeout: float = Field(5.0, gt=0, description="seconds to connect to the backend")

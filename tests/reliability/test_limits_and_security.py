@@ -82,3 +82,32 @@ def test_metrics_can_be_public(model_pair, engine_backend):
     with serve(create_app(settings)) as url:
         assert httpx.get(f"{url}/metrics").status_code == 200
         assert httpx.get(f"{url}/v1/models").status_code == 401
+
+
+def test_past_the_queue_bound_requests_are_shed_at_once_in_shape(model_pair, engine_backend):
+    """``--max-queue-wait``: a request the engine would start on only past the bound gets a 503 with Retry-After
+    at once (chat in OpenAI's shape, Messages in Anthropic's), counted; once the queue drains, requests go in."""
+    import time
+
+    settings = gateway_settings(model_pair, backend_url=engine_backend[0], max_queue_wait=5.0)
+    app = create_app(settings)
+    with serve(app) as url:
+        load = app.state.serving.replicas[0].load
+        backlog = load.begin(30.0)  # a request ahead whose prefill the planner prices at 30 s
+        try:
+            start = time.perf_counter()
+            shed = httpx.post(f"{url}/v1/chat/completions", json=_chat(), timeout=60)
+            took = time.perf_counter() - start
+            assert shed.status_code == 503 and took < 1.0
+            assert int(shed.headers["retry-after"]) >= 25
+            error = shed.json()["error"]
+            assert error["type"] == "overloaded_error" and error["code"] == "queue_full"
+            assert "--max-queue-wait" in error["message"]
+            anthropic = httpx.post(f"{url}/v1/messages", timeout=60,
+                                   json={"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]})
+            assert anthropic.status_code == 503 and anthropic.json()["error"]["type"] == "overloaded_error"
+            assert "retry-after" in anthropic.headers
+            assert "specprefill_requests_shed_total 2.0" in httpx.get(f"{url}/metrics", timeout=60).text
+        finally:
+            load.end(backlog)
+        assert httpx.post(f"{url}/v1/chat/completions", json=_chat(), timeout=60).status_code == 200
