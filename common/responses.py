@@ -102,6 +102,26 @@ def _append_item(messages: list[dict[str, Any]], item: dict[str, Any]) -> None:
         logger.debug("a Responses input item of type %r is left out of the prompt", kind)
 
 
+ENGINE_ITEMS = ("message", "function_call", "function_call_output", "custom_tool_call_output", "reasoning")
+
+
+def engine_input(items: Any) -> Any:
+    """The input items an engine's own ``/v1/responses`` renders (vLLM 0.32's: messages, function calls and their
+    outputs, reasoning in the clear); the rest (Codex CLI's ``additional_tools``, encrypted reasoning), which vLLM
+    refuses with a 400 ("Unsupported input item type") and no chat template renders, left out with a debug log,
+    as ``as_chat`` leaves them out of the gateway's own rendering."""
+    if not isinstance(items, list):
+        return items
+    kept = []
+    for item in items:
+        kind = item.get("type", "message") if isinstance(item, dict) else None
+        if kind in ENGINE_ITEMS and not (kind == "reasoning" and item.get("encrypted_content")):
+            kept.append(item)
+        else:
+            logger.debug("a Responses input item of type %r is left out of the backend's request", kind)
+    return kept
+
+
 def _chat_tool(tool: dict[str, Any]) -> dict[str, Any]:
     if tool.get("type") != "function" or "function" in tool:
         return tool

@@ -23,7 +23,6 @@ from common.errors import APIError, NotFoundError, UpstreamError, parse_body
 from common.messages import MessagesRequest
 from common.protocol import ChatCompletionRequest
 from common.responses import ResponsesRequest
-from common.streams import prepend
 from engine.protocol import EngineCompletionRequest
 from engine.serving import EngineServing
 
@@ -253,22 +252,43 @@ class HTTPBackend:
             raise _transport_error(exc) from None
 
     async def _stream(self, path: str, body: dict) -> AsyncIterator[dict]:
-        """Opens the stream and reads up to the first event, so that backend errors surface before any byte."""
+        """Opens the stream and reads up to its first event past the preamble (``PREAMBLE_EVENTS``: what a backend
+        sends before it has read the prompt), so that backend errors surface before any byte: an error event
+        there, or a stream broken after the preamble, is ``StreamRefused`` (vLLM 0.32 checks a Responses swap only
+        after ``response.created`` and, refusing it, drops the connection)."""
         events = _sse_events(await self._open("POST", path, body))
+        head: list[dict] = []
         try:
-            first = await anext(events)
+            while not head or head[-1].get("type") in PREAMBLE_EVENTS:
+                head.append(await anext(events))
         except StopAsyncIteration:
             await events.aclose()
-            raise BackendGone("the backend closed the stream without an answer", code="backend_error") from None
+            if not head:
+                raise BackendGone("the backend closed the stream without an answer", code="backend_error") from None
         except UpstreamError as exc:
             await events.aclose()
-            if type(exc) is UpstreamError:  # an error event first
+            if type(exc) is UpstreamError or head:  # an error event, or a stream broken before any output
                 raise StreamRefused(exc.message, code=exc.code) from None
             raise
         except BaseException:
             await events.aclose()
             raise
-        return prepend(first, events)
+        return _chained(head, events)
+
+
+async def _chained(head: list[dict], rest: AsyncIterator[dict]) -> AsyncIterator[dict]:
+    """``head``'s events, then ``rest``; closing this closes ``rest``."""
+    try:
+        for event in head:
+            yield event
+        async for event in rest:
+            yield event
+    finally:
+        await rest.aclose()
+
+
+# what a backend streams before it has read the prompt (OpenAI's Responses, Anthropic's Messages): no output yet
+PREAMBLE_EVENTS = ("response.created", "response.in_progress", "message_start", "ping")
 
 
 # streams that end with an event of their own, without [DONE]: OpenAI's Responses, Anthropic's Messages

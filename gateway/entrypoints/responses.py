@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 
 from common.errors import InvalidRequestError
-from common.responses import ResponsesRequest
+from common.responses import ResponsesRequest, engine_input
 from gateway.entrypoints.surface import Surface
 from gateway.plan import Plan
 from gateway.policy import Reason
@@ -29,6 +29,7 @@ class ResponsesAPI(Surface):
             serving.check_model(request.model)
             reason = Reason.UNSCORED_CONTENT if chat is None else Reason.unsupported("responses")
             return await serving.forward(Plan([], reason=reason, passthrough=True), body, RESPONSES)
+        body["input"] = engine_input(body.get("input"))  # as the gateway rendered it: what the engine takes
         chat.specprefill = request.specprefill
         plan, _ = await serving.planned(chat, headers)
         return await serving.swapped(plan, body, RESPONSES)

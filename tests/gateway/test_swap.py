@@ -136,8 +136,10 @@ class _RefusesSwapsMidStream:
     """An engine that answers a streamed swap with a 200 and an error as its first event, as vLLM's Messages
     stream answers a swap its plugin refuses; everything else it serves as it is."""
 
-    def __init__(self, app) -> None:
-        self.app, self.refused = app, 0
+    def __init__(self, app, drops: bool = False) -> None:
+        """``drops``: instead, a preamble event and then the connection dropped, as vLLM 0.32's Responses stream
+        refuses a swap (its check comes after ``response.created``)."""
+        self.app, self.refused, self.drops = app, 0, drops
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] != "POST":
@@ -153,6 +155,11 @@ class _RefusesSwapsMidStream:
             self.refused += 1
             await send({"type": "http.response.start", "status": 200,
                         "headers": [(b"content-type", b"text/event-stream")]})
+            if self.drops:
+                created = {"type": "response.created", "response": {"id": "resp_1", "status": "in_progress"}}
+                await send({"type": "http.response.body", "more_body": True,
+                            "body": f"event: response.created\ndata: {json.dumps(created)}\n\n".encode()})
+                raise RuntimeError("Caught handled exception, but response already started.")
             event = {"error": {"message": "kept token 9 at position 3 differs", "type": "BadRequestError",
                                "code": 400}}
             await send({"type": "http.response.body", "body": f"data: {json.dumps(event)}\n\n".encode()})
@@ -177,6 +184,17 @@ def test_a_swap_refused_after_its_200_goes_whole_before_the_client_sees_anything
                                                                stream=True, extra_headers=KEEP)
         text = "".join(chunk.choices[0].delta.content or "" for chunk in raw.parse() if chunk.choices)
     assert engine.refused == 1 and text
+    assert raw.headers["x-specprefill-status"] == "bypassed" and raw.headers["x-specprefill-reason"] == "swap_mismatch"
+
+
+def test_a_responses_swap_refused_by_a_dropped_stream_goes_whole(model_pair):
+    engine = _RefusesSwapsMidStream(engine_app(model_pair), drops=True)
+    with serve(engine) as url, serve(create_app(gateway_settings(model_pair, backend_url=url, backend_kind="vllm"))) \
+            as gw, openai_client(gw) as client:
+        raw = client.responses.with_raw_response.create(model="tiny", input=_messages()[1]["content"],
+                                                        max_output_tokens=2, stream=True, extra_headers=KEEP)
+        kinds = [event.type for event in raw.parse()]
+    assert engine.refused == 1 and kinds[-1] in ("response.completed", "response.incomplete") and "error" not in kinds
     assert raw.headers["x-specprefill-status"] == "bypassed" and raw.headers["x-specprefill-reason"] == "swap_mismatch"
 
 

@@ -234,6 +234,15 @@ def test_every_kind_of_request_is_compressed_on_vllms_own_endpoints(vllm_servers
         assert raw.headers["x-specprefill-status"] == "compressed"
         assert raw.parse().output_text is not None and raw.parse().model == "tiny"
 
+        # Codex CLI's additional_tools item, which vLLM refuses ("Unsupported input item type"): left out, as the
+        # gateway's own rendering leaves it out
+        raw = client.responses.with_raw_response.create(
+            model="tiny", max_output_tokens=4, temperature=0, extra_headers=keep,
+            input=[{"type": "additional_tools", "tools": []},
+                   {"type": "message", "role": "user",
+                    "content": [{"type": "input_text", "text": chat_messages()[1]["content"]}]}])
+        assert raw.headers["x-specprefill-status"] == "compressed"
+
 
 def test_a_swap_that_does_not_match_is_a_400_and_vllm_stays_up(vllm_servers):
     assert_swap_mismatch_is_a_400(vllm_servers["plugin"])
