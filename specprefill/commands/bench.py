@@ -452,7 +452,17 @@ def _run_agents(options: Bench, out: Path) -> int:
     target = ending_target(target or pair / "target", out)
     cap = options.agent_max_new_tokens
     args = gateway_args(options) + ["--min-prompt-tokens", "1024", "--model-alias", ",".join(AGENT_MODELS)]
-    turns = []
+    turns, failures = [], []
+    meta = {"engine": "vllm" if options.vllm_python else "reference", "think_s": options.agent_think,
+            "turns": options.agent_turns, "sessions": options.agent_sessions, "max_new_tokens": cap,
+            "pair": _pair_description(options.pair)}
+
+    def write() -> list[dict]:  # after every session: a run cut short keeps what it measured
+        rows = summarize_turns(turns)
+        (out / "agents.json").write_text(json.dumps({"meta": meta, "summary": rows, "failures": failures,
+                                                     "turns": as_dicts(turns)}, indent=1))
+        return rows
+
     with launched(2, args, options.vllm_python, out, pair,
                   vllm_args=("--override-generation-config", json.dumps({"max_new_tokens": cap}),
                              "--served-model-name", "specprefill-demo", *AGENT_MODELS),
@@ -467,14 +477,16 @@ def _run_agents(options: Bench, out: Path) -> int:
                     order = ("direct", "gateway") if session % 2 == 0 else ("gateway", "direct")
                     for path in order:
                         print(f"agents: {agent} session {session + 1} through {path}", flush=True)
-                        turns += run_session(agent, bin_dir, path, urls[path], proxies[path], out / "sessions",
-                                             session, options.agent_turns, options.agent_think)
-        counters = _gateway_counters(stack.gateway_url)
-    rows = summarize_turns(turns)
-    print(format_turns(rows))
-    meta = {"engine": "vllm" if options.vllm_python else "reference", "think_s": options.agent_think,
-            "turns": options.agent_turns, "sessions": options.agent_sessions, "max_new_tokens": cap,
-            "pair": _pair_description(options.pair), "gateway_counters": counters}
-    (out / "agents.json").write_text(json.dumps({"meta": meta, "summary": rows, "turns": as_dicts(turns)}, indent=1))
+                        done, error = run_session(agent, bin_dir, path, urls[path], proxies[path],
+                                                  out / "sessions", session, options.agent_turns,
+                                                  options.agent_think)
+                        turns += done
+                        if error is not None:
+                            print(f"agents: {agent} session {session + 1} through {path} failed at {error[:600]}",
+                                  flush=True)
+                            failures.append({"agent": agent, "path": path, "session": session, "error": error})
+                        write()
+        meta["gateway_counters"] = _gateway_counters(stack.gateway_url)
+    print(format_turns(write()))
     print(f"wrote {out / 'agents.json'}")
-    return 0
+    return 0 if not failures else 1

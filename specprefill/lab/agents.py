@@ -184,6 +184,10 @@ def agent_env(agent: str, url: str, home: Path) -> dict[str, str]:
     return env | {"CODEX_HOME": str(codex_home)}
 
 
+class AgentFailed(RuntimeError):
+    """An agent's turn ended in an error (its message ends with what the agent printed)."""
+
+
 def agent_turn(agent: str, bin_dir: Path, url: str, work: Path, home: Path, prompt: str, first: bool
                ) -> tuple[dict, float]:
     """One headless turn; the agent's JSON result (Claude Code) or its last lines (Codex), and the wall time."""
@@ -197,7 +201,7 @@ def agent_turn(agent: str, bin_dir: Path, url: str, work: Path, home: Path, prom
                          timeout=3600, stdin=subprocess.DEVNULL)
     seconds = time.perf_counter() - start
     if out.returncode != 0:
-        raise RuntimeError(f"{agent} exited {out.returncode}: {(out.stdout + out.stderr)[-2000:]}")
+        raise AgentFailed(f"{agent} exited {out.returncode}: {(out.stdout + out.stderr)[-2000:]}")
     if agent == "claude":
         result = json.loads(out.stdout)
         keep = ("duration_ms", "duration_api_ms", "num_turns", "usage", "is_error", "subtype", "session_id")
@@ -206,8 +210,9 @@ def agent_turn(agent: str, bin_dir: Path, url: str, work: Path, home: Path, prom
 
 
 def run_session(agent: str, bin_dir: Path, path: str, url: str, proxy: TimingProxy, root: Path, session: int,
-                turns: int, think_s: float) -> list[Turn]:
-    """One session of ``turns`` turns through ``url`` (the path's proxy), a think time between turns."""
+                turns: int, think_s: float) -> tuple[list[Turn], str | None]:
+    """One session of ``turns`` turns through ``url`` (the path's proxy), a think time between turns; the turns
+    done, and the error that ended the session early, if one did."""
     work, home = root / f"{agent}-{path}-{session}" / "project", root / f"{agent}-{path}-{session}" / "home"
     work.mkdir(parents=True)
     home.mkdir(parents=True)
@@ -217,10 +222,13 @@ def run_session(agent: str, bin_dir: Path, path: str, url: str, proxy: TimingPro
         if number:
             time.sleep(think_s)
         before = len(proxy.exchanges)
-        reported, seconds = agent_turn(agent, bin_dir, url, work, home, QUESTIONS[number % len(QUESTIONS)],
-                                       first=number == 0)
+        try:
+            reported, seconds = agent_turn(agent, bin_dir, url, work, home, QUESTIONS[number % len(QUESTIONS)],
+                                           first=number == 0)
+        except AgentFailed as exc:
+            return out, f"turn {number + 1}: {exc}"
         out.append(Turn(agent, path, session, number + 1, proxy.exchanges[before:], reported, seconds))
-    return out
+    return out, None
 
 
 def as_dicts(turns: list[Turn]) -> list[dict]:
