@@ -66,6 +66,8 @@ class Eval(BaseSettings):
                                                              "default: all)")
     real_self_layers: list[int] = Field([4, 8, 12], description="real: the self-drafts' layer counts")
     real_rule_length: int = Field(2000, description="real: the instruction-following haystacks' length (0: none)")
+    real_speed: list[str] = Field([], description="real: DRAFT=FOLDER, a `specprefill bench` run of that draft "
+                                  "(repeatable): accuracy against cold TTFT, plotted (real-frontier.png)")
 
     def cli_cmd(self) -> None:
         raise SystemExit(run_eval(self))
@@ -145,8 +147,18 @@ def _real(options: Eval, out: Path) -> int:
                          names=options.real_drafts, rule_length=options.real_rule_length or None)
     cells = summarize(rows)
     print("\n".join(format_summary(cells)))
-    (out / "real.json").write_text(json.dumps({"samples": options.real_samples, "cells": cells}, indent=1))
-    print(f"wrote {out / 'real.json'} (answers in {out / 'answers.jsonl'})")
+    result = {"samples": options.real_samples, "cells": cells}
+    if options.real_speed:
+        from specprefill.lab.real_eval import frontier, plot_frontier
+
+        result["frontier"] = frontier(cells, dict(s.split("=", 1) for s in options.real_speed))
+        plot_frontier(result["frontier"], out / "real-frontier.png")
+        print(f"wrote {out / 'real-frontier.png'}")
+    from specprefill.lab.real_eval import markdown_summary
+
+    (out / "real.md").write_text("\n".join(markdown_summary(cells)))
+    (out / "real.json").write_text(json.dumps(result, indent=1))
+    print(f"wrote {out / 'real.json'}, {out / 'real.md'} (answers in {out / 'answers.jsonl'})")
     return 0
 
 

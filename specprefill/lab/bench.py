@@ -103,7 +103,7 @@ class PromptMaker:
         if len(self._sentences) < 50_000:
             self._sentences = synthetic_corpus(seed=7, n_sentences=50_000)
         if self._chars_per_token is None:
-            probe = " ".join(self._sentences[:400])
+            probe = " ".join(self._sentences[:100])  # about 2,500 tokens: within a small model's positions
             self._chars_per_token = len(probe) / self.count([{"role": "user", "content": probe}])
         start = rng.randrange(len(self._sentences) // 2)
         text, chars = [f"Record {self.nonce}-{self._seed}."], 0

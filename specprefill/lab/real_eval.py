@@ -184,3 +184,79 @@ def format_summary(cells: list[dict]) -> Iterator[str]:
 
 
 TASK_ORDER = (*TASKS, RULE_TASK)
+
+
+FRONTIER_TASKS = ("passkey", "fact")  # the goal's tasks: a passkey and a one-paragraph fact
+
+
+def frontier(cells: list[dict], speeds: dict[str, Path]) -> list[dict]:
+    """One point per draft and keep rate: its accuracy as a share of the full prompt's on the goal's tasks (the
+    mean over them, at each length the speed run measured) against its cold TTFT as a share of direct's (from
+    ``speeds``: each draft's ``specprefill bench`` folder)."""
+    points = []
+    for draft, folder in speeds.items():
+        rows = json.loads((Path(folder) / "bench.json").read_text())["rows"]
+        for row in rows:
+            mine = [c for c in cells if c["variant"] == draft and c["keep"] == row["keep_rate"]
+                    and c["task"] in FRONTIER_TASKS and c["length"] == row["tokens"] and c["of_full"] is not None]
+            if not mine:
+                continue
+            points.append({"draft": draft, "keep": row["keep_rate"], "length": row["tokens"],
+                           "ttft_of_direct": row["gateway_s"] / row["direct_s"],
+                           "accuracy_of_full": sum(c["of_full"] for c in mine) / len(mine)})
+    return points
+
+
+def plot_frontier(points: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for draft in dict.fromkeys(p["draft"] for p in points):
+        mine = sorted((p for p in points if p["draft"] == draft), key=lambda p: (p["length"], p["keep"]))
+        ax.plot([p["ttft_of_direct"] for p in mine], [p["accuracy_of_full"] for p in mine], "o", label=draft)
+        for p in mine:
+            ax.annotate(f"{p['keep']:g} @{p['length'] // 1000}k", (p["ttft_of_direct"], p["accuracy_of_full"]),
+                        fontsize=7, xytext=(3, 3), textcoords="offset points")
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    ax.axvline(1.0, color="grey", lw=0.8, ls="--")
+    ax.set_xlabel("cold TTFT through the gateway / direct (lower is faster)")
+    ax.set_ylabel(f"accuracy / the full prompt's ({' and '.join(FRONTIER_TASKS)})")
+    ax.set_title("SmolLM2-135M-Instruct on real text: each draft and keep rate")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _variant_order(variant: str) -> tuple[int, int, str]:
+    """The target first, then the self-drafts, deepest first, then the cross draft and the baselines."""
+    if variant.startswith("self-"):
+        return 1, -int(variant.removeprefix("self-")), variant
+    return {"target": 0, "cross": 2}.get(variant, 3), 0, variant
+
+
+def markdown_summary(cells: list[dict]) -> Iterator[str]:
+    """The tables as the quality page shows them: one per task and length, a row per draft, accuracy with its 95%
+    interval (and for the rule, how often the answer obeyed it)."""
+    for task in [t for t in TASK_ORDER if any(c["task"] == t for c in cells)]:
+        for length in sorted({c["length"] for c in cells if c["task"] == task}):
+            mine = [c for c in cells if c["task"] == task and c["length"] == length]
+            keeps = sorted({c["keep"] for c in mine if c["variant"] != "full"}, reverse=True)
+            full = next((c for c in mine if c["variant"] == "full"), None)
+
+            def cell(c: dict) -> str:
+                text = f"{c['accuracy']:.0%} [{c['low']:.0%}–{c['high']:.0%}]"
+                return text + (f", obeyed {c['obeyed']:.0%}" if "obeyed" in c else "")
+
+            yield f"**{task}**, {length} tokens ({mine[0]['samples']} samples a cell; full prompt: "\
+                  f"{cell(full) if full else 'not asked'})"
+            yield ""
+            yield "| draft | " + " | ".join(f"keep {k:g}" for k in keeps) + " |"
+            yield "| --- | " + " | ".join("---" for _ in keeps) + " |"
+            for variant in sorted({c["variant"] for c in mine if c["variant"] != "full"}, key=_variant_order):
+                row = {c["keep"]: c for c in mine if c["variant"] == variant}
+                yield f"| {variant} | " + " | ".join(cell(row[k]) if k in row else "" for k in keeps) + " |"
+            yield ""
