@@ -55,7 +55,7 @@ def render_chat(tokenizer, messages: list[ChatMessage], encode=None, tools: list
                 add_special_tokens: bool = False) -> RenderedChat:
     """The prompt the target model reads, with the generation prompt appended, as vLLM renders it (tools go to
     the template). ``encode(text) -> (ids, offsets)`` replaces a plain tokenization (a ``tokenize.PieceCache``'s)."""
-    plain = [m.for_template() for m in messages]
+    plain = developer_as_system([m.for_template() for m in messages], tokenizer.chat_template)
     try:
         text = tokenizer.apply_chat_template(plain, tools=template_tools(tools), tokenize=False, add_generation_prompt=True)
     except (jinja2.TemplateError, TypeError) as exc:  # TypeError: a tool or tool call the template cannot print
@@ -68,6 +68,31 @@ def render_chat(tokenizer, messages: list[ChatMessage], encode=None, tools: list
     encoding = tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
     return RenderedChat(text, encoding.input_ids,
                         np.asarray(encoding["offset_mapping"], dtype=np.int64).reshape(-1, 2))
+
+
+def developer_as_system(messages: list[dict[str, Any]], template) -> list[dict[str, Any]]:
+    """vLLM's rendering of OpenAI's ``developer`` role for a chat template that does not name it (ChatML's,
+    among most): each developer message becomes a system one, and where a system message then stands anywhere
+    but first, or there are several, they are merged into one at the front, their contents joined by a blank
+    line (vLLM's ``_convert_developer_to_system`` and ``_consolidate_system_messages``). Codex CLI sends its
+    instructions as developer messages: rendered otherwise, vLLM refuses every swap of its prompts."""
+    if not any(m["role"] == "developer" for m in messages) or _names_developer(template):
+        return messages
+    converted = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
+    for m in converted:
+        if m["role"] == "system":
+            m.pop("tools", None)
+    systems = [i for i, m in enumerate(converted) if m["role"] == "system"]
+    if systems == [0] or not systems:
+        return converted
+    merged = "\n\n".join(c for i in systems if (c := converted[i].get("content")))
+    return [{"role": "system", "content": merged}, *(m for m in converted if m["role"] != "system")]
+
+
+def _names_developer(template) -> bool:
+    if isinstance(template, dict):  # named templates: vLLM uses the default one for a chat without tools
+        template = template.get("default") or next(iter(template.values()), None)
+    return isinstance(template, str) and ('"developer"' in template or "'developer'" in template)
 
 
 def template_tools(tools: list[dict] | None) -> list[dict] | None:

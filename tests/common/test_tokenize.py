@@ -147,3 +147,17 @@ def test_a_seam_needs_overlap_tokens_in_agreement_not_one_shared_boundary():
     assert _seam(ids, offsets, 1600, tail_ids, tail) == (210, 10)
     tail_ids[10 + OVERLAP // 2] = 999  # no run of OVERLAP agreeing tokens until after that one
     assert _seam(ids, offsets, 1600, tail_ids, tail) == (211 + OVERLAP // 2, 11 + OVERLAP // 2)
+
+
+def test_developer_messages_render_as_vllm_renders_them_for_a_template_without_the_role(tokenizer):
+    """vLLM turns ``developer`` into ``system`` where the template does not name it, and merges system messages
+    that then stand anywhere but first (its ``_consolidate_system_messages``): Codex CLI's prompts."""
+    messages = [ChatMessage(role="system", content="Be brief."), ChatMessage(role="developer", content="Sandbox."),
+                ChatMessage(role="user", content="Hi?"), ChatMessage(role="developer", content="Approvals.")]
+    rendered = render_chat(tokenizer, messages).text
+    expected = render_chat(tokenizer, [ChatMessage(role="system", content="Be brief.\n\nSandbox.\n\nApprovals."),
+                                       ChatMessage(role="user", content="Hi?")]).text
+    assert rendered == expected and "developer" not in rendered
+    first = [ChatMessage(role="developer", content="Sandbox."), ChatMessage(role="user", content="Hi?")]
+    assert render_chat(tokenizer, first).text == render_chat(
+        tokenizer, [ChatMessage(role="system", content="Sandbox."), ChatMessage(role="user", content="Hi?")]).text

@@ -243,6 +243,18 @@ def test_every_kind_of_request_is_compressed_on_vllms_own_endpoints(vllm_servers
                     "content": [{"type": "input_text", "text": chat_messages()[1]["content"]}]}])
         assert raw.headers["x-specprefill-status"] == "compressed"
 
+        # Codex CLI's instructions as developer messages, one of them after the user's: the template does not name
+        # the role, so vLLM renders them as one system message at the front, and so must the gateway (or every
+        # swap is refused and the prompt goes whole)
+        def message(role: str, text: str) -> dict:
+            return {"type": "message", "role": role, "content": [{"type": "input_text", "text": text}]}
+
+        raw = client.responses.with_raw_response.create(
+            model="tiny", max_output_tokens=4, temperature=0, extra_headers=keep, instructions="Answer briefly.",
+            input=[message("developer", "Sandbox: read-only."), message("user", chat_messages()[1]["content"]),
+                   message("developer", "Approvals: never.")])
+        assert raw.headers["x-specprefill-status"] == "compressed", raw.headers.get("x-specprefill-reason")
+
 
 def test_a_swap_that_does_not_match_is_a_400_and_vllm_stays_up(vllm_servers):
     assert_swap_mismatch_is_a_400(vllm_servers["plugin"])
