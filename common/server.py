@@ -14,6 +14,7 @@ import ctypes.util
 import gc
 import json
 import logging
+import time
 from dataclasses import dataclass
 
 import uvicorn
@@ -96,6 +97,8 @@ class GuardMiddleware:
                 received += len(message.get("body", b""))
                 if received > self.max_body_bytes:
                     raise _BodyTooLarge
+                if not message.get("more_body", False):
+                    request.read_at = time.perf_counter()
             return message
 
         self.in_flight += 1
@@ -104,6 +107,12 @@ class GuardMiddleware:
         async def tracking_send(message):
             if message["type"] == "http.response.start":
                 request.started = True
+                headers = message.get("headers", ())
+                if request.read_at is not None and not any(k.lower() == b"server-timing" for k, _ in headers):
+                    # an answer without the plan's timings (an error, above all): the gateway's own time for it,
+                    # from the body's last byte to this status line
+                    took = (time.perf_counter() - request.read_at) * 1e3
+                    message = {**message, "headers": [*headers, (b"server-timing", f"app;dur={took:.1f}".encode())]}
                 request.stream = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream")
                                      for k, v in message.get("headers", ()))
             elif message["type"] == "http.response.body" and not message.get("more_body", False):
@@ -143,6 +152,7 @@ class _InFlight:
     stream: bool = False  # as server-sent events
     ended: bool = False  # its last byte went out
     cut: bool = False  # cancelled by the drain
+    read_at: float | None = None  # when the body's last byte arrived (perf_counter)
 
 
 DRAIN_MESSAGE = "the server shut down before this request was answered; retry it on another replica"

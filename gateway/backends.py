@@ -27,6 +27,13 @@ from engine.protocol import EngineCompletionRequest
 from engine.serving import EngineServing
 
 
+# idle connections to a backend are closed by the gateway before the backend closes them: vLLM closes its idle
+# connections after 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE), and a request sent on one just as vLLM closes it fails
+# before it is read (a 502, or a stream cut at its start). Kept 60 s, that race cost a chaos run with one core
+# busy a 502 and a broken stream while nothing was down; a new loopback connection costs well under 1 ms.
+KEEPALIVE_S = 4.0
+
+
 class BackendGone(UpstreamError):
     """The backend refused the connection or dropped it (its process died, say)."""
 
@@ -169,7 +176,7 @@ class HTTPBackend:
         if self._session is None:
             self._session = aiohttp.ClientSession(
                 headers=self._headers, timeout=self._timeout,
-                connector=aiohttp.TCPConnector(limit=1024, limit_per_host=0, keepalive_timeout=60))
+                connector=aiohttp.TCPConnector(limit=1024, limit_per_host=0, keepalive_timeout=KEEPALIVE_S))
         return self._session
 
     async def model_name(self) -> str:

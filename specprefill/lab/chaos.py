@@ -12,9 +12,17 @@ breaks one part at a time and then several together:
   swap      the engine refuses every swap, as one whose chat template changed would (a fault proxy answers the
             mismatch 400 in its place)
   together  Redis and a draft worker killed and the engine stopped, all at once
-and at the end a SIGTERM to the gateway while it serves (and warms).
+  bodies    a client sends 5 and 15 MB bodies that cannot fit (chat, completions, Messages) beside the load: each
+            must be refused at once, ``/health`` must keep answering, and the memory they used must be given back
+  burst     the load's rate five times over: past ``--max-queue-wait``, requests are shed with a 503 and
+            ``Retry-After``; the ones admitted must still meet the time the gateway predicted for them
+and at the end a SIGTERM to the gateway while it serves (and warms): the short requests in flight finish, long
+ones still generating when the drain's limit runs out are ended in their API's shape (a 503 with ``Retry-After``,
+or an error event and ``[DONE]`` on a stream), and a request sent after the signal gets a 503.
 
-Between the gateway and the engine sits a recording proxy (``FaultProxy``). Per request: the status, whether an
+``/health`` is asked every 100 ms throughout, and its slowest answer kept per phase. Between the gateway and the
+engine sits a recording proxy (``FaultProxy``), which also keeps each failure of its own connection to the engine
+(what a 502 or a broken stream in a phase with the engine up comes from). Per request: the status, whether an
 error had OpenAI's shape, the plan, the latency. Lost: a request that got neither an answer nor an error. After
 the run, the greedy answers the engine gave through the proxy (400 at most, evenly spaced) are asked again of a
 fresh, undisturbed engine with the same body (the same kept tokens at the same positions): a different answer
@@ -27,6 +35,7 @@ before the first fault: a fault must leave them unpoisoned.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import json
 import os
@@ -35,6 +44,7 @@ import re
 import shutil
 import signal
 import subprocess
+import threading
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -52,12 +62,16 @@ from specprefill.lab.launch import CLI
 # each fault: the parts it breaks and how (killed, then started again; stopped, then continued; swaps refused)
 BREAKS = {"redis": [("redis", "kill")], "engine": [("engine", "kill")], "draft": [("draft0", "kill")],
           "stall": [("engine", "stop")], "swap": [("proxy", "refuse")],
-          "together": [("redis", "kill"), ("draft0", "kill"), ("engine", "stop")]}
+          "together": [("redis", "kill"), ("draft0", "kill"), ("engine", "stop")],
+          "bodies": [("client", "bodies")], "burst": [("client", "burst")]}
 FAULTS = tuple(BREAKS)
 COEFFICIENT = re.compile(r'^specprefill_cost_coefficient\{model="(\w+)",term="(\w+)"\} (\S+)$', re.MULTILINE)
 MAX_CHECKED = 400  # greedy engine answers asked again of an undisturbed engine, at most (evenly spaced)
 # (new, cached) prompt tokens: a long prompt of the load whole, compressed, and a few tokens after a cached one
 PRICED = ((1500, 0), (450, 0), (64, 1000))
+BURST = 5  # the burst's rate over the load's
+BIG_BODIES = ((5_000_000, "/v1/chat/completions"), (15_000_000, "/v1/completions"), (5_000_000, "/v1/messages"))
+DRAIN_S = 5.0  # the gateway's --drain-timeout: the SIGTERM's long requests are cut off at it
 WARMING = re.compile(r'^specprefill_warming_total\{outcome="(\w+)"\} (\S+)$', re.MULTILINE)
 
 
@@ -92,6 +106,8 @@ class FaultProxy:
         self.engine_url = engine_url
         self.refuse_swaps = False
         self.answers: list[tuple[str, dict, str]] = []  # (path, body, answer text)
+        self.failures: list[tuple[float, str]] = []  # (when, what failed): its own connection to the engine
+        self.closing = False
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(120.0), limits=httpx.Limits(max_connections=256))
 
     async def __call__(self, scope, receive, send) -> None:
@@ -115,7 +131,8 @@ class FaultProxy:
             request = self.client.build_request(scope["method"], self.engine_url + path, content=body,
                                                 headers=[(k.decode(), v.decode()) for k, v in headers])
             response = await self.client.send(request, stream=True)
-        except httpx.HTTPError:
+        except httpx.HTTPError as exc:
+            self._failed(f"connect {type(exc).__name__}")
             await _send(send, 502, [(b"content-type", b"application/json")],
                         b'{"error": {"message": "engine unreachable", "type": "api_error"}}')
             return
@@ -127,14 +144,19 @@ class FaultProxy:
             async for chunk in response.aiter_raw():
                 chunks.append(chunk)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        except httpx.HTTPError:
-            pass  # the engine went away mid-answer: the gateway sees the stream end early
+        except httpx.HTTPError as exc:  # the engine went away mid-answer: the gateway sees the stream end early
+            self._failed(f"mid-answer {type(exc).__name__}")
         finally:
             await response.aclose()
         await send({"type": "http.response.body", "body": b""})
         if parsed and response.status_code == 200 and not parsed.get("stream") and parsed.get("temperature") == 0:
             if (text := _answer_text(_json(b"".join(chunks)))) is not None:
                 self.answers.append((scope["path"], parsed, text))
+
+
+    def _failed(self, what: str) -> None:
+        if not self.closing:
+            self.failures.append((time.perf_counter(), what))
 
 
 @dataclass
@@ -158,6 +180,8 @@ class ChaosSample:
     reported_cached: int | None = None  # prompt tokens the engine said it served from its cache (usage)
     predicted_ms: float | None = None  # the plan's backend time, predicted and measured (Server-Timing)
     backend_ms: float | None = None
+    retry_after: str | None = None  # on a 503
+    done: bool = False  # a stream's [DONE] arrived
 
 
 @dataclass
@@ -170,6 +194,9 @@ class ChaosReport:
     sigterm: dict = field(default_factory=dict)
     resources: list[tuple[float, float, int]] = field(default_factory=list)  # (seconds, gateway RSS MiB, fds)
     warming: dict[str, int] = field(default_factory=dict)  # the gateway's warming by outcome, over the run
+    health: dict[str, float] = field(default_factory=dict)  # the slowest /health answer (s) by phase
+    bodies: dict = field(default_factory=dict)  # the big bodies: refusals, their times, memory around them
+    proxy_failures: dict[str, int] = field(default_factory=dict)  # "phase: what failed" -> how often
 
     def growth(self, warm_up_s: float) -> dict[str, float] | None:
         """Resident memory and open file descriptors at the end over their values once ``warm_up_s`` passed."""
@@ -198,11 +225,12 @@ class ChaosReport:
 
     def predicted_within_2x(self) -> dict[str, float]:
         """The share of compressed answers whose predicted backend time was within 2x of the measured one, before
-        the first fault and in the calm after each: the cost models must come out of a fault unpoisoned."""
+        the first fault and in the calm after each: the cost models must come out of a fault unpoisoned. In the
+        burst, of every answer admitted (its prediction holds the queue ahead of it)."""
         out = {}
-        for phase in ("calm", *(f"after {fault}" for fault in FAULTS)):
-            timed = [s for s in self.samples if s.phase == phase and s.specprefill == "compressed"
-                     and s.predicted_ms and s.backend_ms]
+        for phase in ("calm", "burst", *(f"after {fault}" for fault in FAULTS)):
+            timed = [s for s in self.samples if s.phase == phase and s.status == 200
+                     and (phase == "burst" or s.specprefill == "compressed") and s.predicted_ms and s.backend_ms]
             if timed:
                 out[phase] = round(sum(1 for s in timed if 0.5 <= s.predicted_ms / s.backend_ms <= 2)
                                    / len(timed), 2)
@@ -221,7 +249,9 @@ class ChaosReport:
 
     def summary(self) -> dict:
         lost = [s for s in self.samples if s.status is None]
-        errors = Counter(f"{s.phase}: {s.status} {s.cause}" for s in self.samples if s.status and s.status >= 500)
+        errors = Counter(f"{s.phase}: {s.status} {s.cause}" for s in self.samples if s.status and s.status >= 500
+                         and s.cause != "queue_full" and s.phase != "sigterm")  # the drain's: ``sigterm``
+        shed = [s for s in self.samples if s.cause == "queue_full"]
         return {"requests": len(self.samples), "lost": len(lost), "wrong_answers": len(self.wrong_answers),
                 "engine_answers_checked": self.answers_checked,
                 "statuses": dict(Counter(str(s.status) for s in self.samples)),
@@ -229,18 +259,22 @@ class ChaosReport:
                 "predicted_within_2x": self.predicted_within_2x(),
                 "unshaped_errors": sum(1 for s in self.samples if s.status and s.status >= 400 and not s.shaped),
                 "compressed": sum(1 for s in self.samples if s.specprefill == "compressed"),
-                "errors_5xx": dict(errors), "faults": self.faults, "sigterm": self.sigterm, "warming": self.warming,
+                "errors_5xx": dict(errors), "proxy_failures": self.proxy_failures,
+                "shed": {"by_phase": dict(Counter(x.phase for x in shed)),
+                         "without_retry_after": sum(1 for x in shed if not x.retry_after),
+                         "slowest_s": round(max((x.seconds for x in shed), default=0.0), 3)},
+                "health_slowest_s": self.health, "bodies": self.bodies, "faults": self.faults, "sigterm": self.sigterm, "warming": self.warming,
                 "resources": self.resources,  # every sample: the shape of a growth says what it is
                 "coefficients": self.coefficients, "target_prices": self.target_prices()}
 
 
 async def run_chaos(root: Path, out: Path, *, fault_s: float = 8.0, calm_s: float = 10.0, rate: float = 2.0,
                     tokens: int = 1500, seed: int = 0, faults: tuple[str, ...] = FAULTS,
-                    sample_s: float = 10.0) -> ChaosReport:
+                    sample_s: float = 10.0, max_queue_wait: float | None = 4.0) -> ChaosReport:
     """The whole run; the demo pair at ``root``. ``fault_s``: how long each part stays broken; ``calm_s``: the
-    steady load before the first fault and after each recovery; ``rate``: requests per second. Without
-    ``faults``, a soak: ``calm_s`` of steady load, the gateway's resident memory and open file descriptors read
-    every ``sample_s``."""
+    steady load before the first fault and after each recovery; ``rate``: requests per second;
+    ``max_queue_wait``: the gateway's ``--max-queue-wait``. Without ``faults``, a soak: ``calm_s`` of steady
+    load, the gateway's resident memory and open file descriptors read every ``sample_s``."""
     redis_server = shutil.which("redis-server")
     if redis_server is None:
         raise RuntimeError("the chaos run needs redis-server on PATH (Debian: apt-get install redis-server)")
@@ -261,7 +295,8 @@ async def run_chaos(root: Path, out: Path, *, fault_s: float = 8.0, calm_s: floa
         "--target-model", str(root / "target"), "--draft-model", str(root / "draft"), "--draft-worker-url",
         f"{url['draft0']},{url['draft1']}", "--redis-url", f"redis://127.0.0.1:{ports['redis']}/0",
         "--served-model-name", "chaos", "--min-prompt-tokens", "512", "--log-level", "warning",
-        "--drain-timeout", "30", *model], None)
+        "--drain-timeout", str(DRAIN_S), *model,
+        *(["--max-queue-wait", str(max_queue_wait)] if max_queue_wait else [])], None)
     proxy = FaultProxy(url["engine"])
     import uvicorn
 
@@ -279,11 +314,15 @@ async def run_chaos(root: Path, out: Path, *, fault_s: float = 8.0, calm_s: floa
     phase = "calm"
     start = time.perf_counter()
     rng = random.Random(seed)
+    health = HealthWatch(url["gateway"], lambda: phase)
+    health.start()
+    bodies: dict = {}
     try:
         async with httpx.AsyncClient(timeout=httpx.Timeout(120.0), limits=httpx.Limits(max_connections=256)) as client:
             coefficients = {"start": await _coefficients(client, url["gateway"])}
 
             async def traffic(until: float) -> None:
+                speed = BURST if phase == "burst" else 1
                 while time.perf_counter() < until:
                     number = len(samples)
                     api, stream, long, body, context = load(number)
@@ -291,7 +330,7 @@ async def run_chaos(root: Path, out: Path, *, fault_s: float = 8.0, calm_s: floa
                                          user=f"chaos-{number}", context=context)
                     samples.append(sample)
                     tasks.append(asyncio.ensure_future(_request(client, url["gateway"], sample, body)))
-                    await asyncio.sleep(rng.expovariate(rate))
+                    await asyncio.sleep(rng.expovariate(rate * speed))
 
             async def hold(name: str, seconds: float) -> None:
                 nonlocal phase
@@ -310,7 +349,12 @@ async def run_chaos(root: Path, out: Path, *, fault_s: float = 8.0, calm_s: floa
             for fault in faults:
                 broken_at = time.perf_counter() - start
                 await asyncio.to_thread(_fault, fault, parts, proxy, on=True)
+                if fault == "bodies":
+                    sender = asyncio.ensure_future(asyncio.to_thread(_big_bodies, url["gateway"],
+                                                                     gateway.process.pid, fault_s))
                 await hold(fault, fault_s)
+                if fault == "bodies":
+                    bodies = await sender
                 await asyncio.to_thread(_fault, fault, parts, proxy, on=False)
                 returned = time.perf_counter() - start
                 broken.append({"fault": fault, "broken_s": round(broken_at, 2), "returned_s": round(returned, 2)})
@@ -320,13 +364,17 @@ async def run_chaos(root: Path, out: Path, *, fault_s: float = 8.0, calm_s: floa
             coefficients["end"] = await _coefficients(client, url["gateway"])
             warming = {outcome: int(float(n)) for outcome, n in
                        WARMING.findall((await client.get(f"{url['gateway']}/metrics")).text)}
-            # a SIGTERM while requests are in flight: they finish, later ones get 503, nothing is lost
+            # a SIGTERM while requests are in flight: the short ones finish, the long ones are cut off at the
+            # drain's limit in their shape, later ones get 503, nothing is lost
             phase = "sigterm"
             terms = [ChaosSample(len(samples) + i, "sigterm", *load(len(samples) + i)[:3],
                                  time.perf_counter() - start, user=f"chaos-{len(samples) + i}") for i in range(8)]
             samples.extend(terms)
-            in_flight = [asyncio.ensure_future(_request(client, url["gateway"], s, load(s.number)[3]))
-                         for s in terms]
+            bodies_at_signal = [load(s.number)[3] for s in terms]
+            for sample, body in list(zip(terms, bodies_at_signal))[1::2]:
+                sample.api, bodies_at_signal[sample.number - terms[0].number] = _long(sample.api, body)
+            in_flight = [asyncio.ensure_future(_request(client, url["gateway"], s, body))
+                         for s, body in zip(terms, bodies_at_signal)]
             await asyncio.sleep(0.3)
             gateway.signal(signal.SIGTERM)
             await asyncio.sleep(0.3)
@@ -334,7 +382,10 @@ async def run_chaos(root: Path, out: Path, *, fault_s: float = 8.0, calm_s: floa
             refused = ChaosSample(-1, "sigterm", api, stream, long, time.perf_counter() - start)
             await _request(client, url["gateway"], refused, body)
             finished = await asyncio.gather(*in_flight)
+            exit_status = await asyncio.to_thread(gateway.process.wait, 60)
     finally:
+        health.stop.set()
+        proxy.closing = True  # what fails from here on is the run's own teardown
         for part in (gateway, *parts.values()):
             part.signal(signal.SIGCONT)
             part.kill()
@@ -344,10 +395,16 @@ async def run_chaos(root: Path, out: Path, *, fault_s: float = 8.0, calm_s: floa
     for fault in broken:  # the first request compressed again after the part's return
         back = [s.sent_s for s in samples if s.sent_s >= fault["returned_s"] and s.specprefill == "compressed"]
         fault["compressing_again_after_s"] = round(min(back) - fault["returned_s"], 2) if back else None
+    phase_at = sorted(((s.sent_s + start, s.phase) for s in samples if s.number >= 0), key=lambda x: x[0])
+    failures = Counter(f"{_phase_at(phase_at, when)}: {what}" for when, what in proxy.failures)
     report = ChaosReport(samples, broken, coefficients, resources=resources, warming=warming,
+                         health=health.slowest, bodies=bodies, proxy_failures=dict(failures),
                          sigterm={"sent_around_the_signal": len(finished),
                                   "statuses": dict(Counter(str(s.status) for s in finished)),
-                                  "sent_after_the_signal": refused.status})
+                                  "cut_off": [{"api": s.api, "stream": s.stream, "status": s.status, "cause": s.cause,
+                                               "shaped": s.shaped, "retry_after": s.retry_after, "done": s.done}
+                                              for s in finished if s.status != 200],
+                                  "sent_after_the_signal": refused.status, "exit_status": exit_status})
     await _check_answers(report, proxy, root, ports["oracle"])
     out.mkdir(parents=True, exist_ok=True)
     (out / "chaos.json").write_text(json.dumps({"summary": report.summary(),
@@ -358,6 +415,8 @@ async def run_chaos(root: Path, out: Path, *, fault_s: float = 8.0, calm_s: floa
 def _fault(fault: str, parts: dict[str, Part], proxy: FaultProxy, *, on: bool) -> None:
     """Breaks (``on``) or restores what ``fault`` names (``BREAKS``)."""
     for name, how in BREAKS[fault]:
+        if name == "client":
+            continue  # the client's own doing: bodies sent, a burst of load (``run_chaos``)
         if how == "refuse":
             proxy.refuse_swaps = on
         elif how == "stop":
@@ -381,6 +440,7 @@ async def _request(client: httpx.AsyncClient, gateway: str, sample: ChaosSample,
                     error = _json(await response.aread())
                 else:
                     async for line in response.aiter_lines():
+                        sample.done |= line == "data: [DONE]"
                         if line.startswith("data: {"):
                             event = json.loads(line[6:])
                             if "error" in event:
@@ -398,6 +458,7 @@ async def _request(client: httpx.AsyncClient, gateway: str, sample: ChaosSample,
         sample.seconds = time.perf_counter() - start
         return sample
     sample.seconds = time.perf_counter() - start
+    sample.retry_after = headers.get("retry-after") if headers else None
     sample.specprefill = headers.get("x-specprefill-status", "") if headers else ""
     sample.reason = headers.get("x-specprefill-reason", "") if headers else ""
     sample.answer = text if sample.status == 200 else None
@@ -435,6 +496,61 @@ async def _check_answers(report: ChaosReport, proxy: FaultProxy, root: Path, por
                     report.wrong_answers.append({"user": user, "engine": text, "client": got, "oracle": expected})
     finally:
         oracle.kill()
+
+
+class HealthWatch(threading.Thread):
+    """Asks the gateway's /health every 100 ms and keeps the slowest answer's time by phase (``phase()``)."""
+
+    def __init__(self, url: str, phase) -> None:
+        super().__init__(daemon=True)
+        self.url, self.phase, self.stop = url, phase, threading.Event()
+        self.slowest: dict[str, float] = {}
+
+    def run(self) -> None:
+        with httpx.Client(timeout=30) as client:
+            while not self.stop.wait(0.1):
+                phase, start = self.phase(), time.perf_counter()
+                try:
+                    client.get(f"{self.url}/health")
+                except httpx.HTTPError:
+                    continue  # draining or gone: the SIGTERM's own checks say what happened
+                self.slowest[phase] = round(max(self.slowest.get(phase, 0.0), time.perf_counter() - start), 3)
+
+
+def _big_bodies(gateway: str, pid: int, seconds: float) -> dict:
+    """Bodies that cannot fit, one after another for ``seconds`` (``BIG_BODIES`` in turn): each one's status and
+    time, and the gateway's resident memory before the first and a second after the last."""
+    text = ("the quick brown fox jumps over a lazy dog " * (max(size for size, _ in BIG_BODIES) // 40))
+    payloads = {}
+    for size, path in BIG_BODIES:
+        content = text[:size]
+        body = {"model": "chaos", "prompt": content} if path == "/v1/completions" else {
+            "model": "chaos", "max_tokens": 4, "messages": [{"role": "user", "content": content}]}
+        payloads[(size, path)] = json.dumps(body).encode()
+    before, statuses, slowest, end = rss_mib(pid), Counter(), 0.0, time.perf_counter() + seconds
+    with httpx.Client(timeout=60, headers={"content-type": "application/json"}) as client:
+        while time.perf_counter() < end:
+            for (size, path), payload in payloads.items():
+                sent = time.perf_counter()
+                response = client.post(gateway + path, content=payload)
+                slowest = max(slowest, time.perf_counter() - sent)
+                statuses[f"{path} {size // 1_000_000} MB: {response.status_code}"] += 1
+    time.sleep(1.0)
+    return {"statuses": dict(statuses), "slowest_s": round(slowest, 3), "rss_mib": [before, rss_mib(pid)]}
+
+
+def _long(api: str, body: dict) -> tuple[str, dict]:
+    """The request asking for an answer far longer than the drain's limit allows (a Responses one as a
+    completion: ``ignore_eos`` is vLLM's extension of chat and completions)."""
+    if api == "responses":
+        api, body = "completions", {"model": body["model"], "prompt": body["input"], "temperature": 0}
+    return api, {**body, "max_tokens": 4000, "ignore_eos": True}
+
+
+def _phase_at(phases: list[tuple[float, str]], when: float) -> str:
+    """The phase of the last request sent before ``when``."""
+    i = bisect.bisect_right([t for t, _ in phases], when)
+    return phases[i - 1][1] if i else "calm"
 
 
 def _resources(pid: int) -> tuple[float, int]:
@@ -524,6 +640,10 @@ def format_chaos(summary: dict) -> str:
         lines.append(f"{fault['fault']:>9} {'never' if again is None else f'{again:.1f} s':>24}")
     lines.append("5xx by phase and cause: " + (", ".join(f"{k} x{v}" for k, v in summary["errors_5xx"].items())
                                                or "none"))
+    lines.append(f"proxy's own failures to reach the engine, by phase: {summary['proxy_failures'] or 'none'}")
+    lines.append(f"shed (503 queue_full): {summary['shed']}")
+    lines.append(f"slowest /health by phase (s): {summary['health_slowest_s']}")
+    lines.append(f"big bodies: {summary['bodies'] or 'not sent'}")
     lines.append(f"SIGTERM: {summary['sigterm']}")
     lines.append(f"warming over the run, by outcome: {summary['warming']}")
     lines.append(f"compressed answers predicted within 2x, by phase: {summary['predicted_within_2x']}")

@@ -8,7 +8,7 @@ import json
 import httpx
 import openai
 import pytest
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
 from common.process import free_port
@@ -188,3 +188,28 @@ async def test_client_disconnects_cancel_the_backend_request(gateway_url, engine
     body = {"model": "tiny", "messages": _messages(), "max_tokens": 2000, "temperature": 0.8, "ignore_eos": True}
     await disconnects_release_the_engine(f"{gateway_url}/v1/chat/completions", body, engine_backend[0],
                                          headers={"x-keep-rate": "0.3"})
+
+
+async def test_an_idle_backend_connection_is_not_reused_past_vllms_keep_alive():
+    """vLLM closes a connection idle for 5 s; a request sent on it just then fails before it is read. The gateway
+    sends a request after 4.3 s of quiet on a new connection, not on the one vLLM may be closing."""
+    from gateway.backends import KEEPALIVE_S, HTTPBackend
+
+    ports = []
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        ports.append(request.client.port)
+        return {"choices": [{"text": "ok", "index": 0, "finish_reason": "stop"}]}
+
+    with serve(app) as url:
+        backend = HTTPBackend(url, "vllm", model="m")
+        try:
+            await backend.completion({"model": "m", "prompt": "a"})
+            await backend.completion({"model": "m", "prompt": "b"})  # at once: the same connection
+            await asyncio.sleep(KEEPALIVE_S + 0.3)
+            await backend.completion({"model": "m", "prompt": "c"})
+        finally:
+            await backend.close()
+    assert KEEPALIVE_S < 5 and ports[0] == ports[1] != ports[2], ports

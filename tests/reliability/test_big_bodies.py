@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from common.process import free_port, rss_mib
+from specprefill.lab.bench import parse_server_timing
 from tests.helpers import start_command
 
 KEY = "sk-big-bodies"
@@ -69,9 +70,13 @@ def test_bodies_that_cannot_fit_are_refused_at_once(gateway):
               for size in (5 * MB, 15 * MB)}
     auth = {"authorization": f"Bearer {KEY}", "content-type": "application/json"}
     with httpx.Client(timeout=120) as client:
+        gateway_ms = []  # the gateway's own time for each refusal: from the body's last byte to the answer
+
         def post(path: str, body: bytes, headers: dict) -> tuple[httpx.Response, float]:
             start = time.perf_counter()
             response = client.post(f"{url}{path}", content=body, headers=headers)
+            if response.status_code == 400:  # read and refused (without the key: before its body is read)
+                gateway_ms.append(parse_server_timing(response.headers.get("server-timing"))["app"])
             return response, time.perf_counter() - start
 
         post("/v1/chat/completions", bodies[5 * MB]["/v1/chat/completions"], auth)  # buffers of this size, once
@@ -102,6 +107,7 @@ def test_bodies_that_cannot_fit_are_refused_at_once(gateway):
     # before: 9-15 s a body, /health blocked throughout, +500 MiB a body (the whole text was tokenized first);
     # the bounds leave room for a busy 2-core machine (sending 15 MB over loopback and parsing it)
     assert slowest < 2.0, f"a refusal took {slowest:.2f} s"
+    assert max(gateway_ms) < 100, f"the gateway took {max(gateway_ms):.0f} ms over a refusal"
     assert watch.slowest < 1.0, f"/health took {watch.slowest:.2f} s"
-    print(f"slowest refusal {slowest:.3f} s, slowest health {watch.slowest:.3f} s, rss {before:.0f} -> {after:.0f}")
+    print(f"slowest refusal {slowest:.3f} s (gateway {max(gateway_ms):.0f} ms), slowest health {watch.slowest:.3f} s, rss {before:.0f} -> {after:.0f}")
     assert after <= before * 1.05 + 8, f"resident memory {before:.0f} -> {after:.0f} MiB over 25 big bodies"
