@@ -25,7 +25,7 @@ class BlockStored:
     parent_block_hash: BlockHash | None
     token_ids: list[int]
     block_size: int
-    extra_keys: list[tuple | None] | None = None  # one per block: the positions' key (``engine.blocks``), ...
+    extra_keys: list[tuple | None] | None = None  # one per block: the positions' key (``common.blocks``), ...
     medium: str | None = None  # "GPU" (the engine's own cache), or an offloading tier's "CPU" / "STORAGE"
     lora_name: str | None = None
 

@@ -1,4 +1,4 @@
-"""The draft worker: the public object that scores prompts (``draft_worker.selector`` decides what is kept)."""
+"""The draft worker: the public object that scores prompts (``common.selection`` decides what is kept)."""
 
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ from transformers import DynamicCache, PretrainedConfig
 
 from common.kv_cache import append_cache
 from common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, Event
-from engine.blocks import block_hashes, block_keys, chain, reusable_blocks
+from common.blocks import block_hashes, block_keys, chain, reusable_blocks
 
 Block = torch.Tensor  # every layer's keys and values: [layers, 2, Hkv, block_size, D]
 

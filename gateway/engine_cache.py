@@ -1,6 +1,6 @@
 """The gateway's model of what the engine's prefix cache holds, by the engine's block size.
 
-Blocks are keyed as the engine keys them (``engine.blocks``: tokens and non-default positions, chained). Two
+Blocks are keyed as the engine keys them (``common.blocks``: tokens and non-default positions, chained). Two
 sources:
   what the gateway sent (``MemoryEngineCache``, ``RedisEngineCache``): guessed, kept LRU within the engine's
   capacity; an answer that reports fewer cached tokens than predicted drops what was not there, and all that is
@@ -21,7 +21,7 @@ import time
 from collections.abc import Sequence
 from typing import Protocol
 
-from engine.blocks import BlockHasher, block_hash, reusable_blocks
+from common.blocks import BlockHasher, block_hash, reusable_blocks
 from gateway.redis_link import RedisLink
 
 logger = logging.getLogger("specprefill.gateway")
@@ -138,7 +138,7 @@ class RedisEngineCache:
 
 class EventEngineCache:
     """What the engine's KV cache events say it holds. Blocks are known by the engine's own hashes in the events
-    and by this gateway's hashes (``engine.blocks``), worked out from each event's tokens, extra keys and parent.
+    and by this gateway's hashes (``common.blocks``), worked out from each event's tokens, extra keys and parent.
     What the gateway has just sent counts as cached until its events come (they follow the engine's step), for
     ``confirm_s`` at most: a block no event confirms by then was not kept."""
 

@@ -43,10 +43,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from draft_worker.selector import extend_selection, fill_blocks, kept_importance, select_tokens
+from common.selection import extend_selection, fill_blocks, kept_importance, select_tokens
 from gateway.costs import CostModel
 from gateway.draft import DraftClient
-from gateway.engine_cache import EngineCacheModel
 from gateway.engine_load import EngineLoad
 from gateway.metrics import GatewayMetrics
 from gateway.plan import Plan
@@ -72,8 +71,7 @@ class Candidate:
 
 class Planner:
     def __init__(self, settings: GatewaySettings, draft: DraftClient, scores: ScoreProvider, metrics: GatewayMetrics,
-                 special_ids: Collection[int], engine_cache: EngineCacheModel | None,
-                 costs: tuple[CostModel, CostModel], positional: bool = True, load: EngineLoad | None = None,
+                 special_ids: Collection[int], costs: tuple[CostModel, CostModel], positional: bool = True,
                  replicas: list[Replica] | None = None) -> None:
         self.settings = settings
         self.draft = draft
@@ -83,22 +81,9 @@ class Planner:
         self.target_cost, self.draft_cost = costs
         self.positional = positional  # the backend reads positions (else kept tokens run contiguously)
         # each engine's cache (None: plan as if it kept nothing: text backends) and what it is doing now
-        self.replicas = replicas or [Replica(0, "in-process", None, load or EngineLoad(), engine_cache)]
+        self.replicas = replicas or [Replica(0, "in-process", None, EngineLoad(), None)]
         self.selections: RecentPrompts[Selection] = RecentPrompts(capacity=64)
         self._routed = 0
-
-    @property
-    def engine_cache(self) -> EngineCacheModel | None:
-        """The first replica's cache model (the only one's, without replicas)."""
-        return self.replicas[0].cache
-
-    @engine_cache.setter
-    def engine_cache(self, cache: EngineCacheModel | None) -> None:
-        self.replicas[0].cache = cache
-
-    @property
-    def load(self) -> EngineLoad:
-        return self.replicas[0].load
 
     async def plan(self, token_ids: list[int], options: RequestOptions, unsupported: list[str],
                    keep: torch.Tensor | None = None, *, boundary: int | None = None, dry_run: bool = False,
@@ -429,8 +414,8 @@ class Planner:
             served = cached if served is None else served  # an engine that does not say: as sent
             if measured:
                 self.target_cost.observe(len(prompt) - served, served, seconds, probe=True)
-            if self.engine_cache is not None:
-                await self.engine_cache.record(prompt, None)
+            if (cache := self.replicas[0].cache) is not None:
+                await cache.record(prompt, None)
             return seconds
 
         room = max(1, min(self.draft.max_prompt_tokens, limit or 1 << 31) - sum(extensions))

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from common.errors import InvalidRequestError
 from common.protocol import SpecPrefillOptions
-from draft_worker.config import validate_keep_rate
+from common.selection import validate_keep_rate
 
 KEEP_RATE_HEADER = "x-keep-rate"
 MODE_HEADER = "x-specprefill"

@@ -9,7 +9,7 @@ from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import NoDecode
 
 from common.options import DeviceOptions, ServerOptions
-from draft_worker.config import validate_keep_rate
+from common.selection import validate_keep_rate
 from draft_worker.settings import ScoringOptions
 from gateway.costs import cost_models
 

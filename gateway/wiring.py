@@ -51,7 +51,7 @@ async def build_serving(settings: GatewaySettings, metrics: GatewayMetrics, draf
     metrics.expose_costs({"target": costs[0], "draft": costs[1]})
     metrics.expose_replicas(replicas)
     kind = replicas[0].backend.kind
-    planner = Planner(settings, draft, scores, metrics, tokenizer.all_special_ids, None, costs,
+    planner = Planner(settings, draft, scores, metrics, tokenizer.all_special_ids, costs,
                       positional=kind in ("reference", "vllm"), replicas=replicas)
     for replica in replicas:
         cache = replica.cache

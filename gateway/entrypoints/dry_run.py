@@ -12,7 +12,7 @@ import torch
 from common.errors import InvalidRequestError, OverloadedError, parse_body
 from common.protocol import ChatCompletionRequest, CompletionRequest
 from common.tokenize import token_pieces
-from draft_worker.selector import always_kept, select_tokens
+from common.selection import always_kept, select_tokens
 from gateway.inspector import KEEP_RATES, inspection, runs
 from gateway.policy import RequestOptions, request_options
 from gateway.serving import GatewayServing

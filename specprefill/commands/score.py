@@ -9,7 +9,7 @@ from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import CliPositionalArg
 
 from common.options import DeviceOptions
-from draft_worker.config import validate_keep_rate
+from common.selection import validate_keep_rate
 from draft_worker.settings import ScoringOptions
 
 DIM_STRIKE, RESET = "\x1b[2;9m", "\x1b[0m"
@@ -38,7 +38,8 @@ class Score(DeviceOptions, ScoringOptions):
 
 
 def run_score(options: Score) -> int:
-    from draft_worker import DraftWorker, select_tokens
+    from common.selection import select_tokens
+    from draft_worker import DraftWorker
 
     try:
         raw = _read_input(options.file)
@@ -71,7 +72,7 @@ def write_html(path: str, tokenizer, token_ids: list[int], scores, config, speci
                model: str) -> None:
     """The inspector's page with this prompt's scores and selections inlined (``gateway.inspector``)."""
     from common.tokenize import token_pieces
-    from draft_worker.selector import always_kept, select_tokens
+    from common.selection import always_kept, select_tokens
     from gateway.inspector import inspection, page, selections
 
     plans = selections(lambda rate: select_tokens(token_ids, scores, rate, config, special))

@@ -17,7 +17,8 @@ import torch
 from tqdm import tqdm
 
 from common.models import load_causal_lm, load_tokenizer
-from draft_worker import DraftWorker, ScoringConfig, select_tokens
+from common.selection import select_tokens
+from draft_worker import DraftWorker, ScoringConfig
 from draft_worker.baselines import baseline_scores
 from engine.runner import prefill
 from specprefill.lab.retrieval import make_sample

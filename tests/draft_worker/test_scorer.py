@@ -11,7 +11,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repea
 from draft_worker.capture import enable_query_capture
 from draft_worker.config import ScoringConfig
 from draft_worker.scorer import score_prompts
-from draft_worker.selector import select_chunks
+from common.selection import select_chunks
 from tests.helpers import tiny_llama
 
 

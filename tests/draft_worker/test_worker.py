@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from common.models import TokenizerMismatchError, check_same_tokenizer, load_tokenizer
-from draft_worker import DraftWorker, ScoringConfig, select_tokens
+from common.selection import select_tokens
+from draft_worker import DraftWorker, ScoringConfig
 from draft_worker.worker import PromptTooLongError
 from specprefill.lab.demo_models import train_tokenizer
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from common.models import load_causal_lm, load_tokenizer, with_cache
-from engine.blocks import block_hashes, reusable_blocks
+from common.blocks import block_hashes, reusable_blocks
 from engine.engine import ReferenceEngine
 from engine.prefix_cache import PrefixCache
 from engine.sampling import SamplingParams

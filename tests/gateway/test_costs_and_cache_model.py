@@ -119,8 +119,8 @@ def test_the_block_hasher_reuses_chains_and_gives_exactly_the_block_hashes(monke
     the hashes are always ``block_hashes``'s, and a prompt that begins like a recent one hashes only its tail."""
     import random
 
-    import engine.blocks
-    from engine.blocks import BlockHasher, block_hashes
+    import common.blocks
+    from common.blocks import BlockHasher, block_hashes
 
     hashed: list[int] = []
 
@@ -128,7 +128,7 @@ def test_the_block_hasher_reuses_chains_and_gives_exactly_the_block_hashes(monke
         hashed.append(len(token_ids))
         return block_hashes(token_ids, *args, **kwargs)
 
-    monkeypatch.setattr(engine.blocks, "block_hashes", counting)
+    monkeypatch.setattr(common.blocks, "block_hashes", counting)
 
     rng = random.Random(0)
     base = [rng.randrange(1000) for _ in range(1000)]

@@ -13,17 +13,19 @@ import pytest
 import torch
 
 from common.models import load_causal_lm, load_tokenizer
+from common.selection import select_tokens
 from draft_worker import ScoringConfig
 from engine.engine import ReferenceEngine
 from engine.sampling import SamplingParams
 from gateway.app import create_app
 from gateway.costs import cost_models
 from gateway.engine_cache import MemoryEngineCache
+from gateway.engine_load import EngineLoad
 from gateway.metrics import GatewayMetrics
-from draft_worker.selector import select_tokens
 from gateway.plan import Plan
 from gateway.planner import Planner
 from gateway.policy import RequestOptions
+from gateway.replicas import Replica
 from gateway.scores import ScoreProvider
 from gateway.settings import GatewaySettings
 from gateway.warming import Warmer
@@ -80,8 +82,9 @@ def _planner(**settings) -> tuple[Planner, FakeDraft]:
     draft = FakeDraft()
     metrics = GatewayMetrics()
     settings = GatewaySettings(**values)
+    replica = Replica(0, "in-process", None, EngineLoad(), MemoryEngineCache(16, 1 << 20))
     planner = Planner(settings, draft, ScoreProvider(draft, None, metrics), metrics, (),
-                      MemoryEngineCache(16, 1 << 20), cost_models(settings.cost_coefficients))
+                      cost_models(settings.cost_coefficients), replicas=[replica])
     return planner, draft
 
 
@@ -102,18 +105,18 @@ async def test_a_cold_prompt_is_compressed_afresh():
 async def test_a_prompt_the_engine_holds_goes_whole_without_the_draft():
     planner, draft = _planner()
     document = _ids(4000, 2)
-    await planner.engine_cache.record(document, None)  # a warm, say
+    await planner.replicas[0].cache.record(document, None)  # a warm, say
     plan = await planner.plan(document + _ids(30, 3), OPTIONS, [])
     assert (plan.status, plan.reason, plan.kind, draft.calls) == ("bypassed", "cached", "whole", 0)
     assert plan.engine_cached == 4000
     # without --whole-when-cached it is priced like any plan, and whole is cheapest here too
     priced, _ = _planner(whole_when_cached=0.0)
-    await priced.engine_cache.record(document, None)
+    await priced.replicas[0].cache.record(document, None)
     plan = await priced.plan(document + _ids(30, 3), OPTIONS, [])
     assert (plan.reason, plan.kind) == ("cheaper_whole", "whole")
     # the paper's planner compresses it anyway
     fresh, _ = _planner(planner="fresh")
-    await fresh.engine_cache.record(document, None)
+    await fresh.replicas[0].cache.record(document, None)
     assert (await fresh.plan(document + _ids(30, 3), OPTIONS, [])).kind == "fresh"
 
 
@@ -177,7 +180,7 @@ async def test_a_system_prompt_stays_whole_where_affordable():
     long[:3500] = True  # a long system prompt the engine has not seen: keeping it whole costs far more
     plan = await planner.plan(prompt, OPTIONS, [], long)
     assert plan.kind == "fresh" and not plan.protected and plan.kept_tokens < 0.5 * 4000
-    await planner.engine_cache.record(prompt[:3520], None)  # warmed: the system prompt now stays whole
+    await planner.replicas[0].cache.record(prompt[:3520], None)  # warmed: the system prompt now stays whole
     plan = await planner.plan(prompt, OPTIONS, [], long)
     assert plan.kind == "fresh" and plan.protected and set(range(3500)) <= set(plan.kept_indices)
     assert plan.engine_cached >= 3488 and plan.kept_tokens < 3500 + 0.5 * 500
@@ -190,7 +193,7 @@ async def test_the_outcome_teaches_the_cost_model_and_the_cache_model():
     before = planner.target_cost.coefficients.copy()
     sent = plan.kept_token_ids()
     await planner.completed(plan, {"prompt_tokens_details": {"cached_tokens": 0}}, 0.5)
-    assert await planner.engine_cache.cached_tokens(sent, plan.kept_indices) == (len(sent) - 1) // 16 * 16
+    assert await planner.replicas[0].cache.cached_tokens(sent, plan.kept_indices) == (len(sent) - 1) // 16 * 16
     for seconds in (0.6, 0.7, 0.8):
         await planner.completed(plan, None, seconds)
     assert not (planner.target_cost.coefficients == before).all()
@@ -303,7 +306,7 @@ async def test_a_system_prompt_the_engine_holds_stays_whole_and_the_draft_is_ski
     first = await planner.plan(prompt, OPTIONS, [], system)
     assert first.kind == "fresh" and not first.protected
     await planner.completed(first, None, 1.0)
-    await planner.engine_cache.record(prompt, None)  # the warm
+    await planner.replicas[0].cache.record(prompt, None)  # the warm
     calls = draft.calls
     second = await planner.plan(prompt[:4000] + _ids(30, 11), OPTIONS, [], system)
     assert second.kind == "whole" and second.reason == "cached" and draft.calls == calls
@@ -335,7 +338,7 @@ async def test_kept_tokens_fill_whole_engine_blocks_up_to_where_the_next_user_le
     filled to whole blocks, so the next user's request finds all of it cached and the engine reads only the new
     question, not also the last part-filled block of the system prompt again."""
     planner, draft = _planner()
-    planner.engine_cache = MemoryEngineCache(64, 1 << 20)
+    planner.replicas[0].cache = MemoryEngineCache(64, 1 << 20)
     system = torch.zeros(3040, dtype=torch.bool)
     system[:3000] = True
     prompt = _ids(3000, 17)
@@ -359,7 +362,7 @@ async def test_filling_blocks_never_moves_tokens_the_engine_already_holds():
     every kept token after them and the engine re-read those blocks (in a Poisson run, 2,048 of ~2,400 kept
     tokens reused; the rest read anew). Fill goes only after what the engine holds."""
     planner, draft = _planner()
-    planner.engine_cache = MemoryEngineCache(64, 1 << 20)
+    planner.replicas[0].cache = MemoryEngineCache(64, 1 << 20)
     document = _ids(3000, 21)
     draft.peaks = [186, 187]  # the document's last whole chunks (2976-3007 and on): kept
     first = await planner.plan(document + _ids(40, 22), OPTIONS, [])
@@ -397,7 +400,7 @@ async def test_a_held_system_prompt_that_ends_inside_a_block_does_not_wake_the_d
     system = torch.zeros(4037, dtype=torch.bool)
     system[:4007] = True  # ends 7 tokens into a 16-token block
     prompt = _ids(4007, 12)
-    await planner.engine_cache.record(prompt, None)  # the warm
+    await planner.replicas[0].cache.record(prompt, None)  # the warm
     plan = await planner.plan(prompt + _ids(30, 13), OPTIONS, [], system)
     assert plan.engine_cached == 4000
     assert (plan.kind, plan.reason, draft.calls) == ("whole", "cached", 0)
@@ -406,7 +409,7 @@ async def test_a_held_system_prompt_that_ends_inside_a_block_does_not_wake_the_d
 def _timed_engine(planner: Planner, lengths: list[int]):
     """An engine that takes 20 ms, 0.2 ms per new token and 10 µs per cached token, and says what it cached."""
     async def complete(token_ids: list[int]) -> dict:
-        cached = await planner.engine_cache.cached_tokens(token_ids, None)
+        cached = await planner.replicas[0].cache.cached_tokens(token_ids, None)
         lengths.append(len(token_ids))
         await asyncio.sleep(0.02 + 2e-4 * (len(token_ids) - cached) + 1e-5 * cached)
         return {"usage": {"prompt_tokens_details": {"cached_tokens": cached}}}
@@ -492,12 +495,12 @@ async def test_the_draft_costs_only_what_outlasts_the_wait_ahead():
     idle = await planner.plan(prompt, OPTIONS, [])
     assert (idle.kind, idle.reason, draft.calls, idle.wait_ms) == ("whole", "cheaper_whole", 0, 0)
     assert idle.predicted_ms == pytest.approx(idle.target_s * 1e3)
-    ahead = planner.load.begin(4.0)  # another request's prefill, 4 s of it left
+    ahead = planner.replicas[0].load.begin(4.0)  # another request's prefill, 4 s of it left
     busy = await planner.plan(prompt, OPTIONS, [])
     assert (busy.kind, busy.status, draft.calls) == ("fresh", "compressed", 1)
     assert busy.wait_ms == pytest.approx(4000, rel=0.01)
     assert busy.predicted_ms == pytest.approx(busy.wait_ms + busy.target_s * 1e3)
-    planner.load.end(ahead)
+    planner.replicas[0].load.end(ahead)
 
 
 async def test_a_shared_system_prompt_warmed_between_requests_lands_and_then_stays_whole():
@@ -508,14 +511,14 @@ async def test_a_shared_system_prompt_warmed_between_requests_lands_and_then_sta
     costs = {"target": [0.005, 5e-5, 1e-6, 0.0], "draft": [0.001, 1e-6, 0.0, 1e-7]}
     planner, _ = _planner(cost_coefficients=costs)
     engine = FCFSEngine(fixed=0.005, per_token=5e-5, per_cached=1e-6)
-    warmer = Warmer(lambda ids, priority: engine.complete(ids, priority), planner.completed, planner.load,
-                    planner.engine_cache, planner.target_cost, planner.metrics, piece_s=0.03, recheck_s=0.01)
+    warmer = Warmer(lambda ids, priority: engine.complete(ids, priority), planner.completed, planner.replicas[0].load,
+                    planner.replicas[0].cache, planner.target_cost, planner.metrics, piece_s=0.03, recheck_s=0.01)
     system, n_system = _ids(3000, 41), 3000
     keep = torch.zeros(n_system + 30, dtype=torch.bool)
     keep[:n_system] = True
     plans = []
     for i in range(12):
-        load = planner.load
+        load = planner.replicas[0].load
         load.enter()
         plan = await planner.plan(system + _ids(30, 100 + i), OPTIONS, [], keep)
         ticket = load.begin(plan.target_s)
@@ -552,9 +555,9 @@ async def test_a_prompt_the_engine_holds_nine_tenths_of_goes_whole_though_compre
     costs = {"target": [0.0, 1e-3, 1e-3, 0.0], "draft": COSTS["draft"]}
     planner, draft = _planner(cost_coefficients=costs)
     prompt = _ids(4000, 40)
-    await planner.engine_cache.record(prompt[:3616], None)
+    await planner.replicas[0].cache.record(prompt[:3616], None)
     plan = await planner.plan(prompt, OPTIONS, [])
     assert (plan.kind, plan.reason, draft.calls) == ("whole", "cached", 0)
     other, _ = _planner(cost_coefficients=costs)
-    await other.engine_cache.record(prompt[:3200], None)
+    await other.replicas[0].cache.record(prompt[:3200], None)
     assert (await other.plan(prompt, OPTIONS, [])).status == "compressed"

@@ -246,7 +246,7 @@ async def test_a_turn_goes_where_its_earlier_selection_is_held_unless_the_wait_t
     draft.peaks = [5, 40, 90]
     settings = GatewaySettings(target_model="t", draft_model="d", min_prompt_tokens=64, cost_coefficients=COSTS)
     replicas = [Replica(i, f"r{i}", None, EngineLoad(), MemoryEngineCache(16, 1 << 20)) for i in range(2)]
-    planner = Planner(settings, draft, ScoreProvider(draft, None, metrics), metrics, (), None, cost_models(COSTS),
+    planner = Planner(settings, draft, ScoreProvider(draft, None, metrics), metrics, (), cost_models(COSTS),
                       replicas=replicas)
     first = _ids(4000, 1)
     await planner.completed(await planner.plan(first, OPTIONS, [], replica=replicas[1]), None, 1.0)

@@ -15,7 +15,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from common.models import TokenizerMismatchError
-from draft_worker import DraftWorker, ScoringConfig, select_tokens
+from common.selection import select_tokens
+from draft_worker import DraftWorker, ScoringConfig
 from gateway.app import create_app
 from gateway.cache import score_key
 from gateway.draft import LocalDraft

@@ -50,7 +50,7 @@ def test_block_keys_only_where_positions_differ():
 def test_the_engines_block_key_is_the_plugins():
     """The gateway matches blocks from vLLM's KV events by the key the plugin adds to vLLM's block hash; the
     plugin imports nothing of ours, so the rule is written twice and held equal here."""
-    from engine.blocks import block_keys
+    from common.blocks import block_keys
 
     positions = list(range(20)) + list(range(57, 101)) + list(range(400, 444))
     tokens = list(range(len(positions)))

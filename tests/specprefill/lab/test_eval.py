@@ -8,7 +8,8 @@ import random
 import pytest
 import torch
 
-from draft_worker import ScoringConfig, select_tokens
+from common.selection import select_tokens
+from draft_worker import ScoringConfig
 from specprefill.cli import main
 from specprefill.lab.eval import baseline_indices, evaluate_retrieval
 from specprefill.lab.retrieval import SHIPPED_PAIR, make_tokenizer

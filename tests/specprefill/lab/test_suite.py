@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from common.models import load_causal_lm, load_tokenizer
-from draft_worker import ScoringConfig, select_tokens
+from common.selection import select_tokens
+from draft_worker import ScoringConfig
 from draft_worker.baselines import BaselineScorer, baseline_kind
 from specprefill.cli import main
 from specprefill.lab.launch import launched_gateway

@@ -1,7 +1,8 @@
 """Selection: token scores in, kept indices out. Pure tensor code, no model.
 
 ``select_tokens`` is the one rule for what the target reads. The gateway, ``specprefill score``, the
-eval's baselines and the inspector all call it, so they all show the same tokens.
+eval's baselines and the inspector all call it, so they all show the same tokens. The draft worker scores; it
+never selects.
 """
 
 from __future__ import annotations
@@ -9,14 +10,42 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Collection, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
-from draft_worker.config import ScoringConfig, validate_keep_rate
 
 
-def select_tokens(token_ids: Sequence[int], scores: torch.Tensor, keep_rate: float, config: ScoringConfig,
+class ConfigError(ValueError):
+    """A scoring or selection option a user set is out of range."""
+
+
+@dataclass(slots=True, frozen=True)
+class SelectionConfig:
+    """How scored prompt tokens are selected: in chunks, with the prompt's ends protected."""
+
+    chunk_size: int = 32
+    """Tokens are kept in contiguous chunks of this size; 1 selects single tokens."""
+    protect_first: int = 4
+    """The first N prompt tokens are always kept (one by one, counted in the keep budget); 0 turns it off."""
+    protect_last: int = 32
+    """The last N prompt tokens are always kept (one by one, counted in the keep budget); 0 turns it off."""
+
+    def __post_init__(self) -> None:
+        if self.chunk_size < 1:
+            raise ConfigError(f"chunk_size must be >= 1, got {self.chunk_size}")
+        if self.protect_first < 0 or self.protect_last < 0:
+            raise ConfigError("protect_first and protect_last must be >= 0")
+
+
+def validate_keep_rate(keep_rate: float) -> float:
+    """A keep rate is a finite number in (0, 1]."""
+    if not (0.0 < keep_rate <= 1.0):  # also false for NaN
+        raise ConfigError(f"keep rate must be a number in (0, 1], got {keep_rate!r}")
+    return float(keep_rate)
+
+
+def select_tokens(token_ids: Sequence[int], scores: torch.Tensor, keep_rate: float, config: SelectionConfig,
                   special_ids: Collection[int] = (), keep: torch.Tensor | None = None) -> list[int]:
     """The indices of the prompt tokens the target reads, sorted; they are also the kept tokens' positions.
 
@@ -36,7 +65,7 @@ def select_tokens(token_ids: Sequence[int], scores: torch.Tensor, keep_rate: flo
     return select_chunks(scores, keep_rate, config.chunk_size, protected).tolist()
 
 
-def always_kept(token_ids: Sequence[int], config: ScoringConfig, special_ids: Collection[int] = (),
+def always_kept(token_ids: Sequence[int], config: SelectionConfig, special_ids: Collection[int] = (),
                 keep: torch.Tensor | None = None) -> torch.Tensor:
     """Boolean [S] mask of the tokens ``select_tokens`` keeps at any keep rate: the protected ends, the
     template's special tokens and ``keep``. They are kept one by one, each spending one token of the budget."""
@@ -47,7 +76,7 @@ def always_kept(token_ids: Sequence[int], config: ScoringConfig, special_ids: Co
     return protected_mask(length, config.protect_first, max(config.protect_last, 1), extra)
 
 
-def extend_selection(token_ids: Sequence[int], scores: torch.Tensor, keep_rate: float, config: ScoringConfig,
+def extend_selection(token_ids: Sequence[int], scores: torch.Tensor, keep_rate: float, config: SelectionConfig,
                      reused: Sequence[int], start: int, special_ids: Collection[int] = (),
                      keep: torch.Tensor | None = None) -> list[int]:
     """An earlier selection's kept indices below ``start`` (the point up to which the earlier prompt and this

@@ -6,8 +6,8 @@ import random
 import pytest
 import torch
 
-from draft_worker.config import ConfigError, ScoringConfig, validate_keep_rate
-from draft_worker.selector import fill_blocks, protected_mask, select_chunks
+from common.selection import ConfigError, fill_blocks, protected_mask, select_chunks, validate_keep_rate
+from draft_worker.config import ScoringConfig
 
 
 def test_top_chunks_by_mean_score_sorted():
