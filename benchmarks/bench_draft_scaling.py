@@ -42,8 +42,13 @@ def bench_prefix_reuse(model_dir: str, doc_tokens: int, question_tokens: int, re
             worker.score(prompt)
             timings[name].append(time.perf_counter() - start)
     reuse_s, scratch_s = statistics.median(timings["reuse"]), statistics.median(timings["scratch"])
-    return {"doc_tokens": doc_tokens, "question_tokens": question_tokens, "scratch_s": scratch_s,
-            "reuse_s": reuse_s, "speedup": scratch_s / reuse_s}
+    return {
+        "doc_tokens": doc_tokens,
+        "question_tokens": question_tokens,
+        "scratch_s": scratch_s,
+        "reuse_s": reuse_s,
+        "speedup": scratch_s / reuse_s,
+    }
 
 
 async def _throughput(worker: DraftWorker, prompts: list[list[int]], max_batch_size: int) -> tuple[float, int]:
@@ -67,9 +72,14 @@ def bench_batching(model_dir: str, concurrent: int, prompt_tokens: int, repeats:
         results["one_at_a_time"].append(asyncio.run(_throughput(worker, prompts, 1)))
     batched = statistics.median(t for t, _ in results["batched"])
     single = statistics.median(t for t, _ in results["one_at_a_time"])
-    return {"concurrent": concurrent, "prompt_tokens": prompt_tokens, "batched_prompts_per_s": batched,
-            "one_at_a_time_prompts_per_s": single, "speedup": batched / single,
-            "batches": results["batched"][0][1]}
+    return {
+        "concurrent": concurrent,
+        "prompt_tokens": prompt_tokens,
+        "batched_prompts_per_s": batched,
+        "one_at_a_time_prompts_per_s": single,
+        "speedup": batched / single,
+        "batches": results["batched"][0][1],
+    }
 
 
 def main() -> None:
@@ -84,13 +94,17 @@ def main() -> None:
     model_dir = args.model or str(ensure_demo_models() / "draft")
     reuse = bench_prefix_reuse(model_dir, args.doc_tokens, args.question_tokens, args.repeats)
     print(f"\nprefix reuse: {reuse['doc_tokens']}-token document + a new {reuse['question_tokens']}-token question")
-    print(f"  from scratch {reuse['scratch_s']:.3f} s, with reuse {reuse['reuse_s']:.3f} s: "
-          f"{reuse['speedup']:.1f}x faster")
+    print(
+        f"  from scratch {reuse['scratch_s']:.3f} s, with reuse {reuse['reuse_s']:.3f} s: "
+        f"{reuse['speedup']:.1f}x faster"
+    )
     batching = bench_batching(model_dir, args.concurrent, args.prompt_tokens, args.repeats)
     print(f"\nbatching: {batching['concurrent']} concurrent {batching['prompt_tokens']}-token prompts")
-    print(f"  one at a time {batching['one_at_a_time_prompts_per_s']:.1f} prompts/s, batched "
-          f"{batching['batched_prompts_per_s']:.1f} prompts/s ({batching['batches']} forwards): "
-          f"{batching['speedup']:.2f}x")
+    print(
+        f"  one at a time {batching['one_at_a_time_prompts_per_s']:.1f} prompts/s, batched "
+        f"{batching['batched_prompts_per_s']:.1f} prompts/s ({batching['batches']} forwards): "
+        f"{batching['speedup']:.2f}x"
+    )
 
 
 if __name__ == "__main__":

@@ -100,8 +100,9 @@ def time_call(fn, repeats: int) -> tuple[float, float]:
     return statistics.median(times), (max(times) - min(times))
 
 
-def run(lengths: list[int], repeats: int, model_dir: str | None = None, device: str = "cpu",
-        dtype: str = "auto") -> list[dict]:
+def run(
+    lengths: list[int], repeats: int, model_dir: str | None = None, device: str = "cpu", dtype: str = "auto"
+) -> list[dict]:
     model_dir = model_dir or str(ensure_demo_models() / "draft")
     worker = load_worker(model_dir, device, dtype)
     cuda = worker.model.device.type == "cuda"
@@ -141,7 +142,10 @@ def run(lengths: list[int], repeats: int, model_dir: str | None = None, device: 
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"\n{'tokens':>7} {'prefill s':>10} {'score s':>9} {'time x':>7} {'prefill MiB':>12} {'score MiB':>10} {'mem x':>6}")
+    print(
+        f"\n{'tokens':>7} {'prefill s':>10} {'score s':>9} {'time x':>7} "
+        f"{'prefill MiB':>12} {'score MiB':>10} {'mem x':>6}"
+    )
     for r in rows:
         print(
             f"{r['tokens']:>7} {r['prefill_s']:>10.3f} {r['score_s']:>9.3f} {r['time_ratio']:>7.3f} "
@@ -182,8 +186,11 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--dtype", default="auto", help="auto (the checkpoint's), float32, bfloat16 or float16")
     parser.add_argument("--json", type=Path, default=None)
-    parser.add_argument("--profile", action="store_true",
-                        help="instead: profile one scoring call and one plain prefill at the first length")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="instead: profile one scoring call and one plain prefill at the first length",
+    )
     parser.add_argument("--trace", type=Path, default=None, help="with --profile: a Chrome trace of the scoring call")
     args = parser.parse_args()
     if args.profile:

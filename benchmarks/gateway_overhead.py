@@ -30,8 +30,9 @@ from specprefill.lab.launch import launched_gateway, launched_instant_backend
 COUNTED_FROM = 2  # the first reads the system prompt; the second follows it
 
 
-async def alternate(urls: dict[str, str], system: str, rounds: int, think: float,
-                    verbose: bool) -> dict[str, list[float]]:
+async def alternate(
+    urls: dict[str, str], system: str, rounds: int, think: float, verbose: bool
+) -> dict[str, list[float]]:
     times: dict[str, list[float]] = {name: [] for name in urls}
     async with httpx.AsyncClient(timeout=600) as client:
         for i in range(rounds):
@@ -39,16 +40,25 @@ async def alternate(urls: dict[str, str], system: str, rounds: int, think: float
             for name, url in order if i % 2 == 0 else order[::-1]:
                 await wait_idle(client, list(urls.values()))
                 await asyncio.sleep(think)  # a user's pause: caches and the CPU cool down, as between real requests
-                body = {"model": DEMO_NAME, "max_tokens": 1, "temperature": 0,
-                        "messages": [{"role": "system", "content": system},
-                                     {"role": "user", "content": f"Question {i}: which number comes last?"}]}
-                ttft, headers = await stream_ttft(client, f"{url}/v1/chat/completions", body,
-                                                  {"x-keep-rate": "0.3"}, usage={})
+                body = {
+                    "model": DEMO_NAME,
+                    "max_tokens": 1,
+                    "temperature": 0,
+                    "messages": [
+                        {"role": "system", "content": system},
+                        {"role": "user", "content": f"Question {i}: which number comes last?"},
+                    ],
+                }
+                ttft, headers = await stream_ttft(
+                    client, f"{url}/v1/chat/completions", body, {"x-keep-rate": "0.3"}, usage={}
+                )
                 times[name].append(ttft)
                 if verbose:
                     plan = ""
                     if name == "gateway":
-                        plan = f"  {headers.get('x-specprefill-plan')} {parse_server_timing(headers.get('server-timing'))}"
+                        plan = (
+                            f"  {headers.get('x-specprefill-plan')} {parse_server_timing(headers.get('server-timing'))}"
+                        )
                     print(f"round {i:2d} {name:8s} {ttft * 1e3:7.1f} ms{plan}", flush=True)
     return times
 
@@ -59,9 +69,16 @@ def backend(kind: str, vllm_python: str, target: Path) -> Iterator[str]:
     if kind == "vllm":
         from specprefill.lab.vllm_server import VLLMServer
 
-        server = VLLMServer(vllm_python, target, Path(tempfile.mkdtemp(prefix="gw-overhead-")) / "vllm.log",
-                            plugin=True, served_name=DEMO_NAME, max_model_len=32768, kv_cache_gib=4,
-                            extra_args=("--enable-prompt-tokens-details",))
+        server = VLLMServer(
+            vllm_python,
+            target,
+            Path(tempfile.mkdtemp(prefix="gw-overhead-")) / "vllm.log",
+            plugin=True,
+            served_name=DEMO_NAME,
+            max_model_len=32768,
+            kv_cache_gib=4,
+            extra_args=("--enable-prompt-tokens-details",),
+        )
         try:
             server.wait()
             yield server.url
@@ -79,18 +96,37 @@ def main() -> None:
     args = parser.parse_args()
     system = system_prompt(args.words)
     root = ensure_demo_models()
-    with backend(args.backend, args.vllm_python, root / "target") as url, \
-            launched_gateway(["--backend-url", url, "--backend-kind", "vllm", "--target-model", str(root / "target"),
-                              "--draft-model", str(root / "draft"), "--served-model-name", DEMO_NAME,
-                              "--min-prompt-tokens", "1024"]) as gateway:
-        times = asyncio.run(alternate({"direct": url, "gateway": gateway}, system, args.rounds, args.think,
-                                      verbose=args.backend == "vllm"))
+    with (
+        backend(args.backend, args.vllm_python, root / "target") as url,
+        launched_gateway(
+            [
+                "--backend-url",
+                url,
+                "--backend-kind",
+                "vllm",
+                "--target-model",
+                str(root / "target"),
+                "--draft-model",
+                str(root / "draft"),
+                "--served-model-name",
+                DEMO_NAME,
+                "--min-prompt-tokens",
+                "1024",
+            ]
+        ) as gateway,
+    ):
+        times = asyncio.run(
+            alternate(
+                {"direct": url, "gateway": gateway}, system, args.rounds, args.think, verbose=args.backend == "vllm"
+            )
+        )
     for name, seconds in times.items():
         counted = [s * 1e3 for s in seconds[COUNTED_FROM:]]
         print(f"{name}: {min(counted):.1f}–{max(counted):.1f} ms, median {statistics.median(counted):.1f} ms")
     direct, gateway = (statistics.median(times[name][COUNTED_FROM:]) * 1e3 for name in ("direct", "gateway"))
-    print(f"the gateway's own: {gateway - direct:.1f} ms (difference of medians over "
-          f"{args.rounds - COUNTED_FROM} rounds)")
+    print(
+        f"the gateway's own: {gateway - direct:.1f} ms (difference of medians over {args.rounds - COUNTED_FROM} rounds)"
+    )
 
 
 if __name__ == "__main__":

@@ -27,22 +27,36 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--concurrency", type=int, default=200)
     parser.add_argument("--duration", type=float, default=20.0)
-    parser.add_argument("--rounds", type=int, default=1, help="loaded rounds per path against the same servers, "
-                        "alternating direct and gateway; the spread of their requests/s is printed")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="loaded rounds per path against the same servers, "
+        "alternating direct and gateway; the spread of their requests/s is printed",
+    )
     parser.add_argument("--pause", type=float, default=0.0, help="seconds between rounds")
-    parser.add_argument("--slice", type=float, help="the two paths take turns every SLICE seconds within each "
-                        "round, so both see the machine at the same speed (otherwise one round after the other)")
-    parser.add_argument("--pin", action="store_true", help="the gateway on one core, the client and the backend on "
-                        "another (the system under test then shares no core with the load)")
+    parser.add_argument(
+        "--slice",
+        type=float,
+        help="the two paths take turns every SLICE seconds within each "
+        "round, so both see the machine at the same speed (otherwise one round after the other)",
+    )
+    parser.add_argument(
+        "--pin",
+        action="store_true",
+        help="the gateway on one core, the client and the backend on "
+        "another (the system under test then shares no core with the load)",
+    )
     parser.add_argument("--out", type=Path, help="write every round's numbers to this JSON file")
     args = parser.parse_args()
     with instant_stack(args.pin) as stack:
         asyncio.run(closed_loop(stack.gateway_url, "demo", 4, 2.0))  # warm-up
         gateway_pid = stack.pids["gateway"]
         rss_before = rss_mib(gateway_pid)
-        sequential = {path: asyncio.run(closed_loop(url, model, 1, min(args.duration, 10.0), path))
-                      for path, url, model in (("direct", stack.backend_url, "fast"),
-                                               ("gateway", stack.gateway_url, "demo"))}
+        sequential = {
+            path: asyncio.run(closed_loop(url, model, 1, min(args.duration, 10.0), path))
+            for path, url, model in (("direct", stack.backend_url, "fast"), ("gateway", stack.gateway_url, "demo"))
+        }
         loaded = rounds(stack, args.rounds, args.concurrency, args.duration, args.pause, slice_s=args.slice)
         rss_peak = max([rss_before, *(r.gateway_rss_mib for r in loaded)])
         time.sleep(3)
@@ -51,11 +65,15 @@ def main() -> None:
     def row(name: str, clients: int, r: Round) -> None:
         parts = ("gateway", "backend", "client")
         cpu = " / ".join(f"{r.cpu_ms[part]:.2f}" if part in r.cpu_ms else "–" for part in parts)
-        print(f"{name:>19} {clients:>7} {r.requests:>8} {r.errors:>6} {r.rps:>7.1f} "
-              f"{r.ms(0.5):>7.2f}ms {r.ms(0.99):>6.1f}ms {r.steal * 100:>5.1f}%  {cpu if r.cpu_ms else ''}")
+        print(
+            f"{name:>19} {clients:>7} {r.requests:>8} {r.errors:>6} {r.rps:>7.1f} "
+            f"{r.ms(0.5):>7.2f}ms {r.ms(0.99):>6.1f}ms {r.steal * 100:>5.1f}%  {cpu if r.cpu_ms else ''}"
+        )
 
-    print(f"\n{'':>19} {'clients':>7} {'requests':>8} {'errors':>6} {'req/s':>7} {'TTFT p50':>9} {'p99':>8} "
-          f"{'steal':>6}  CPU ms per request: gateway / backend / client")
+    print(
+        f"\n{'':>19} {'clients':>7} {'requests':>8} {'errors':>6} {'req/s':>7} {'TTFT p50':>9} {'p99':>8} "
+        f"{'steal':>6}  CPU ms per request: gateway / backend / client"
+    )
     for path, r in sequential.items():
         row(f"sequential {path}", 1, r)
     for index, r in enumerate(loaded):
@@ -72,15 +90,26 @@ def main() -> None:
             rps = [r.rps for r in done]
             print(f"{path} rounds: {', '.join(f'{v:.0f}' for v in rps)} req/s; max/min {spread(rps):.2f}")
         relative = [g.rps / d.rps for g, d in zip(by_path["gateway"], by_path["direct"])]
-        print(f"gateway over direct, each round: {', '.join(f'{v:.3f}' for v in relative)}; "
-              f"max/min {spread(relative):.2f}")
-    print(f"gateway resident memory: {rss_before:.0f} MiB before, {rss_peak:.0f} MiB at peak, "
-          f"{rss_after:.0f} MiB 3 s after the load")
+        print(
+            f"gateway over direct, each round: {', '.join(f'{v:.3f}' for v in relative)}; "
+            f"max/min {spread(relative):.2f}"
+        )
+    print(
+        f"gateway resident memory: {rss_before:.0f} MiB before, {rss_peak:.0f} MiB at peak, "
+        f"{rss_after:.0f} MiB 3 s after the load"
+    )
     if args.out:
-        args.out.write_text(json.dumps({
-            "args": vars(args) | {"out": str(args.out)}, "sequential": [r.summary() for r in sequential.values()],
-            "rounds": [r.summary() for r in loaded],
-            "rss_mib": {"before": rss_before, "peak": rss_peak, "after": rss_after}}, indent=1))
+        args.out.write_text(
+            json.dumps(
+                {
+                    "args": vars(args) | {"out": str(args.out)},
+                    "sequential": [r.summary() for r in sequential.values()],
+                    "rounds": [r.summary() for r in loaded],
+                    "rss_mib": {"before": rss_before, "peak": rss_peak, "after": rss_after},
+                },
+                indent=1,
+            )
+        )
 
 
 if __name__ == "__main__":

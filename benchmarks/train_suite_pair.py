@@ -18,17 +18,21 @@ from pathlib import Path
 
 from specprefill.lab.suite import SHIPPED_SUITE_PAIR
 
-ONE = ("import sys, json, torch; torch.set_num_threads(1); from pathlib import Path; "
-       "from specprefill.lab.suite_training import train_suite_model; "
-       "print(json.dumps({'seconds': train_suite_model(sys.argv[1], Path(sys.argv[2]))}))")
+ONE = (
+    "import sys, json, torch; torch.set_num_threads(1); from pathlib import Path; "
+    "from specprefill.lab.suite_training import train_suite_model; "
+    "print(json.dumps({'seconds': train_suite_model(sys.argv[1], Path(sys.argv[2]))}))"
+)
 
 if __name__ == "__main__":
     if len(sys.argv) > 2:
         raise SystemExit(__doc__)
     out = Path(sys.argv[1]) if len(sys.argv) == 2 else SHIPPED_SUITE_PAIR
     out.mkdir(parents=True, exist_ok=True)
-    runs = {name: subprocess.Popen([sys.executable, "-c", ONE, name, str(out)], stdout=subprocess.PIPE, text=True)
-            for name in ("draft", "target")}
+    runs = {
+        name: subprocess.Popen([sys.executable, "-c", ONE, name, str(out)], stdout=subprocess.PIPE, text=True)
+        for name in ("draft", "target")
+    }
     results: dict[str, list[str]] = {name: [] for name in runs}
 
     def relay(name: str) -> None:

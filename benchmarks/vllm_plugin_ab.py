@@ -34,22 +34,33 @@ async def alternate(servers: dict[str, VLLMServer], system: str, rounds: int) ->
             order = list(servers.items())
             for name, server in order if i % 2 == 0 else order[::-1]:
                 await wait_idle(client, urls)
-                body = {"model": "target", "max_tokens": 1, "temperature": 0,
-                        "messages": [{"role": "system", "content": system},
-                                     {"role": "user", "content": f"Question {i}: which number comes last?"}]}
+                body = {
+                    "model": "target",
+                    "max_tokens": 1,
+                    "temperature": 0,
+                    "messages": [
+                        {"role": "system", "content": system},
+                        {"role": "user", "content": f"Question {i}: which number comes last?"},
+                    ],
+                }
                 usage: dict = {}
                 ttft, _ = await stream_ttft(client, f"{server.url}/v1/chat/completions", body, {}, usage)
                 times[name].append(ttft)
                 cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-                print(f"round {i:2d} {name:6s} {ttft * 1e3:8.0f} ms  prompt {usage.get('prompt_tokens')}, "
-                      f"cached {cached}", flush=True)
+                print(
+                    f"round {i:2d} {name:6s} {ttft * 1e3:8.0f} ms  prompt {usage.get('prompt_tokens')}, "
+                    f"cached {cached}",
+                    flush=True,
+                )
     return times
 
 
 def options(doc: str, rounds: str) -> argparse.ArgumentParser:
     """The options of this script and of ``gateway_overhead.py``: ``rounds`` says what a round counts."""
     parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
-    parser.add_argument("--words", type=int, default=3600, help="words of system prompt (about 3.3 tokens each; 32,768 at most in all)")
+    parser.add_argument(
+        "--words", type=int, default=3600, help="words of system prompt (about 3.3 tokens each; 32,768 at most in all)"
+    )
     parser.add_argument("--rounds", type=int, default=14, help=rounds)
     parser.add_argument("--vllm-python", default=str(VLLM_PYTHON))
     return parser
@@ -59,7 +70,7 @@ def system_prompt(n_words: int) -> str:
     """A long system prompt of numbered 12-word sentences, the same every run."""
     rng = random.Random(0)
     words = [f"w{rng.randrange(3000)}" for _ in range(n_words)]
-    return " ".join(" ".join(words[i:i + 12]) + f" {i}." for i in range(0, n_words, 12))
+    return " ".join(" ".join(words[i : i + 12]) + f" {i}." for i in range(0, n_words, 12))
 
 
 def main() -> None:
@@ -67,9 +78,18 @@ def main() -> None:
     system = system_prompt(args.words)
     target = ensure_demo_models() / "target"
     logs = Path(tempfile.mkdtemp(prefix="vllm-ab-"))
-    servers = {name: VLLMServer(args.vllm_python, target, logs / f"{name}.log", plugin=name == "plugin",
-                                max_model_len=32768, kv_cache_gib=4, extra_args=("--enable-prompt-tokens-details",))
-               for name in ("plugin", "stock")}
+    servers = {
+        name: VLLMServer(
+            args.vllm_python,
+            target,
+            logs / f"{name}.log",
+            plugin=name == "plugin",
+            max_model_len=32768,
+            kv_cache_gib=4,
+            extra_args=("--enable-prompt-tokens-details",),
+        )
+        for name in ("plugin", "stock")
+    }
     try:
         for server in servers.values():
             server.wait()
@@ -79,8 +99,9 @@ def main() -> None:
             server.stop()
     for name, seconds in times.items():
         cached = [s * 1e3 for s in seconds[1:]]
-        print(f"{name}: cached requests {min(cached):.0f}–{max(cached):.0f} ms, "
-              f"median {statistics.median(cached):.0f} ms")
+        print(
+            f"{name}: cached requests {min(cached):.0f}–{max(cached):.0f} ms, median {statistics.median(cached):.0f} ms"
+        )
 
 
 if __name__ == "__main__":

@@ -34,29 +34,48 @@ GQA_SDPA = "specprefill_gqa_sdpa"
 _BMM_OUT_DTYPE = "dtype" in torch.ops.aten.bmm.overloads()  # torch.bmm(..., out_dtype=): recent PyTorch only
 
 
-def gqa_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                       attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                       is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+def gqa_sdpa_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
     """query: [B, Hq, Q, D]; key, value: [B, Hkv, K, D]; returns [B, Q, Hq, D] as transformers' kernels do."""
     plain = kwargs.get("cache") is None and kwargs.get("position_bias") is None and not dropout
     if plain and attention_mask is not None and query.device.type == "cuda" and query.shape[2] == 1:
         return decode_attention(query, key, value, attention_mask, scaling), None
-    if (plain and attention_mask is None and query.device.type == "cuda" and 1 < query.shape[2] < key.shape[2]
-            and getattr(module, "is_causal", True)):  # a chunk after a cache, its mask left out (below)
+    if (
+        plain
+        and attention_mask is None
+        and query.device.type == "cuda"
+        and 1 < query.shape[2] < key.shape[2]
+        and getattr(module, "is_causal", True)
+    ):  # a chunk after a cache, its mask left out (below)
         return lower_right_causal_attention(module, query, key, value, scaling), None
     # without a mask transformers already lets the kernel do GQA; CUDA, paged caches and position biases: as is
-    if (attention_mask is None or query.device.type != "cpu" or getattr(module, "num_key_value_groups", 1) == 1
-            or not plain):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
+    if (
+        attention_mask is None
+        or query.device.type != "cpu"
+        or getattr(module, "num_key_value_groups", 1) == 1
+        or not plain
+    ):
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
     out = torch.nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True
     )
     return out.transpose(1, 2).contiguous(), None
 
 
-def lower_right_causal_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
-                                 value: torch.Tensor, scaling: float | None = None) -> torch.Tensor:
+def lower_right_causal_attention(
+    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None = None
+) -> torch.Tensor:
     """Causal attention of the last Q of K positions: query i sees keys 0..K-Q+i. query: [B, Hq, Q, D]; key,
     value: [B, Hkv, K, D]; returns [B, Q, Hq, D]. The flash kernel where it runs (it aligns a causal mask at the
     end of the keys); elsewhere the mask made and handed to transformers' kernel choice, as before."""
@@ -80,11 +99,17 @@ def end_aligned_causal_mask(**kwargs) -> torch.Tensor | None:
     sdpa_mask = ALL_MASK_ATTENTION_FUNCTIONS["sdpa"]
     q_offset, q_length = kwargs.get("q_offset"), kwargs.get("q_length")
     kv_offset, kv_length = kwargs.get("kv_offset", 0), kwargs.get("kv_length")
-    if not (torch.device(kwargs.get("device", "cpu")).type == "cuda" and kwargs.get("allow_is_causal_skip", True)
-            and kwargs.get("mask_function", causal_mask_function) is causal_mask_function
-            and kwargs.get("local_size") is None and isinstance(q_offset, int) and isinstance(q_length, int)
-            and isinstance(kv_offset, int) and isinstance(kv_length, int)
-            and q_offset + q_length == kv_offset + kv_length):
+    if not (
+        torch.device(kwargs.get("device", "cpu")).type == "cuda"
+        and kwargs.get("allow_is_causal_skip", True)
+        and kwargs.get("mask_function", causal_mask_function) is causal_mask_function
+        and kwargs.get("local_size") is None
+        and isinstance(q_offset, int)
+        and isinstance(q_length, int)
+        and isinstance(kv_offset, int)
+        and isinstance(kv_length, int)
+        and q_offset + q_length == kv_offset + kv_length
+    ):
         return sdpa_mask(**kwargs)
     padding = kwargs.get("attention_mask")  # [B, kv_offset + kv_length] (or None): 0 on padding
     if padding is not None and (padding.shape[-1] != kv_offset + kv_length or not bool(padding[:, kv_offset:].all())):
@@ -92,8 +117,13 @@ def end_aligned_causal_mask(**kwargs) -> torch.Tensor | None:
     return None
 
 
-def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor,
-                     scaling: float | None = None) -> torch.Tensor:
+def decode_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor,
+    scaling: float | None = None,
+) -> torch.Tensor:
     """Attention of one query position as two matrix products, softmax in float32. query: [B, Hq, 1, D]; key,
     value: [B, Hkv, K, D]; attention_mask: boolean (True: attend) or additive, broadcastable to [B, 1, 1, K].
     Returns [B, 1, Hq, D]."""
@@ -116,8 +146,12 @@ def float_logits(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     to the matrix units as they are, with float32 products (``out_dtype``): the same sums as upcasting first,
     without a float32 copy of the keys (on an H100, a Llama-3.2-1B-shaped draft's look-ahead step spent a
     third of its attention time making that copy, and ran the product on the float32 cores)."""
-    if (_BMM_OUT_DTYPE and queries.device.type == "cuda" and keys.dtype in (torch.bfloat16, torch.float16)
-            and queries.dtype == keys.dtype):
+    if (
+        _BMM_OUT_DTYPE
+        and queries.device.type == "cuda"
+        and keys.dtype in (torch.bfloat16, torch.float16)
+        and queries.dtype == keys.dtype
+    ):
         lead = torch.broadcast_shapes(queries.shape[:-2], keys.shape[:-2])
         q = queries.expand(*lead, *queries.shape[-2:]).reshape(-1, *queries.shape[-2:])
         k = keys.expand(*lead, *keys.shape[-2:]).reshape(-1, *keys.shape[-2:])

@@ -35,8 +35,9 @@ def block_hash(parent: bytes, token_ids: Sequence[int] | np.ndarray, extra: Sequ
     return hashlib.blake2b(parent + payload, digest_size=16).digest()
 
 
-def block_keys(token_ids: Sequence[int], position_ids: Sequence[int] | None, block_size: int, offset: int = 0
-               ) -> list[tuple[np.ndarray, tuple[str] | None]]:
+def block_keys(
+    token_ids: Sequence[int], position_ids: Sequence[int] | None, block_size: int, offset: int = 0
+) -> list[tuple[np.ndarray, tuple[str] | None]]:
     """Each full block's tokens and extra keys (positions default to 0..n-1; ``offset``: where ``token_ids``
     begin in their prompt, for the default positions)."""
     n_blocks = len(token_ids) // block_size
@@ -48,12 +49,14 @@ def block_keys(token_ids: Sequence[int], position_ids: Sequence[int] | None, blo
     positions = np.asarray(position_ids[: n_blocks * block_size], dtype="<i8").reshape(n_blocks, block_size)
     default = offset + np.arange(n_blocks * block_size, dtype="<i8").reshape(n_blocks, block_size)
     moved = (positions != default).any(axis=1).tolist()
-    return [(block, (position_key(at.tolist()),) if move else None)
-            for block, at, move in zip(tokens, positions, moved)]
+    return [
+        (block, (position_key(at.tolist()),) if move else None) for block, at, move in zip(tokens, positions, moved)
+    ]
 
 
-def block_hashes(token_ids: Sequence[int], position_ids: Sequence[int] | None, block_size: int,
-                 parent: bytes = b"", offset: int = 0) -> list[bytes]:
+def block_hashes(
+    token_ids: Sequence[int], position_ids: Sequence[int] | None, block_size: int, parent: bytes = b"", offset: int = 0
+) -> list[bytes]:
     """One hash per full block (``block_keys``), each chained to the one before."""
     return chain(block_keys(token_ids, position_ids, block_size, offset), parent)
 
@@ -86,8 +89,11 @@ class BlockHasher:
 
     def __call__(self, token_ids: Sequence[int], position_ids: Sequence[int] | None) -> list[bytes]:
         tokens = np.asarray(token_ids, dtype=np.int64)
-        positions = (np.arange(len(tokens), dtype=np.int64) if position_ids is None
-                     else np.asarray(position_ids, dtype=np.int64)[: len(tokens)])
+        positions = (
+            np.arange(len(tokens), dtype=np.int64)
+            if position_ids is None
+            else np.asarray(position_ids, dtype=np.int64)[: len(tokens)]
+        )
         # each token and its position in one integer: one comparison finds where tokens or positions part
         # (token IDs and positions both fit 32 bits)
         keys = (tokens << 32) | positions
@@ -95,8 +101,9 @@ class BlockHasher:
             index, shared = longest_prefix(keys, enumerate(entry[0] for entry in self._recent))
             reused = self._recent[index][1][: shared // self.block_size] if index is not None else []
         start = len(reused) * self.block_size
-        hashes = reused + block_hashes(tokens[start:], positions[start:], self.block_size,
-                                       parent=reused[-1] if reused else b"", offset=start)
+        hashes = reused + block_hashes(
+            tokens[start:], positions[start:], self.block_size, parent=reused[-1] if reused else b"", offset=start
+        )
         with self._lock:
             self._recent.appendleft((keys, hashes))
         return hashes

@@ -51,23 +51,30 @@ class RenderedChat:
         return (ends > starts) & (starts >= span[0]) & (starts < span[1])
 
 
-def render_chat(tokenizer, messages: list[ChatMessage], encode=None, tools: list[dict] | None = None,
-                add_special_tokens: bool = False) -> RenderedChat:
+def render_chat(
+    tokenizer,
+    messages: list[ChatMessage],
+    encode=None,
+    tools: list[dict] | None = None,
+    add_special_tokens: bool = False,
+) -> RenderedChat:
     """The prompt the target model reads, with the generation prompt appended, as vLLM renders it (tools go to
     the template). ``encode(text) -> (ids, offsets)`` replaces a plain tokenization (a ``tokenize.PieceCache``'s)."""
     plain = developer_as_system([m.for_template() for m in messages], tokenizer.chat_template)
     try:
-        text = tokenizer.apply_chat_template(plain, tools=template_tools(tools), tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(
+            plain, tools=template_tools(tools), tokenize=False, add_generation_prompt=True
+        )
     except (jinja2.TemplateError, TypeError) as exc:  # TypeError: a tool or tool call the template cannot print
-        raise InvalidRequestError(f"the model's chat template rejected the messages or tools: {exc}",
-                                  param="messages") from None
+        raise InvalidRequestError(
+            f"the model's chat template rejected the messages or tools: {exc}", param="messages"
+        ) from None
     except ValueError as exc:  # no chat template
         raise InvalidRequestError(str(exc), param="messages") from None
     if encode is not None and not add_special_tokens:
         return RenderedChat(text, *encode(text))
     encoding = tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
-    return RenderedChat(text, encoding.input_ids,
-                        np.asarray(encoding["offset_mapping"], dtype=np.int64).reshape(-1, 2))
+    return RenderedChat(text, encoding.input_ids, np.asarray(encoding["offset_mapping"], dtype=np.int64).reshape(-1, 2))
 
 
 def developer_as_system(messages: list[dict[str, Any]], template) -> list[dict[str, Any]]:
@@ -106,8 +113,11 @@ def template_tools(tools: list[dict] | None) -> list[dict] | None:
         if tool.get("type", "function") != "function" or not isinstance(function, dict):
             out.append(tool)
             continue
-        dumped = {"name": function.get("name"), "description": function.get("description"),
-                  "parameters": function.get("parameters")}
+        dumped = {
+            "name": function.get("name"),
+            "description": function.get("description"),
+            "parameters": function.get("parameters"),
+        }
         if function.get("strict") is not None:
             dumped["strict"] = function["strict"]
         if (defer := function.get("defer_loading", tool.get("defer_loading"))) is not None:
@@ -163,12 +173,19 @@ class ChatChunkConverter:
             if not self.sent_role:
                 delta = {"role": "assistant", **delta}
                 self.sent_role = True
-            out.append(self._chunk([{
-                "index": choice.get("index", 0),
-                "delta": delta,
-                "logprobs": _chat_logprobs(choice.get("logprobs")),
-                "finish_reason": choice.get("finish_reason"),
-            }], chunk))
+            out.append(
+                self._chunk(
+                    [
+                        {
+                            "index": choice.get("index", 0),
+                            "delta": delta,
+                            "logprobs": _chat_logprobs(choice.get("logprobs")),
+                            "finish_reason": choice.get("finish_reason"),
+                        }
+                    ],
+                    chunk,
+                )
+            )
         if not chunk.get("choices") and chunk.get("usage") is not None:
             out.append(self._chunk([], chunk))
         return out

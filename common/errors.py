@@ -23,8 +23,15 @@ class APIError(Exception):
     status_code = 500
     error_type = "internal_error"
 
-    def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
-                 status_code: int | None = None, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        status_code: int | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.param = param

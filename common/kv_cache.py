@@ -19,8 +19,9 @@ from transformers.cache_utils import DynamicLayer
 class AppendLayer(DynamicLayer):
     """``DynamicLayer`` whose ``keys`` and ``values`` are views of a buffer with room to append."""
 
-    def __init__(self, capacity: int = 0, reserve: int = 16,
-                 storage: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    def __init__(
+        self, capacity: int = 0, reserve: int = 16, storage: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> None:
         super().__init__()
         self.capacity = capacity
         self.reserve = reserve
@@ -64,21 +65,33 @@ class AppendLayer(DynamicLayer):
 
 
 def _fits(buffer: torch.Tensor, states: torch.Tensor, length: int) -> bool:
-    return (buffer.shape[:2] == states.shape[:2] and buffer.shape[-1] == states.shape[-1]
-            and buffer.shape[-2] >= length and buffer.dtype == states.dtype and buffer.device == states.device)
+    return (
+        buffer.shape[:2] == states.shape[:2]
+        and buffer.shape[-1] == states.shape[-1]
+        and buffer.shape[-2] >= length
+        and buffer.dtype == states.dtype
+        and buffer.device == states.device
+    )
 
 
-def append_cache(config: PretrainedConfig, capacity: int = 0, *, reserve: int = 16,
-                 layers: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
-                 storage: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> DynamicCache:
+def append_cache(
+    config: PretrainedConfig,
+    capacity: int = 0,
+    *,
+    reserve: int = 16,
+    layers: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+    storage: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+) -> DynamicCache:
     """A ``DynamicCache`` for ``config`` whose full-attention layers append in place, room for ``capacity``
     tokens made at the first write (or, where they fit, in ``storage``: per layer, key and value buffers
     [B, Hkv, room, D] that outlive the cache), holding ``layers``' keys and values (copied in) when given.
     Sliding-window layers, if any, stay as transformers makes them."""
     cache = DynamicCache(config=config)
     storage = storage or [None] * len(cache.layers)
-    cache.layers = [AppendLayer(capacity, reserve, buffers) if type(layer) is DynamicLayer else layer
-                    for layer, buffers in zip(cache.layers, storage)]
+    cache.layers = [
+        AppendLayer(capacity, reserve, buffers) if type(layer) is DynamicLayer else layer
+        for layer, buffers in zip(cache.layers, storage)
+    ]
     for layer, (keys, values) in zip(cache.layers, layers or ()):
         layer.update(keys, values)
     return cache

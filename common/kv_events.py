@@ -53,8 +53,16 @@ class EventBatch:
 
 # the fields of each event in vLLM's order: the positional encoding, and the names of the tagged one
 _ORDER = {
-    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name",
-                    "extra_keys"),
+    "BlockStored": (
+        "block_hashes",
+        "parent_block_hash",
+        "token_ids",
+        "block_size",
+        "lora_id",
+        "medium",
+        "lora_name",
+        "extra_keys",
+    ),
     "BlockRemoved": ("block_hashes", "medium"),
     "AllBlocksCleared": (),
 }
@@ -65,8 +73,13 @@ def encode_batch(batch: EventBatch) -> bytes:
     events = []
     for event in batch.events:
         body = {"type": type(event).__name__}
-        body.update({name: getattr(event, name) for name in _ORDER[type(event).__name__]
-                     if getattr(event, name, None) is not None})
+        body.update(
+            {
+                name: getattr(event, name)
+                for name in _ORDER[type(event).__name__]
+                if getattr(event, name, None) is not None
+            }
+        )
         events.append(body)
     fields: list[Any] = [batch.ts, events]
     if batch.data_parallel_rank is not None:
@@ -97,10 +110,15 @@ def _event(raw: Any) -> Event | None:
         return None
     if kind == "BlockStored":
         extra = values.get("extra_keys")
-        return BlockStored(list(values["block_hashes"]), values.get("parent_block_hash"), list(values["token_ids"]),
-                           int(values["block_size"]),
-                           [tuple(k) if isinstance(k, list) else k for k in extra] if extra is not None else None,
-                           values.get("medium"), values.get("lora_name"))
+        return BlockStored(
+            list(values["block_hashes"]),
+            values.get("parent_block_hash"),
+            list(values["token_ids"]),
+            int(values["block_size"]),
+            [tuple(k) if isinstance(k, list) else k for k in extra] if extra is not None else None,
+            values.get("medium"),
+            values.get("lora_name"),
+        )
     if kind == "BlockRemoved":
         return BlockRemoved(list(values["block_hashes"]), values.get("medium"))
     if kind == "AllBlocksCleared":

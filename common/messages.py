@@ -26,9 +26,16 @@ from common.errors import APIError, InvalidRequestError, parse_body
 from common.protocol import ChatCompletionRequest, SpecPrefillOptions, WireModel
 
 BILLING_HEADER = "x-anthropic-billing-header"  # Claude Code's per-request hash: it would defeat prefix caching
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error",
-               529: "overloaded_error"}
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
 
 
 class ContentBlock(WireModel):
@@ -88,17 +95,26 @@ class Conversation(WireModel):
         for tool in tools if isinstance(tools, list) else ():
             kind = tool.get("type") if isinstance(tool, dict) else None
             if kind not in (None, "custom"):
-                raise ValueError(f"the tool {tool.get('name', kind)!r} is Anthropic's {kind}, which its servers run "
-                                 "or define; this gateway's model calls client tools (a name and an input_schema) "
-                                 "only: leave it out")
+                raise ValueError(
+                    f"the tool {tool.get('name', kind)!r} is Anthropic's {kind}, which its servers run "
+                    "or define; this gateway's model calls client tools (a name and an input_schema) "
+                    "only: leave it out"
+                )
         return tools
 
     def chat_messages(self, merge_inline_system: bool = False) -> list[dict[str, Any]]:
         """The conversation as chat messages, as vLLM converts it (``merge_inline_system``: system messages
         inside ``messages`` join the leading system prompt, for templates that allow only one, as vLLM detects)."""
         messages: list[dict[str, Any]] = []
-        system = [self.system] if isinstance(self.system, str) else [
-            b.text for b in self.system or () if b.type == "text" and b.text and not b.text.startswith(BILLING_HEADER)]
+        system = (
+            [self.system]
+            if isinstance(self.system, str)
+            else [
+                b.text
+                for b in self.system or ()
+                if b.type == "text" and b.text and not b.text.startswith(BILLING_HEADER)
+            ]
+        )
         if merge_inline_system:
             system += [text for m in self.messages if m.role == "system" and (text := _system_text(m))]
         if any(system):
@@ -122,8 +138,10 @@ class Conversation(WireModel):
         choice = self.tool_choice
         if choice is not None:
             fields["parallel_tool_calls"] = not choice.disable_parallel_tool_use
-            fields["tool_choice"] = ({"auto": "auto", "any": "required", "none": "none"}.get(choice.type)
-                                     or {"type": "function", "function": {"name": choice.name}})
+            fields["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}.get(choice.type) or {
+                "type": "function",
+                "function": {"name": choice.name},
+            }
         tools = self.resolved_tools()
         if tools is not None:
             fields["tools"] = [_chat_tool(tool) for tool in tools]
@@ -134,8 +152,13 @@ class Conversation(WireModel):
         """The tools in effect at the end of the conversation, as vLLM resolves them (chat templates see one
         list): ``tools``, then each ``tool_addition`` block (a tool by value is declared; one by name is no longer
         deferred) and ``tool_removal`` block in the messages, in order."""
-        changes = [block for message in self.messages if not isinstance(message.content, str)
-                   for block in message.content if block.type in ("tool_addition", "tool_removal")]
+        changes = [
+            block
+            for message in self.messages
+            if not isinstance(message.content, str)
+            for block in message.content
+            if block.type in ("tool_addition", "tool_removal")
+        ]
         if not changes:
             return self.tools
         tools = {tool.name: tool for tool in self.tools or []}
@@ -148,8 +171,9 @@ class Conversation(WireModel):
             else:
                 name = change.get("name")
                 if name not in tools:
-                    raise InvalidRequestError(f"{block.type} names the tool {name!r}, which is not in tools",
-                                              param="messages")
+                    raise InvalidRequestError(
+                        f"{block.type} names the tool {name!r}, which is not in tools", param="messages"
+                    )
                 if block.type == "tool_addition":
                     tools[name] = tools[name].model_copy(update={"defer_loading": None})
             if block.type == "tool_removal":
@@ -178,8 +202,13 @@ class MessagesRequest(Conversation):
         """The chat vLLM makes of this request (the sampling fields too, so the chat path can serve it)."""
         fields = self.chat_fields(merge_inline_system)
         fields.update(max_tokens=self.max_tokens, stream=self.stream)
-        for name, value in (("stop", self.stop_sequences), ("temperature", self.temperature), ("top_p", self.top_p),
-                            ("top_k", self.top_k), ("vllm_xargs", self.vllm_xargs)):
+        for name, value in (
+            ("stop", self.stop_sequences),
+            ("temperature", self.temperature),
+            ("top_p", self.top_p),
+            ("top_k", self.top_k),
+            ("vllm_xargs", self.vllm_xargs),
+        ):
             if value is not None:
                 fields[name] = value
         if self.stream:
@@ -192,8 +221,9 @@ def _chat(fields: dict[str, Any]) -> ChatCompletionRequest:
         return parse_body(ChatCompletionRequest, fields)
     except InvalidRequestError as exc:  # a limit of the chat path, said in the Messages API's names
         if exc.param == "stop":
-            raise InvalidRequestError("stop_sequences takes at most 4 non-empty strings here",
-                                      param="stop_sequences") from None
+            raise InvalidRequestError(
+                "stop_sequences takes at most 4 non-empty strings here", param="stop_sequences"
+            ) from None
         raise
 
 
@@ -227,8 +257,13 @@ def _convert_blocks(message: MessageParam, chat: dict[str, Any], messages: list[
         elif block.type == "thinking" and block.thinking is not None:
             reasoning.append(block.thinking)
         elif block.type == "tool_use":
-            calls.append({"id": block.id or f"call_{int(time.time())}", "type": "function",
-                          "function": {"name": block.name or "", "arguments": json.dumps(block.input or {})}})
+            calls.append(
+                {
+                    "id": block.id or f"call_{int(time.time())}",
+                    "type": "function",
+                    "function": {"name": block.name or "", "arguments": json.dumps(block.input or {})},
+                }
+            )
         elif block.type == "tool_result":
             if message.role == "user":
                 _append_tool_result(block, messages)
@@ -246,17 +281,26 @@ def _append_tool_result(block: ContentBlock, messages: list[dict[str, Any]]) -> 
     """A user's tool result as a tool message; its images as a user message after it, and the tools it names
     as a second tool message (as vLLM does: those are not text, and such requests go whole)."""
     parts = block.content if isinstance(block.content, list) else []
-    text = block.content if isinstance(block.content, str) else "\n".join(
-        p.get("text", "") for p in parts if isinstance(p, dict) and p.get("type") == "text")
+    text = (
+        block.content
+        if isinstance(block.content, str)
+        else "\n".join(p.get("text", "") for p in parts if isinstance(p, dict) and p.get("type") == "text")
+    )
     messages.append({"role": "tool", "tool_call_id": block.tool_use_id or "", "content": text or ""})
     images = [_image_url(p.get("source", {})) for p in parts if isinstance(p, dict) and p.get("type") == "image"]
     if images := [url for url in images if url]:
         messages.append({"role": "user", "content": [{"type": "image_url", "image_url": {"url": u}} for u in images]})
-    named = [p.get("tool_name") or p.get("name") for p in parts if isinstance(p, dict)
-             and p.get("type") == "tool_reference"]
+    named = [
+        p.get("tool_name") or p.get("name") for p in parts if isinstance(p, dict) and p.get("type") == "tool_reference"
+    ]
     if named := [name for name in named if name]:
-        messages.append({"role": "tool", "tool_call_id": block.tool_use_id or "",
-                         "content": [{"type": "tool_reference", "name": name} for name in named]})
+        messages.append(
+            {
+                "role": "tool",
+                "tool_call_id": block.tool_use_id or "",
+                "content": [{"type": "tool_reference", "name": name} for name in named],
+            }
+        )
 
 
 def _image_url(source: dict[str, Any]) -> str:
@@ -282,8 +326,9 @@ def _refuses_inline_system(template: str | None) -> bool:
         return True
     probe = [{"role": role, "content": "t"} for role in ("system", "user", "system", "user")]
     try:
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                           extensions=[jinja2.ext.loopcontrols])
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+        )
         env.from_string(template).render(messages=probe, add_generation_prompt=False)
     except jinja2.TemplateError:
         return True
@@ -291,6 +336,7 @@ def _refuses_inline_system(template: str | None) -> bool:
 
 
 # --- answers ---
+
 
 def usage(chat_usage: dict | None) -> dict:
     """A chat usage in Anthropic's terms: ``input_tokens`` are those not read from the cache."""
@@ -330,12 +376,25 @@ def chat_to_message(chat: dict, model: str) -> dict:
     calls = message.get("tool_calls") or []
     for call in calls:
         function = call.get("function") or {}
-        content.append({"type": "tool_use", "id": call.get("id") or _tool_id(), "name": function.get("name", ""),
-                        "input": _arguments(function.get("arguments"))})
+        content.append(
+            {
+                "type": "tool_use",
+                "id": call.get("id") or _tool_id(),
+                "name": function.get("name", ""),
+                "input": _arguments(function.get("arguments")),
+            }
+        )
     reason, sequence = stop_reason(choice.get("finish_reason"), choice.get("stop_reason"), bool(calls))
-    return {"id": _message_id(chat.get("id")), "type": "message", "role": "assistant",
-            "content": content or [{"type": "text", "text": ""}], "model": model, "stop_reason": reason,
-            "stop_sequence": sequence, "usage": usage(chat.get("usage"))}
+    return {
+        "id": _message_id(chat.get("id")),
+        "type": "message",
+        "role": "assistant",
+        "content": content or [{"type": "text", "text": ""}],
+        "model": model,
+        "stop_reason": reason,
+        "stop_sequence": sequence,
+        "usage": usage(chat.get("usage")),
+    }
 
 
 async def message_events(chunks: AsyncIterator[dict], model: str) -> AsyncIterator[dict]:
@@ -348,9 +407,19 @@ async def message_events(chunks: AsyncIterator[dict], model: str) -> AsyncIterat
         async for chunk in chunks:
             if not started:
                 started = True
-                yield {"type": "message_start", "message": {
-                    "id": _message_id(chunk.get("id")), "type": "message", "role": "assistant", "content": [],
-                    "model": model, "stop_reason": None, "stop_sequence": None, "usage": usage(chunk.get("usage"))}}
+                yield {
+                    "type": "message_start",
+                    "message": {
+                        "id": _message_id(chunk.get("id")),
+                        "type": "message",
+                        "role": "assistant",
+                        "content": [],
+                        "model": model,
+                        "stop_reason": None,
+                        "stop_sequence": None,
+                        "usage": usage(chunk.get("usage")),
+                    },
+                }
                 yield {"type": "ping"}
             chat_usage = chunk.get("usage") or chat_usage
             for choice in chunk.get("choices") or ():
@@ -368,8 +437,10 @@ async def message_events(chunks: AsyncIterator[dict], model: str) -> AsyncIterat
                 for call in delta.get("tool_calls") or ():
                     function = call.get("function") or {}
                     if call.get("id") is not None and function.get("name") is not None:
-                        for event in blocks.open(("tool_use", call["id"]), {
-                                "type": "tool_use", "id": call["id"], "name": function["name"], "input": {}}):
+                        for event in blocks.open(
+                            ("tool_use", call["id"]),
+                            {"type": "tool_use", "id": call["id"], "name": function["name"], "input": {}},
+                        ):
                             yield event
                     if function.get("arguments") and blocks.kind is not None:
                         yield blocks.delta({"type": "input_json_delta", "partial_json": function["arguments"]})
@@ -378,8 +449,11 @@ async def message_events(chunks: AsyncIterator[dict], model: str) -> AsyncIterat
         for event in blocks.close():
             yield event
         reason, sequence = stop_reason(finish or "stop", matched, blocks.tool_used)
-        yield {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
-               "usage": usage(chat_usage)}
+        yield {
+            "type": "message_delta",
+            "delta": {"stop_reason": reason, "stop_sequence": sequence},
+            "usage": usage(chat_usage),
+        }
         yield {"type": "message_stop"}
     finally:
         await chunks.aclose()
@@ -428,6 +502,7 @@ def _tool_id() -> str:
 
 
 # --- errors ---
+
 
 def error_body(exc: APIError) -> dict:
     """Anthropic's error shape. The parameter goes in the message, as vLLM's Anthropic errors carry it."""

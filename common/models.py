@@ -14,7 +14,6 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from common.attention import avoid_cudnn_sdpa, use_gqa_sdpa
 
-
 # a model folder with a config, a tokenizer and this file instead of weights: random weights are made at load, from
 # the file's seed, on the device (a 32B-parameter shape is made on a GPU in seconds; written out it would be 64 GB)
 RANDOM_WEIGHTS = "random-weights.json"
@@ -96,8 +95,10 @@ def first_layers(model: PreTrainedModel, layers: int) -> None:
 
 def check_layers(total: int, layers: int | None, name: str = "the draft model") -> None:
     if layers is not None and not 1 <= layers <= total:
-        raise ValueError(f"--draft-layers {layers}: {name} has {total} decoder layers; use 1 to {total} "
-                         f"(or leave it out for all of them)")
+        raise ValueError(
+            f"--draft-layers {layers}: {name} has {total} decoder layers; use 1 to {total} "
+            f"(or leave it out for all of them)"
+        )
 
 
 def decoder_layers(path_or_id: str | Path) -> int:
@@ -105,15 +106,17 @@ def decoder_layers(path_or_id: str | Path) -> int:
     return AutoConfig.from_pretrained(str(path_or_id)).num_hidden_layers
 
 
-def _random_model(spec_file: Path, device: str | torch.device, dtype: str | torch.dtype | None,
-                  attn_implementation: str) -> PreTrainedModel:
+def _random_model(
+    spec_file: Path, device: str | torch.device, dtype: str | torch.dtype | None, attn_implementation: str
+) -> PreTrainedModel:
     spec = json.loads(spec_file.read_text())  # {"seed": int, "dtype": "bfloat16"}
     resolved = resolve_dtype(dtype)
     config = AutoConfig.from_pretrained(spec_file.parent)
     torch.manual_seed(spec["seed"])
     with torch.device(device):
         return AutoModelForCausalLM.from_config(
-            config, dtype=resolve_dtype(spec["dtype"]) if resolved == "auto" else resolved,
+            config,
+            dtype=resolve_dtype(spec["dtype"]) if resolved == "auto" else resolved,
             attn_implementation=attn_implementation,
         )
 
@@ -127,9 +130,10 @@ def check_same_tokenizer(draft: PreTrainedTokenizerBase, target: PreTrainedToken
         )
     draft_vocab, target_vocab = draft.get_vocab(), target.get_vocab()
     if draft_vocab != target_vocab:
-        differing = sorted(t for t in draft_vocab.keys() ^ target_vocab.keys())[:5] or [
-            t for t, i in draft_vocab.items() if target_vocab.get(t) != i
-        ][:5]
+        differing = (
+            sorted(t for t in draft_vocab.keys() ^ target_vocab.keys())[:5]
+            or [t for t, i in draft_vocab.items() if target_vocab.get(t) != i][:5]
+        )
         raise TokenizerMismatchError(
             f"the draft and target vocabularies differ (for example {differing!r}): "
             "SpecPrefill needs a draft from the target's model family (same tokenizer)"

@@ -36,14 +36,18 @@ def visible_chars(texts: Iterable[str]) -> int:
 def prompt_texts(request: ChatCompletionRequest | CompletionRequest) -> list[str]:
     """The texts the prompt's tokens will spell, at least (a chat's text contents; a completion's text prompt)."""
     if isinstance(request, ChatCompletionRequest):
-        return [m.content if isinstance(m.content, str) else "".join(str(part.get("text") or "") for part in m.content)
-                for m in request.messages if m.content]
+        return [
+            m.content if isinstance(m.content, str) else "".join(str(part.get("text") or "") for part in m.content)
+            for m in request.messages
+            if m.content
+        ]
     prompts = request.prompt if isinstance(request.prompt, list) else [request.prompt]
     return [p for p in prompts if isinstance(p, str)]
 
 
-def refuse_unfittable(request: ChatCompletionRequest | CompletionRequest, tokenizer, limit: int | None,
-                      holder: str = "this gateway") -> int:
+def refuse_unfittable(
+    request: ChatCompletionRequest | CompletionRequest, tokenizer, limit: int | None, holder: str = "this gateway"
+) -> int:
     """A 400 ``context_length_exceeded`` for a prompt whose characters alone exceed ``limit`` tokens; else the
     characters it has (to decide whether tokenizing it is long work)."""
     texts = prompt_texts(request)
@@ -55,5 +59,8 @@ def refuse_unfittable(request: ChatCompletionRequest | CompletionRequest, tokeni
         param = "messages" if isinstance(request, ChatCompletionRequest) else "prompt"
         raise InvalidRequestError(
             f"the prompt has at least {fewest} tokens ({chars} characters, at most {longest_piece(tokenizer)} to a "
-            f"token); {holder} accepts at most {limit}: send less", param=param, code="context_length_exceeded")
+            f"token); {holder} accepts at most {limit}: send less",
+            param=param,
+            code="context_length_exceeded",
+        )
     return chars

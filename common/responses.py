@@ -46,16 +46,20 @@ class ResponsesRequest(WireModel):
         for tool in tools or ():
             kind = str(tool.get("type"))
             if kind.startswith(HOSTED_TOOLS):
-                raise ValueError(f"the {kind} tool runs on OpenAI's servers; this gateway's model calls the "
-                                 "client's own tools (function, custom) only: leave it out")
+                raise ValueError(
+                    f"the {kind} tool runs on OpenAI's servers; this gateway's model calls the "
+                    "client's own tools (function, custom) only: leave it out"
+                )
         return tools
 
     def as_chat(self) -> ChatCompletionRequest:
         """The chat this request renders as (instructions as the system turn, items as messages, flat tools as
         chat tools), as vLLM's Responses serving builds it."""
         if self.previous_response_id is not None:
-            raise InvalidRequestError("previous_response_id needs the stored response; send the conversation as "
-                                      "input items instead", param="previous_response_id")
+            raise InvalidRequestError(
+                "previous_response_id needs the stored response; send the conversation as input items instead",
+                param="previous_response_id",
+            )
         messages: list[dict[str, Any]] = []
         if self.instructions:
             messages.append({"role": "system", "content": self.instructions})
@@ -67,12 +71,20 @@ class ResponsesRequest(WireModel):
         if not messages:
             raise InvalidRequestError("the input is empty", param="input")
         # vLLM tokenizes a Responses prompt with the special tokens added (a second BOS after the template's own)
-        fields: dict[str, Any] = {"model": self.model, "messages": messages, "stream": self.stream,
-                                  "add_special_tokens": True}
+        fields: dict[str, Any] = {
+            "model": self.model,
+            "messages": messages,
+            "stream": self.stream,
+            "add_special_tokens": True,
+        }
         if self.tools:
             fields["tools"] = [_chat_tool(tool) for tool in self.tools]
-        for name, value in (("max_tokens", self.max_output_tokens), ("temperature", self.temperature),
-                            ("top_p", self.top_p), ("vllm_xargs", self.vllm_xargs)):
+        for name, value in (
+            ("max_tokens", self.max_output_tokens),
+            ("temperature", self.temperature),
+            ("top_p", self.top_p),
+            ("vllm_xargs", self.vllm_xargs),
+        ):
             if value is not None:
                 fields[name] = value
         if self.stream:
@@ -85,12 +97,19 @@ def _append_item(messages: list[dict[str, Any]], item: dict[str, Any]) -> None:
     if kind == "message":
         content = item.get("content")
         if isinstance(content, list):
-            content = [{"type": "text", "text": part.get("text")} if part.get("type") in ("input_text", "output_text")
-                       else part for part in content]
+            content = [
+                {"type": "text", "text": part.get("text")}
+                if part.get("type") in ("input_text", "output_text")
+                else part
+                for part in content
+            ]
         messages.append({"role": item.get("role", "user"), "content": content})
     elif kind == "function_call":
-        call = {"id": item.get("call_id"), "type": "function",
-                "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
+        call = {
+            "id": item.get("call_id"),
+            "type": "function",
+            "function": {"name": item.get("name"), "arguments": item.get("arguments")},
+        }
         last = messages[-1] if messages else None
         if last is not None and last["role"] == "assistant":
             last.setdefault("tool_calls", []).append(call)
@@ -133,24 +152,45 @@ def usage_from_chat(usage: dict | None) -> dict | None:
     if usage is None:
         return None
     details = usage.get("prompt_tokens_details") or {}
-    return {"input_tokens": usage.get("prompt_tokens", 0),
-            "input_tokens_details": {"cached_tokens": details.get("cached_tokens") or 0},
-            "output_tokens": usage.get("completion_tokens", 0),
-            "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": usage.get("total_tokens", 0)}
+    return {
+        "input_tokens": usage.get("prompt_tokens", 0),
+        "input_tokens_details": {"cached_tokens": details.get("cached_tokens") or 0},
+        "output_tokens": usage.get("completion_tokens", 0),
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": usage.get("total_tokens", 0),
+    }
 
 
-def response_object(request: ResponsesRequest, model: str, text: str, *, response_id: str, created: int,
-                    status: str = "completed", usage: dict | None = None, finish_reason: str | None = None) -> dict:
+def response_object(
+    request: ResponsesRequest,
+    model: str,
+    text: str,
+    *,
+    response_id: str,
+    created: int,
+    status: str = "completed",
+    usage: dict | None = None,
+    finish_reason: str | None = None,
+) -> dict:
     """A Response with one assistant message (empty while in progress)."""
     output = []
     if status != "in_progress":
         output.append(_message_item(response_id, text, "completed"))
     body = {
-        "id": response_id, "object": "response", "created_at": created, "model": model, "status": status,
-        "output": output, "instructions": request.instructions, "max_output_tokens": request.max_output_tokens,
-        "temperature": request.temperature, "top_p": request.top_p, "tools": request.tools or [],
-        "tool_choice": request.tool_choice or "auto", "parallel_tool_calls": True, "error": None,
+        "id": response_id,
+        "object": "response",
+        "created_at": created,
+        "model": model,
+        "status": status,
+        "output": output,
+        "instructions": request.instructions,
+        "max_output_tokens": request.max_output_tokens,
+        "temperature": request.temperature,
+        "top_p": request.top_p,
+        "tools": request.tools or [],
+        "tool_choice": request.tool_choice or "auto",
+        "parallel_tool_calls": True,
+        "error": None,
         "incomplete_details": {"reason": "max_output_tokens"} if finish_reason == "length" else None,
         "usage": usage,
     }
@@ -161,15 +201,26 @@ def response_object(request: ResponsesRequest, model: str, text: str, *, respons
 
 def _message_item(response_id: str, text: str, status: str) -> dict:
     content = [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else []
-    return {"id": "msg_" + response_id.removeprefix("resp_"), "type": "message", "role": "assistant",
-            "status": status, "content": content}
+    return {
+        "id": "msg_" + response_id.removeprefix("resp_"),
+        "type": "message",
+        "role": "assistant",
+        "status": status,
+        "content": content,
+    }
 
 
 def chat_to_response(request: ResponsesRequest, chat: dict, model: str) -> dict:
     choice = (chat.get("choices") or [{}])[0]
-    return response_object(request, model, (choice.get("message") or {}).get("content") or "",
-                           response_id=f"resp_{uuid.uuid4().hex}", created=int(time.time()),
-                           usage=usage_from_chat(chat.get("usage")), finish_reason=choice.get("finish_reason"))
+    return response_object(
+        request,
+        model,
+        (choice.get("message") or {}).get("content") or "",
+        response_id=f"resp_{uuid.uuid4().hex}",
+        created=int(time.time()),
+        usage=usage_from_chat(chat.get("usage")),
+        finish_reason=choice.get("finish_reason"),
+    )
 
 
 async def response_events(request: ResponsesRequest, chunks: AsyncIterator[dict], model: str) -> AsyncIterator[dict]:
@@ -182,8 +233,16 @@ async def response_events(request: ResponsesRequest, chunks: AsyncIterator[dict]
         return {"type": kind, "sequence_number": next(sequence), **fields}
 
     def response(status: str, text: str = "", usage=None, finish=None) -> dict:
-        return response_object(request, model, text, response_id=response_id, created=created, status=status,
-                               usage=usage, finish_reason=finish)
+        return response_object(
+            request,
+            model,
+            text,
+            response_id=response_id,
+            created=created,
+            status=status,
+            usage=usage,
+            finish_reason=finish,
+        )
 
     try:
         yield event("response.created", response=response("in_progress"))
@@ -199,10 +258,17 @@ async def response_events(request: ResponsesRequest, chunks: AsyncIterator[dict]
                 delta = (choice.get("delta") or {}).get("content") or ""
                 if delta:
                     text += delta
-                    yield event("response.output_text.delta", item_id=item_id, output_index=0, content_index=0,
-                                delta=delta, logprobs=[])
-        yield event("response.output_text.done", item_id=item_id, output_index=0, content_index=0, text=text,
-                    logprobs=[])
+                    yield event(
+                        "response.output_text.delta",
+                        item_id=item_id,
+                        output_index=0,
+                        content_index=0,
+                        delta=delta,
+                        logprobs=[],
+                    )
+        yield event(
+            "response.output_text.done", item_id=item_id, output_index=0, content_index=0, text=text, logprobs=[]
+        )
         part = {"type": "output_text", "text": text, "annotations": []}
         yield event("response.content_part.done", item_id=item_id, output_index=0, content_index=0, part=part)
         yield event("response.output_item.done", output_index=0, item=_message_item(response_id, text, "completed"))

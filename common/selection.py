@@ -15,7 +15,6 @@ from dataclasses import dataclass, replace
 import torch
 
 
-
 class ConfigError(ValueError):
     """A scoring or selection option a user set is out of range."""
 
@@ -45,8 +44,14 @@ def validate_keep_rate(keep_rate: float) -> float:
     return float(keep_rate)
 
 
-def select_tokens(token_ids: Sequence[int], scores: torch.Tensor, keep_rate: float, config: SelectionConfig,
-                  special_ids: Collection[int] = (), keep: torch.Tensor | None = None) -> list[int]:
+def select_tokens(
+    token_ids: Sequence[int],
+    scores: torch.Tensor,
+    keep_rate: float,
+    config: SelectionConfig,
+    special_ids: Collection[int] = (),
+    keep: torch.Tensor | None = None,
+) -> list[int]:
     """The indices of the prompt tokens the target reads, sorted; they are also the kept tokens' positions.
 
     token_ids: the prompt [S]; scores: one per token [S]. The top chunks of ``config.chunk_size`` by mean
@@ -65,8 +70,12 @@ def select_tokens(token_ids: Sequence[int], scores: torch.Tensor, keep_rate: flo
     return select_chunks(scores, keep_rate, config.chunk_size, protected).tolist()
 
 
-def always_kept(token_ids: Sequence[int], config: SelectionConfig, special_ids: Collection[int] = (),
-                keep: torch.Tensor | None = None) -> torch.Tensor:
+def always_kept(
+    token_ids: Sequence[int],
+    config: SelectionConfig,
+    special_ids: Collection[int] = (),
+    keep: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Boolean [S] mask of the tokens ``select_tokens`` keeps at any keep rate: the protected ends, the
     template's special tokens and ``keep``. They are kept one by one, each spending one token of the budget."""
     length = len(token_ids)
@@ -76,9 +85,16 @@ def always_kept(token_ids: Sequence[int], config: SelectionConfig, special_ids: 
     return protected_mask(length, config.protect_first, max(config.protect_last, 1), extra)
 
 
-def extend_selection(token_ids: Sequence[int], scores: torch.Tensor, keep_rate: float, config: SelectionConfig,
-                     reused: Sequence[int], start: int, special_ids: Collection[int] = (),
-                     keep: torch.Tensor | None = None) -> list[int]:
+def extend_selection(
+    token_ids: Sequence[int],
+    scores: torch.Tensor,
+    keep_rate: float,
+    config: SelectionConfig,
+    reused: Sequence[int],
+    start: int,
+    special_ids: Collection[int] = (),
+    keep: torch.Tensor | None = None,
+) -> list[int]:
     """An earlier selection's kept indices below ``start`` (the point up to which the earlier prompt and this
     one agree), then ``select_tokens`` on the rest of the prompt, as if it began at ``start``.
 
@@ -127,8 +143,9 @@ def kept_importance(scores: torch.Tensor, kept: Sequence[int], end: int, chunk_s
     return float(chunk_scores[chunks].sum()) if chunks else 0.0
 
 
-def protected_mask(length: int, protect_first: int, protect_last: int,
-                   extra: torch.Tensor | None = None) -> torch.Tensor | None:
+def protected_mask(
+    length: int, protect_first: int, protect_last: int, extra: torch.Tensor | None = None
+) -> torch.Tensor | None:
     """Boolean [S] mask of tokens that must be kept, or None when nothing is protected.
 
     extra: a boolean [S] mask of further tokens to keep.

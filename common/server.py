@@ -21,8 +21,8 @@ import uvicorn
 
 from common.errors import OverloadedError, error_body
 from common.messages import error_body as anthropic_error_body
-from common.streams import SSE_DONE, sse_error
 from common.options import ServerOptions
+from common.streams import SSE_DONE, sse_error
 
 logger = logging.getLogger("specprefill")
 TRIM_AFTER_BYTES = 1 << 20  # a body at least this big: the heap is trimmed once its request is done
@@ -79,15 +79,22 @@ class GuardMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         if self.draining:
-            return await _send_error(send, 503, "the server is shutting down; retry on another replica",
-                                     "overloaded_error", {"retry-after": "1"})
+            return await _send_error(
+                send,
+                503,
+                "the server is shutting down; retry on another replica",
+                "overloaded_error",
+                {"retry-after": "1"},
+            )
         if sum(len(k) + len(v) for k, v in scope["headers"]) > self.max_header_bytes:
-            return await _send_error(send, 431, f"the request headers are larger than {self.max_header_bytes} bytes",
-                                     "invalid_request_error")
+            return await _send_error(
+                send, 431, f"the request headers are larger than {self.max_header_bytes} bytes", "invalid_request_error"
+            )
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
-            return await _send_error(send, 413, f"the request body is larger than {self.max_body_bytes} bytes",
-                                     "invalid_request_error")
+            return await _send_error(
+                send, 413, f"the request body is larger than {self.max_body_bytes} bytes", "invalid_request_error"
+            )
         received = 0
 
         async def limited_receive():
@@ -113,8 +120,10 @@ class GuardMiddleware:
                     # from the body's last byte to this status line
                     took = (time.perf_counter() - request.read_at) * 1e3
                     message = {**message, "headers": [*headers, (b"server-timing", f"app;dur={took:.1f}".encode())]}
-                request.stream = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream")
-                                     for k, v in message.get("headers", ()))
+                request.stream = any(
+                    k.lower() == b"content-type" and v.startswith(b"text/event-stream")
+                    for k, v in message.get("headers", ())
+                )
             elif message["type"] == "http.response.body" and not message.get("more_body", False):
                 request.ended = True
             await send(message)
@@ -125,8 +134,9 @@ class GuardMiddleware:
             await request.task
         except _BodyTooLarge:
             if not request.started:
-                await _send_error(send, 413, f"the request body is larger than {self.max_body_bytes} bytes",
-                                  "invalid_request_error")
+                await _send_error(
+                    send, 413, f"the request body is larger than {self.max_body_bytes} bytes", "invalid_request_error"
+                )
         except asyncio.CancelledError:
             if not request.cut:
                 raise
@@ -168,9 +178,17 @@ async def _cut_off(send, request: _InFlight) -> None:
     if not request.started:
         body = anthropic_error_body(error) if anthropic else error.body()
         payload = json.dumps(body).encode()
-        await send({"type": "http.response.start", "status": 503,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
-                                (b"retry-after", b"1")]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 503,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(payload)).encode()),
+                    (b"retry-after", b"1"),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": payload})
     elif request.stream:
         if anthropic:
@@ -206,8 +224,11 @@ class DrainingServer(uvicorn.Server):
         if self.guard.draining:  # a second signal: stop now
             return super().handle_exit(sig, frame)
         self.guard.draining = True
-        logger.warning("draining: refusing new requests, waiting up to %.0f s for %d in flight",
-                       self.drain_timeout, self.guard.in_flight)
+        logger.warning(
+            "draining: refusing new requests, waiting up to %.0f s for %d in flight",
+            self.drain_timeout,
+            self.guard.in_flight,
+        )
         self._drain_task = asyncio.get_event_loop().create_task(self._drain(sig, frame))
 
     async def _drain(self, sig, frame) -> None:
@@ -217,8 +238,11 @@ class DrainingServer(uvicorn.Server):
         clean = self.guard.in_flight == 0
         if not clean:
             ended = await self.guard.cut_off()
-            logger.warning("drain: %.0f s passed; %d requests still in flight were ended with a 503 or an error "
-                           "event", self.drain_timeout, ended)
+            logger.warning(
+                "drain: %.0f s passed; %d requests still in flight were ended with a 503 or an error event",
+                self.drain_timeout,
+                ended,
+            )
         super().handle_exit(sig, frame)
         if clean:  # every request answered: exit 0, not by the signal uvicorn would raise again on its way out
             self._captured_signals.clear()
@@ -236,14 +260,21 @@ def freeze_startup_heap() -> None:
     gc.freeze()
 
 
-def run_server(app, options: ServerOptions, *, max_body_bytes: int = 16 << 20,
-               max_header_bytes: int = 64 << 10) -> None:
+def run_server(
+    app, options: ServerOptions, *, max_body_bytes: int = 16 << 20, max_header_bytes: int = 64 << 10
+) -> None:
     """Serves ``app`` behind the guard, with logging configured the same way for every service."""
     logging.basicConfig(level=options.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     guard = GuardMiddleware(app, max_body_bytes=max_body_bytes, max_header_bytes=max_header_bytes)
-    config = uvicorn.Config(guard, host=options.host, port=options.port, log_level=options.log_level,
-                            h11_max_incomplete_event_size=max_header_bytes, timeout_graceful_shutdown=5,
-                            # idle keep-alive longer than a typical load balancer's (60 s), so a client never
-                            # sends on a connection the server is closing at that instant
-                            timeout_keep_alive=75)
+    config = uvicorn.Config(
+        guard,
+        host=options.host,
+        port=options.port,
+        log_level=options.log_level,
+        h11_max_incomplete_event_size=max_header_bytes,
+        timeout_graceful_shutdown=5,
+        # idle keep-alive longer than a typical load balancer's (60 s), so a client never
+        # sends on a connection the server is closing at that instant
+        timeout_keep_alive=75,
+    )
     DrainingServer(config, guard, options.drain_timeout).run()

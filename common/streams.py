@@ -18,8 +18,9 @@ def sse(payload: dict[str, Any], named: bool = False) -> bytes:
     return head + b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
 
 
-def sse_error(exc: BaseException, named: bool = False,
-              shape: Callable[[APIError], dict[str, Any]] | None = None) -> bytes:
+def sse_error(
+    exc: BaseException, named: bool = False, shape: Callable[[APIError], dict[str, Any]] | None = None
+) -> bytes:
     """The frame sent when a stream has already begun: one error event (then the caller sends [DONE]);
     ``shape`` renders it in another API's error shape (an Anthropic stream's ``error`` event)."""
     error = as_api_error(exc)
@@ -82,10 +83,15 @@ async def merge(streams: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, A
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def sse_body(chunks: AsyncIterator[dict], *, on_first: Callable[[], None] | None = None,
-                   on_error: Callable[[BaseException], None] | None = None,
-                   on_done: Callable[[], None] | None = None, named: bool = False,
-                   error_shape: Callable[[APIError], dict[str, Any]] | None = None) -> AsyncIterator[bytes]:
+async def sse_body(
+    chunks: AsyncIterator[dict],
+    *,
+    on_first: Callable[[], None] | None = None,
+    on_error: Callable[[BaseException], None] | None = None,
+    on_done: Callable[[], None] | None = None,
+    named: bool = False,
+    error_shape: Callable[[APIError], dict[str, Any]] | None = None,
+) -> AsyncIterator[bytes]:
     """``chunks`` as SSE frames, then ``[DONE]``; the hooks observe the first chunk, a failure, a clean end.
     ``named``: an event name on each frame, and no ``[DONE]`` (OpenAI's Responses stream, Anthropic's Messages
     stream); ``error_shape``: the error event in another API's shape.

@@ -33,8 +33,9 @@ def requested_swap(xargs: dict[str, Any] | None) -> tuple[list[int], list[int]] 
         return None
     kept, positions = xargs.get(KEPT_KEY), xargs.get(POSITIONS_KEY)
     if not isinstance(kept, list) or not isinstance(positions, list):
-        raise InvalidRequestError(f"vllm_xargs.{KEPT_KEY} and vllm_xargs.{POSITIONS_KEY} must both be lists",
-                                  param=SWAP_PARAM)
+        raise InvalidRequestError(
+            f"vllm_xargs.{KEPT_KEY} and vllm_xargs.{POSITIONS_KEY} must both be lists", param=SWAP_PARAM
+        )
     return kept, positions
 
 
@@ -43,21 +44,28 @@ def swap_prompt(rendered: Sequence[int], kept: Sequence[Any], positions: Sequenc
     if not all(_is_int(t) for t in kept) or not all(_is_int(p) for p in positions):
         raise InvalidRequestError("kept_token_ids and position_ids must be lists of integers", param=SWAP_PARAM)
     if not kept or len(kept) != len(positions):
-        raise InvalidRequestError(f"kept_token_ids has {len(kept)} entries and position_ids {len(positions)}; give "
-                                  "one position per kept token, at least one", param=SWAP_PARAM)
+        raise InvalidRequestError(
+            f"kept_token_ids has {len(kept)} entries and position_ids {len(positions)}; give "
+            "one position per kept token, at least one",
+            param=SWAP_PARAM,
+        )
     if positions[0] < 0 or any(b <= a for a, b in zip(positions, positions[1:])):
-        raise InvalidRequestError("position_ids must be non-negative and strictly increasing",
-                                  param=f"vllm_xargs.{POSITIONS_KEY}")
+        raise InvalidRequestError(
+            "position_ids must be non-negative and strictly increasing", param=f"vllm_xargs.{POSITIONS_KEY}"
+        )
     n = len(rendered)
     for token, position in zip(kept, positions):
         if position >= n:
             raise SwapMismatchError(f"kept position {position} is past the rendered prompt's {n} tokens")
         if rendered[position] != token:
-            raise SwapMismatchError(f"kept token {token} at position {position} differs from the rendered "
-                                    f"prompt's token {rendered[position]} there")
+            raise SwapMismatchError(
+                f"kept token {token} at position {position} differs from the rendered "
+                f"prompt's token {rendered[position]} there"
+            )
     if positions[-1] != n - 1:
-        raise SwapMismatchError(f"the last kept position is {positions[-1]}, but the rendered prompt's last "
-                                f"token is at {n - 1}")
+        raise SwapMismatchError(
+            f"the last kept position is {positions[-1]}, but the rendered prompt's last token is at {n - 1}"
+        )
     return list(kept), list(positions)
 
 

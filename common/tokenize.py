@@ -35,9 +35,12 @@ import numpy as np
 
 logger = logging.getLogger("specprefill")
 
-SAMPLE_CHAT = [{"role": "system", "content": "You answer briefly.\n  Be precise. "},
-               {"role": "user", "content": " Hello there!\n\nWhat is 2 + 2?  "},
-               {"role": "assistant", "content": "4."}, {"role": "user", "content": "And 3 + 3 ?"}]
+SAMPLE_CHAT = [
+    {"role": "system", "content": "You answer briefly.\n  Be precise. "},
+    {"role": "user", "content": " Hello there!\n\nWhat is 2 + 2?  "},
+    {"role": "assistant", "content": "4."},
+    {"role": "user", "content": "And 3 + 3 ?"},
+]
 
 
 LONG_PIECE = 4096  # characters: a piece this long may be tokenized from an earlier one it begins with
@@ -135,10 +138,13 @@ class PieceCache:
             return self._whole(text)
         ends = [round(len(text) * (i + 1) / n_segments) for i in range(n_segments)]
         starts = [0] + [end - MARGIN_CHARS for end in ends[:-1]]
-        batch = self.tokenizer([text[a:b] for a, b in zip(starts, ends)], add_special_tokens=False,
-                               return_offsets_mapping=True)
-        segments = [(np.asarray(ids, dtype=np.int32), _offsets(pairs, start)) for ids, pairs, start in
-                    zip(batch.input_ids, batch["offset_mapping"], starts)]
+        batch = self.tokenizer(
+            [text[a:b] for a, b in zip(starts, ends)], add_special_tokens=False, return_offsets_mapping=True
+        )
+        segments = [
+            (np.asarray(ids, dtype=np.int32), _offsets(pairs, start))
+            for ids, pairs, start in zip(batch.input_ids, batch["offset_mapping"], starts)
+        ]
         kept = []  # each segment's tokens from its seam with the previous one to its seam with the next
         ids, offsets = segments[0]
         for end, (tail_ids, tail_offsets) in zip(ends[:-1], segments[1:]):
@@ -178,17 +184,23 @@ def _offsets(pairs: list[tuple[int, int]], start: int) -> np.ndarray:
     return np.asarray(pairs, dtype=np.int32).reshape(-1, 2) + np.int32(start)
 
 
-def _agree(ids: np.ndarray, offsets: np.ndarray, j: int, tail_ids: np.ndarray, tail_offsets: np.ndarray, t: int,
-           n: int) -> bool:
+def _agree(
+    ids: np.ndarray, offsets: np.ndarray, j: int, tail_ids: np.ndarray, tail_offsets: np.ndarray, t: int, n: int
+) -> bool:
     """Whether two tokenizations of one text (offsets in its characters) give the same ``n`` tokens, at the same
     characters, from token ``j`` of the first and ``t`` of the second: they have realigned there, so either one's
     tokens from that point on stand for both (the rule the cache's joins rest on)."""
-    return (len(ids) >= j + n and len(tail_ids) >= t + n and np.array_equal(ids[j : j + n], tail_ids[t : t + n])
-            and np.array_equal(offsets[j : j + n], tail_offsets[t : t + n]))
+    return (
+        len(ids) >= j + n
+        and len(tail_ids) >= t + n
+        and np.array_equal(ids[j : j + n], tail_ids[t : t + n])
+        and np.array_equal(offsets[j : j + n], tail_offsets[t : t + n])
+    )
 
 
-def _seam(ids: np.ndarray, offsets: np.ndarray, cut_end: int, tail_ids: np.ndarray,
-          tail_offsets: np.ndarray) -> tuple[int, int] | None:
+def _seam(
+    ids: np.ndarray, offsets: np.ndarray, cut_end: int, tail_ids: np.ndarray, tail_offsets: np.ndarray
+) -> tuple[int, int] | None:
     """Where the tokens of a text cut at ``cut_end`` (``ids``) hand over to those of a segment that starts before
     that cut (``tail_ids``; offsets in the whole text's characters): the first token where both begin at the same
     character and ``_agree`` for ``OVERLAP`` tokens, all ending a margin before the cut (its last words may be cut
@@ -228,6 +240,7 @@ def token_pieces(tokenizer, token_ids: Sequence[int]) -> list[str]:
     included). A token that ends in the middle of a character gets ``""`` and the token that completes the
     character gets the whole character.
     """
+
     def decode(ids: Sequence[int]) -> str:
         return tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
@@ -241,6 +254,6 @@ def token_pieces(tokenizer, token_ids: Sequence[int]) -> list[str]:
             pieces.append("")
             pending += 1
             continue
-        pieces.append(after[len(before):] if after.startswith(before) else decode(token_ids[first : i + 1]))
+        pieces.append(after[len(before) :] if after.startswith(before) else decode(token_ids[first : i + 1]))
         pending = 0
     return pieces

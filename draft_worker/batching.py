@@ -27,8 +27,9 @@ class ScoreBatcher:
     fails only its own request.
     """
 
-    def __init__(self, worker: DraftWorker, *, max_batch_size: int = 8, max_batch_tokens: int = 65536,
-                 max_wait_s: float = 0.005) -> None:
+    def __init__(
+        self, worker: DraftWorker, *, max_batch_size: int = 8, max_batch_tokens: int = 65536, max_wait_s: float = 0.005
+    ) -> None:
         self.worker = worker
         self.max_batch_size = max_batch_size
         self.max_batch_tokens = max_batch_tokens

@@ -91,8 +91,10 @@ class LookAheadGraphs:
         self._graphs.clear()
         self.storage = []  # the old buffers go before the new ones are made
         # zeros, not empty: masked keys get no weight, but a NaN in fresh memory would still poison the sum
-        self.storage = [(torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
-                        for _ in range(config.num_hidden_layers)]
+        self.storage = [
+            (torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
+            for _ in range(config.num_hidden_layers)
+        ]
         self.capacity = capacity
         n_heads = config.num_attention_heads
         self.ids = torch.zeros(1, 1, dtype=torch.long, device=device)
@@ -100,11 +102,14 @@ class LookAheadGraphs:
         self.slot = torch.zeros(1, dtype=torch.long, device=device)
         self.step = torch.zeros(1, dtype=torch.long, device=device)  # which query slot a step writes
         self.mask = torch.zeros(1, 1, 1, capacity, dtype=dtype, device=device)
-        self.queries = [torch.zeros(1, n_heads, QUERY_SLOTS, head_dim, dtype=dtype, device=device)
-                        for _ in range(config.num_hidden_layers)]
+        self.queries = [
+            torch.zeros(1, n_heads, QUERY_SLOTS, head_dim, dtype=dtype, device=device)
+            for _ in range(config.num_hidden_layers)
+        ]
 
-    def look_ahead(self, logits: torch.Tensor, length: int, recorder: QueryRecorder, steps: int,
-                   eos: torch.Tensor) -> torch.Tensor | None:
+    def look_ahead(
+        self, logits: torch.Tensor, length: int, recorder: QueryRecorder, steps: int, eos: torch.Tensor
+    ) -> torch.Tensor | None:
         """The ``steps - 1`` greedy steps after a single prompt of ``length`` tokens whose prefill wrote
         ``storage`` and gave ``logits`` [1, V]; queries go to ``recorder``. Which queries count [1, Q] (as
         ``scorer.look_ahead``), or None if no graph could be made (the caller runs the plain steps)."""
@@ -141,8 +146,15 @@ class LookAheadGraphs:
         mask = self.mask[..., :width]
 
         def step() -> torch.Tensor:
-            out = self.model(input_ids=self.ids, position_ids=self.position, attention_mask=mask,
-                             **with_cache(self.model, cache), use_cache=True, logits_to_keep=1, specprefill_recorder=recorder)
+            out = self.model(
+                input_ids=self.ids,
+                position_ids=self.position,
+                attention_mask=mask,
+                **with_cache(self.model, cache),
+                use_cache=True,
+                logits_to_keep=1,
+                specprefill_recorder=recorder,
+            )
             return out.logits[:, -1]
 
         # warm-up and capture write their key and value into the last slot, which no prompt reads before its
@@ -166,8 +178,9 @@ class LookAheadGraphs:
             with torch.cuda.graph(graph), torch.inference_mode():
                 out_logits = step()
         except Exception as exc:  # the plain steps still work
-            logger.warning("CUDA graphs for the draft's look-ahead are off: capture failed (%s: %s)",
-                           type(exc).__name__, exc)
+            logger.warning(
+                "CUDA graphs for the draft's look-ahead are off: capture failed (%s: %s)", type(exc).__name__, exc
+            )
             self.enabled = False
             self._graphs.clear()
             return None

@@ -62,8 +62,12 @@ class PrefixKVCache:
         tokens = kv.token_ids.numpy()
         with self._lock:
             # an entry whose prompt begins this one's is redundant now: this one serves every lookup it would
-            for key in [key for key, entry in self._entries.items() if entry.token_ids.numel() <= tokens.size
-                        and common_prefix(tokens, entry.token_ids.numpy()) == entry.token_ids.numel()]:
+            for key in [
+                key
+                for key, entry in self._entries.items()
+                if entry.token_ids.numel() <= tokens.size
+                and common_prefix(tokens, entry.token_ids.numpy()) == entry.token_ids.numel()
+            ]:
                 self._bytes -= self._entries.pop(key).nbytes
             self._ids += 1
             self._entries[self._ids] = kv
@@ -76,4 +80,3 @@ class PrefixKVCache:
         with self._lock:
             self._entries.clear()
             self._bytes = 0
-

@@ -101,13 +101,26 @@ def _eos(model: PreTrainedModel) -> torch.Tensor:
 
 def prefill(model: PreTrainedModel, batch: ScoringBatch, recorder: QueryRecorder) -> torch.Tensor:
     """The prompt into the KV cache, recording the last prompt token's queries; its logits [B, V]."""
-    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
-                **with_cache(model, batch.cache), use_cache=True, logits_to_keep=1, specprefill_recorder=recorder)
+    out = model(
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention_mask,
+        position_ids=batch.position_ids,
+        **with_cache(model, batch.cache),
+        use_cache=True,
+        logits_to_keep=1,
+        specprefill_recorder=recorder,
+    )
     return out.logits[:, -1]
 
 
-def look_ahead(model: PreTrainedModel, batch: ScoringBatch, logits: torch.Tensor, recorder: QueryRecorder,
-               steps: int, eos: torch.Tensor) -> torch.Tensor:
+def look_ahead(
+    model: PreTrainedModel,
+    batch: ScoringBatch,
+    logits: torch.Tensor,
+    recorder: QueryRecorder,
+    steps: int,
+    eos: torch.Tensor,
+) -> torch.Tensor:
     """``steps - 1`` greedy draft tokens, recording each one's queries. Returns which queries count [B, Q]:
     a row's queries stop once it generated ``eos`` (the EOS token's own query included)."""
     device = batch.input_ids.device
@@ -123,15 +136,21 @@ def look_ahead(model: PreTrainedModel, batch: ScoringBatch, logits: torch.Tensor
         valid[:, step] = valid[:, step - 1] & ~torch.isin(token[:, 0], eos)
         if batch.attention_mask is not None:
             batch.attention_mask = torch.cat([batch.attention_mask, batch.attention_mask.new_ones(n_rows, 1)], -1)
-        out = model(input_ids=token, attention_mask=batch.attention_mask, position_ids=position,
-                    **with_cache(model, batch.cache), use_cache=True, logits_to_keep=1, specprefill_recorder=recorder)
+        out = model(
+            input_ids=token,
+            attention_mask=batch.attention_mask,
+            position_ids=position,
+            **with_cache(model, batch.cache),
+            use_cache=True,
+            logits_to_keep=1,
+            specprefill_recorder=recorder,
+        )
         logits = out.logits[:, -1]
         position = position + 1
     return valid
 
 
-def reduce_scores(batch: ScoringBatch, recorder: QueryRecorder, valid: torch.Tensor,
-                  pool_kernel: int) -> torch.Tensor:
+def reduce_scores(batch: ScoringBatch, recorder: QueryRecorder, valid: torch.Tensor, pool_kernel: int) -> torch.Tensor:
     """Attention of the recorded queries over the prompt keys, pooled, max over layers × heads, mean over the
     valid queries: [B, S]."""
     key_pad = None
@@ -148,19 +167,34 @@ def reduce_scores(batch: ScoringBatch, recorder: QueryRecorder, valid: torch.Ten
     return (scores * weights[:, :, None]).sum(1) / weights.sum(1, keepdim=True)
 
 
-def _prepare(model: PreTrainedModel, prompts: Sequence[Sequence[int]], prefix: PromptKV | None,
-             prefix_len: int, look_ahead: int,
-             storage: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> ScoringBatch:
+def _prepare(
+    model: PreTrainedModel,
+    prompts: Sequence[Sequence[int]],
+    prefix: PromptKV | None,
+    prefix_len: int,
+    look_ahead: int,
+    storage: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+) -> ScoringBatch:
     """The batch's inputs, and a KV cache with room for the prompts and the look-ahead tokens, so that no
     forward copies the cache (``common.kv_cache``; in ``storage`` when given)."""
     device = model.device
     lengths = [len(p) for p in prompts]
     if prefix is not None:
         assert len(prompts) == 1 and 0 < prefix_len < lengths[0]
-        cache = append_cache(model.config, lengths[0] + look_ahead, storage=storage,
-                             layers=[(k[:, :, :prefix_len], v[:, :, :prefix_len]) for k, v in prefix.layers])
-        return ScoringBatch(lengths, lengths[0], torch.tensor([prompts[0][prefix_len:]], device=device),
-                            torch.arange(prefix_len, lengths[0], device=device)[None], None, cache)
+        cache = append_cache(
+            model.config,
+            lengths[0] + look_ahead,
+            storage=storage,
+            layers=[(k[:, :, :prefix_len], v[:, :, :prefix_len]) for k, v in prefix.layers],
+        )
+        return ScoringBatch(
+            lengths,
+            lengths[0],
+            torch.tensor([prompts[0][prefix_len:]], device=device),
+            torch.arange(prefix_len, lengths[0], device=device)[None],
+            None,
+            cache,
+        )
     width = max(lengths)
     pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)

@@ -33,12 +33,20 @@ def create_app(settings: DraftWorkerSettings, *, worker: DraftWorker | None = No
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.worker = worker or DraftWorker.from_pretrained(
-            settings.model, settings.scoring_config(), device=settings.device, dtype=settings.dtype,
-            prefix_cache_bytes=settings.prefix_cache_mb << 20, cuda_graphs=settings.cuda_graphs,
-            layers=settings.draft_layers)
-        app.state.batcher = ScoreBatcher(app.state.worker, max_batch_size=settings.max_batch_size,
-                                         max_batch_tokens=settings.max_batch_tokens,
-                                         max_wait_s=settings.max_wait_ms / 1e3)
+            settings.model,
+            settings.scoring_config(),
+            device=settings.device,
+            dtype=settings.dtype,
+            prefix_cache_bytes=settings.prefix_cache_mb << 20,
+            cuda_graphs=settings.cuda_graphs,
+            layers=settings.draft_layers,
+        )
+        app.state.batcher = ScoreBatcher(
+            app.state.worker,
+            max_batch_size=settings.max_batch_size,
+            max_batch_tokens=settings.max_batch_tokens,
+            max_wait_s=settings.max_wait_ms / 1e3,
+        )
         tokenizer = app.state.worker.tokenizer
         app.state.fingerprint = tokenizer_fingerprint(tokenizer) if tokenizer is not None else None
         try:
@@ -56,25 +64,29 @@ def create_app(settings: DraftWorkerSettings, *, worker: DraftWorker | None = No
             scores = await raw_request.app.state.batcher.score(request.token_ids)
         except ValueError as exc:
             raise InvalidRequestError(str(exc), param="token_ids") from None
-        return JSONResponse({
-            "scores": scores_to_text(scores),
-            "dtype": "float32",
-            "length": scores.numel(),
-            "identity": raw_request.app.state.worker.identity,
-            "draft_ms": (time.perf_counter() - start) * 1e3,
-        })
+        return JSONResponse(
+            {
+                "scores": scores_to_text(scores),
+                "dtype": "float32",
+                "length": scores.numel(),
+                "identity": raw_request.app.state.worker.identity,
+                "draft_ms": (time.perf_counter() - start) * 1e3,
+            }
+        )
 
     @app.get("/v1/info")
     async def info(raw_request: Request) -> JSONResponse:
         worker_: DraftWorker = raw_request.app.state.worker
-        return JSONResponse({
-            "model": worker_.name,
-            "identity": worker_.identity,
-            "score_params": list(worker_.config.score_params),
-            "scoring": worker_.config.to_dict(),
-            "max_prompt_tokens": worker_.max_prompt_tokens,
-            "tokenizer_fingerprint": raw_request.app.state.fingerprint,
-        })
+        return JSONResponse(
+            {
+                "model": worker_.name,
+                "identity": worker_.identity,
+                "score_params": list(worker_.config.score_params),
+                "scoring": worker_.config.to_dict(),
+                "max_prompt_tokens": worker_.max_prompt_tokens,
+                "tokenizer_fingerprint": raw_request.app.state.fingerprint,
+            }
+        )
 
     @app.get("/health")
     async def health(raw_request: Request) -> JSONResponse:

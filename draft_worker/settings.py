@@ -20,18 +20,27 @@ class ScoringOptions(BaseSettings):
 
     model_config = SETTINGS_CONFIG
 
-    look_ahead: int = Field(_DEFAULTS.look_ahead,
-                            description="draft steps whose queries are scored, the last prompt token's included")
+    look_ahead: int = Field(
+        _DEFAULTS.look_ahead, description="draft steps whose queries are scored, the last prompt token's included"
+    )
     pool_kernel: int = Field(_DEFAULTS.pool_kernel, description="average-pooling kernel along the sequence (1: off)")
-    chunk_size: int = Field(_DEFAULTS.chunk_size,
-                            description="tokens are kept in contiguous chunks of this size (1: single tokens)")
+    chunk_size: int = Field(
+        _DEFAULTS.chunk_size, description="tokens are kept in contiguous chunks of this size (1: single tokens)"
+    )
     protect_first: int = Field(_DEFAULTS.protect_first, description="the first N tokens are always kept (0: off)")
     protect_last: int = Field(_DEFAULTS.protect_last, description="the last N tokens are always kept (0: off)")
-    cuda_graphs: bool = Field(True, description="on a GPU, the draft's look-ahead steps replay CUDA graphs (off: "
-                                                "plain forwards, 2x the scoring time of an 8k prompt on an H100)")
-    draft_layers: int | None = Field(None, ge=1, description="the draft model's first N decoder layers only, then its "
-                                     "final norm and head (default: all); with the target as --draft-model, a "
-                                     "self-draft")
+    cuda_graphs: bool = Field(
+        True,
+        description="on a GPU, the draft's look-ahead steps replay CUDA graphs (off: "
+        "plain forwards, 2x the scoring time of an 8k prompt on an H100)",
+    )
+    draft_layers: int | None = Field(
+        None,
+        ge=1,
+        description="the draft model's first N decoder layers only, then its "
+        "final norm and head (default: all); with the target as --draft-model, a "
+        "self-draft",
+    )
 
     @model_validator(mode="after")
     def _valid(self):
@@ -39,8 +48,13 @@ class ScoringOptions(BaseSettings):
         return self
 
     def scoring_config(self) -> ScoringConfig:
-        return ScoringConfig(look_ahead=self.look_ahead, pool_kernel=self.pool_kernel, chunk_size=self.chunk_size,
-                             protect_first=self.protect_first, protect_last=self.protect_last)
+        return ScoringConfig(
+            look_ahead=self.look_ahead,
+            pool_kernel=self.pool_kernel,
+            chunk_size=self.chunk_size,
+            protect_first=self.protect_first,
+            protect_last=self.protect_last,
+        )
 
 
 class DraftWorkerSettings(ServerOptions, DeviceOptions, ScoringOptions):

@@ -62,8 +62,14 @@ class DraftWorker:
     ) -> DraftWorker:
         """``layers``: only the model's first that many decoder layers (``common.models.first_layers``)."""
         model = load_causal_lm(path_or_id, device=device, dtype=dtype, layers=layers)
-        return cls(model, load_tokenizer(path_or_id), config, name=str(path_or_id),
-                   prefix_cache_bytes=prefix_cache_bytes, cuda_graphs=cuda_graphs)
+        return cls(
+            model,
+            load_tokenizer(path_or_id),
+            config,
+            name=str(path_or_id),
+            prefix_cache_bytes=prefix_cache_bytes,
+            cuda_graphs=cuda_graphs,
+        )
 
     @property
     def max_prompt_tokens(self) -> int:
@@ -99,13 +105,25 @@ class DraftWorker:
                 fresh.append(index)
                 continue
             entry, reuse = found
-            (scores,), kvs = score_prompts(self.model, [prompt], self.config, prefix=entry, prefix_len=reuse,
-                                           return_kv=self.prefix_cache is not None, graphs=self.graphs)
+            (scores,), kvs = score_prompts(
+                self.model,
+                [prompt],
+                self.config,
+                prefix=entry,
+                prefix_len=reuse,
+                return_kv=self.prefix_cache is not None,
+                graphs=self.graphs,
+            )
             results[index] = scores
             self._remember(kvs)
         if fresh:
-            scores, kvs = score_prompts(self.model, [prompts[i] for i in fresh], self.config,
-                                        return_kv=self.prefix_cache is not None, graphs=self.graphs)
+            scores, kvs = score_prompts(
+                self.model,
+                [prompts[i] for i in fresh],
+                self.config,
+                return_kv=self.prefix_cache is not None,
+                graphs=self.graphs,
+            )
             for index, row in zip(fresh, scores):
                 results[index] = row
             self._remember(kvs)

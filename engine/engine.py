@@ -52,8 +52,7 @@ class ReferenceEngine:
         self.prefix_cache = prefix_cache
         self.eos_ids = set(eos_token_ids(model))
         self.structured = StructuredOutputs(tokenizer, model.config.vocab_size)
-        self.scheduler = Scheduler(max_running=max_running, max_waiting=max_waiting,
-                                   on_active_change=on_active_change)
+        self.scheduler = Scheduler(max_running=max_running, max_waiting=max_waiting, on_active_change=on_active_change)
         self.on_queued: Callable[[float], None] | None = None  # seconds each request waited for its first step
         self.on_yielded: Callable[[], None] | None = None  # a background chunk stopped for a request
         self._ids = itertools.count()
@@ -86,9 +85,15 @@ class ReferenceEngine:
         self, token_ids: list[int], position_ids: list[int], params: SamplingParams, priority: int = 0
     ) -> AsyncIterator[StepOutput]:
         """Streams the generated tokens; the last output carries ``finish_reason``. Inputs are validated."""
-        seq = Sequence(request_id=next(self._ids), token_ids=token_ids, position_ids=position_ids, params=params,
-                       stream=TextStream(self.tokenizer, params.stop), loop=asyncio.get_running_loop(),
-                       priority=priority)
+        seq = Sequence(
+            request_id=next(self._ids),
+            token_ids=token_ids,
+            position_ids=position_ids,
+            params=params,
+            stream=TextStream(self.tokenizer, params.stop),
+            loop=asyncio.get_running_loop(),
+            priority=priority,
+        )
         self.scheduler.add(seq)
         try:
             while True:
@@ -150,18 +155,20 @@ class ReferenceEngine:
             if self.on_queued is not None:
                 self.on_queued(seq.started_at - seq.queued_at)
         if seq.cache is None and self.prefix_cache is not None:
-            seq.cache, seq.cached_tokens = self.prefix_cache.lookup(seq.token_ids, seq.position_ids, self.model.config,
-                                                                    DECODE_ROOM)
+            seq.cache, seq.cached_tokens = self.prefix_cache.lookup(
+                seq.token_ids, seq.position_ids, self.model.config, DECODE_ROOM
+            )
             seq.prefilled = seq.cached_tokens
         if not seq.prefill_done:
             background = seq.priority > 0
             chunk = self.background_prefill_chunk if background else self.prefill_chunk
             end = min(len(seq.token_ids), seq.prefilled + chunk)
-            ids = torch.tensor([seq.token_ids[seq.prefilled:end]], device=device)
-            positions = torch.tensor([seq.position_ids[seq.prefilled:end]], device=device)
+            ids = torch.tensor([seq.token_ids[seq.prefilled : end]], device=device)
+            positions = torch.tensor([seq.position_ids[seq.prefilled : end]], device=device)
             urgent = (lambda: self.scheduler.urgent(seq.priority)) if background else None
-            logits, seq.cache = prefill(self.model, ids, positions, seq.cache, len(seq.token_ids) + DECODE_ROOM,
-                                        should_yield=urgent)
+            logits, seq.cache = prefill(
+                self.model, ids, positions, seq.cache, len(seq.token_ids) + DECODE_ROOM, should_yield=urgent
+            )
             seq.prefilled = end
             return logits if seq.prefill_done else None
         last = torch.tensor(seq.stream.token_ids[-1], device=device)
@@ -188,8 +195,9 @@ class ReferenceEngine:
                 finish = "stop"
             elif seq.n_generated >= params.max_tokens:
                 finish = "length"
-        seq.emit(StepOutput(token_id, seq.stream.delta(final=finish is not None), logprob, top, finish,
-                            seq.cached_tokens))
+        seq.emit(
+            StepOutput(token_id, seq.stream.delta(final=finish is not None), logprob, top, finish, seq.cached_tokens)
+        )
         return finish is not None
 
 

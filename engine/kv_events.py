@@ -72,8 +72,13 @@ class EventPublisher:
 
     def source(self) -> dict:
         """This publisher as vLLM's ``/kv_event_sources`` describes one (its ``KVEventsConfig``, bound)."""
-        return {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": self.endpoint,
-                "replay_endpoint": self.replay_endpoint, "topic": self.topic.decode()}
+        return {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": self.endpoint,
+            "replay_endpoint": self.replay_endpoint,
+            "topic": self.topic.decode(),
+        }
 
     @property
     def published(self) -> int:

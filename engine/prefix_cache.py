@@ -4,7 +4,8 @@ Full blocks of computed KV, keyed by ``blocks.block_hashes`` (tokens and non-def
 sequence reuses the longest run of cached leading blocks and prefills only the rest; a finished (or
 cancelled) sequence leaves its full blocks behind. Least recently used blocks go first once the cache holds
 more than ``max_tokens`` tokens (room for a prompt's new blocks is made when it starts, as vLLM allocates before
-it computes); a hit touches a chain from its tail to its head, so a chain's tail is evicted before its head (as vLLM's free-block queue does), and a head is never orphaned before its tail.
+it computes); a hit touches a chain from its tail to its head, so a chain's tail is evicted before its head
+(as vLLM's free-block queue does), and a head is never orphaned before its tail.
 What it stores, evicts and clears goes to ``publish`` as vLLM's KV cache events (``engine.kv_events``).
 Used by the engine thread, but for ``clear`` (a lock keeps the two apart).
 """
@@ -18,16 +19,17 @@ from collections.abc import Callable, Sequence
 import torch
 from transformers import DynamicCache, PretrainedConfig
 
+from common.blocks import block_hashes, block_keys, chain, reusable_blocks
 from common.kv_cache import append_cache
 from common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, Event
-from common.blocks import block_hashes, block_keys, chain, reusable_blocks
 
 Block = torch.Tensor  # every layer's keys and values: [layers, 2, Hkv, block_size, D]
 
 
 class PrefixCache:
-    def __init__(self, max_tokens: int, block_size: int = 16,
-                 publish: Callable[[list[Event]], None] | None = None) -> None:
+    def __init__(
+        self, max_tokens: int, block_size: int = 16, publish: Callable[[list[Event]], None] | None = None
+    ) -> None:
         assert block_size > 0 and max_tokens >= 0
         self.block_size = block_size
         self.publish = publish
@@ -41,8 +43,9 @@ class PrefixCache:
     def cached_tokens(self) -> int:
         return len(self._blocks) * self.block_size
 
-    def lookup(self, token_ids: Sequence[int], position_ids: Sequence[int], config: PretrainedConfig,
-               reserve: int = 256) -> tuple[DynamicCache | None, int]:
+    def lookup(
+        self, token_ids: Sequence[int], position_ids: Sequence[int], config: PretrainedConfig, reserve: int = 256
+    ) -> tuple[DynamicCache | None, int]:
         """A KV cache holding the longest reusable run of cached leading blocks, and how many tokens it holds.
         It has room for the whole prompt and grows by ``reserve`` tokens at a time (``common.kv_cache``)."""
         hashes = block_hashes(token_ids, position_ids, self.block_size)
@@ -101,12 +104,16 @@ class PrefixCache:
         size = self.block_size
         for run in _runs(indices):
             for part in range(0, len(run), run_blocks):
-                blocks = run[part: part + run_blocks]
+                blocks = run[part : part + run_blocks]
                 start, end = blocks[0] * size, (blocks[-1] + 1) * size
-                gathered = torch.stack([torch.stack((layer.keys[0, :, start:end], layer.values[0, :, start:end]))
-                                        for layer in cache.layers])  # [layers, 2, Hkv, tokens, D]
+                gathered = torch.stack(
+                    [
+                        torch.stack((layer.keys[0, :, start:end], layer.values[0, :, start:end]))
+                        for layer in cache.layers
+                    ]
+                )  # [layers, 2, Hkv, tokens, D]
                 for offset, index in enumerate(blocks):
-                    out[index] = gathered[:, :, :, offset * size: (offset + 1) * size].clone()
+                    out[index] = gathered[:, :, :, offset * size : (offset + 1) * size].clone()
         return out
 
     def _evict(self, keep: int) -> None:
@@ -126,9 +133,14 @@ class PrefixCache:
 
     def _stored(self, run: list[int], hashes: list[bytes], keys: list) -> BlockStored:
         extra = [keys[i][1] for i in run]
-        return BlockStored([hashes[i] for i in run], hashes[run[0] - 1] if run[0] else None,
-                           [int(t) for i in run for t in keys[i][0]], self.block_size,
-                           extra if any(e is not None for e in extra) else None, "GPU")
+        return BlockStored(
+            [hashes[i] for i in run],
+            hashes[run[0] - 1] if run[0] else None,
+            [int(t) for i in run for t in keys[i][0]],
+            self.block_size,
+            extra if any(e is not None for e in extra) else None,
+            "GPU",
+        )
 
 
 def _runs(indices: list[int]) -> list[list[int]]:

@@ -20,8 +20,13 @@ class Yielded(Exception):
 
 @torch.inference_mode()
 def prefill(
-    model: PreTrainedModel, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: DynamicCache | None = None,
-    capacity: int = 0, *, should_yield: Callable[[], bool] | None = None,
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    cache: DynamicCache | None = None,
+    capacity: int = 0,
+    *,
+    should_yield: Callable[[], bool] | None = None,
 ) -> tuple[torch.Tensor, DynamicCache]:
     """Runs prompt tokens at their original positions into the KV cache (a fresh one with room for
     ``capacity`` tokens, or ``cache`` to continue a chunked prefill); the cache holds only the tokens given,

@@ -19,8 +19,9 @@ from engine.sequence import Sequence
 
 
 class Scheduler:
-    def __init__(self, *, max_running: int, max_waiting: int,
-                 on_active_change: Callable[[int], None] | None = None) -> None:
+    def __init__(
+        self, *, max_running: int, max_waiting: int, on_active_change: Callable[[int], None] | None = None
+    ) -> None:
         self.max_running = max_running
         self.max_waiting = max_waiting
         self.on_active_change = on_active_change

@@ -10,8 +10,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from common.cancellation import with_cancellation
 from common import messages as anthropic
+from common.cancellation import with_cancellation
 from common.errors import install_error_handlers, shaped_errors
 from common.protocol import ChatCompletionRequest
 from common.responses import ResponsesRequest
@@ -46,8 +46,13 @@ def create_app(settings: EngineSettings | None = None, *, serving: EngineServing
     install_error_handlers(app)
 
     def streamed(chunks: AsyncIterator[dict], named: bool = False, error_shape=None) -> StreamingResponse:
-        body = sse_body(chunks, on_error=lambda _: metrics.requests.labels("error").inc(),
-                        on_done=lambda: metrics.requests.labels("ok").inc(), named=named, error_shape=error_shape)
+        body = sse_body(
+            chunks,
+            on_error=lambda _: metrics.requests.labels("error").inc(),
+            on_done=lambda: metrics.requests.labels("ok").inc(),
+            named=named,
+            error_shape=error_shape,
+        )
         return StreamingResponse(body, media_type="text/event-stream")
 
     @app.post("/v1/completions")

@@ -40,8 +40,13 @@ class PreparedRequest:
 
 
 class EngineServing:
-    def __init__(self, engine: ReferenceEngine, served_names: list[str], events: EventPublisher | None = None,
-                 max_new_tokens: int | None = None) -> None:
+    def __init__(
+        self,
+        engine: ReferenceEngine,
+        served_names: list[str],
+        events: EventPublisher | None = None,
+        max_new_tokens: int | None = None,
+    ) -> None:
         self.engine = engine
         self.events = events  # the KV cache events' publisher, if any
         self.served_names = served_names
@@ -57,12 +62,21 @@ class EngineServing:
             config = KVEventsConfig.parse(settings.kv_events_config)
             events = EventPublisher(config) if config.enable_kv_cache_events and config.publisher == "zmq" else None
         model = load_causal_lm(settings.model, device=settings.device, dtype=settings.dtype)
-        prefix_cache = (PrefixCache(settings.kv_cache_tokens, settings.block_size,
-                                    publish=events.publish if events else None) if settings.kv_cache_tokens else None)
-        engine = ReferenceEngine(model, load_tokenizer(settings.model), max_running=settings.max_running,
-                                 max_waiting=settings.max_waiting, prefill_chunk=settings.prefill_chunk,
-                                 background_prefill_chunk=settings.background_prefill_chunk,
-                                 prefix_cache=prefix_cache, on_active_change=on_active_change)
+        prefix_cache = (
+            PrefixCache(settings.kv_cache_tokens, settings.block_size, publish=events.publish if events else None)
+            if settings.kv_cache_tokens
+            else None
+        )
+        engine = ReferenceEngine(
+            model,
+            load_tokenizer(settings.model),
+            max_running=settings.max_running,
+            max_waiting=settings.max_waiting,
+            prefill_chunk=settings.prefill_chunk,
+            background_prefill_chunk=settings.background_prefill_chunk,
+            prefix_cache=prefix_cache,
+            on_active_change=on_active_change,
+        )
         names = [n for n in (settings.served_model_name, settings.model, *settings.model_alias) if n]
         return cls(engine, list(dict.fromkeys(names)), events, settings.max_new_tokens)
 
@@ -93,8 +107,11 @@ class EngineServing:
     def prepare(self, request: EngineCompletionRequest) -> PreparedRequest:
         """Typed 4xx errors for everything a client can get wrong."""
         if request.model is not None and request.model not in self.served_names:
-            raise NotFoundError(f"model {request.model!r} does not exist; this server serves {self.model_name!r}",
-                                param="model", code="model_not_found")
+            raise NotFoundError(
+                f"model {request.model!r} does not exist; this server serves {self.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
         _check_supported(request)
         refuse_unfittable(request, self.engine.tokenizer, self.engine.max_positions, "the engine")
         token_ids = request.prompt_token_ids(self.engine.tokenizer, self.engine.vocab_size)
@@ -108,9 +125,11 @@ class EngineServing:
         if request.max_tokens is not None and request.max_tokens <= 0:
             raise InvalidRequestError("max_tokens must be at least 1", param="max_tokens")
         if room <= 0:
-            raise InvalidRequestError(f"the prompt ends at position {last}, the model's last "
-                                      f"({self.engine.max_positions} positions): no room for a token",
-                                      param="max_tokens")
+            raise InvalidRequestError(
+                f"the prompt ends at position {last}, the model's last "
+                f"({self.engine.max_positions} positions): no room for a token",
+                param="max_tokens",
+            )
         # at most what fits in the model's positions, as vLLM lowers it (agents ask for 32,000-128,000)
         max_tokens = min(request.max_tokens, room) if request.max_tokens is not None else room
         if self.max_new_tokens is not None:
@@ -137,8 +156,9 @@ class EngineServing:
             params = prepared.params
             if i and params.seed is not None:
                 params = replace(params, seed=params.seed + i)
-            generations.append(self.engine.generate(prepared.token_ids, prepared.position_ids, params,
-                                                    prepared.priority))
+            generations.append(
+                self.engine.generate(prepared.token_ids, prepared.position_ids, params, prepared.priority)
+            )
         return generations
 
     async def completion_stream(self, request: EngineCompletionRequest) -> AsyncIterator[dict]:
@@ -166,8 +186,9 @@ class EngineServing:
                 chunk["usage"] = None
             yield chunk
         if include_usage:
-            yield _envelope(completion_id, created, self.model_name, [],
-                            _usage(len(prepared.token_ids), n_generated, cached))
+            yield _envelope(
+                completion_id, created, self.model_name, [], _usage(len(prepared.token_ids), n_generated, cached)
+            )
 
     async def completion(self, request: EngineCompletionRequest) -> dict:
         prepared = self.prepare(request)
@@ -192,16 +213,26 @@ class EngineServing:
         """The chat rendered as vLLM renders it (tools in the template); the swap then applies to its tokens."""
         _check_supported(request)
         if not all(m.has_only_text() for m in request.messages):
-            kinds = sorted({str(part.get("type")) for m in request.messages if not m.has_only_text()
-                            for part in m.content} - set(TEXT_PARTS))
-            raise InvalidRequestError(f"the reference engine reads text content parts only, and this chat has "
-                                      f"{', '.join(kinds)} parts (a model without vision): send text",
-                                      param="messages")
+            kinds = sorted(
+                {str(part.get("type")) for m in request.messages if not m.has_only_text() for part in m.content}
+                - set(TEXT_PARTS)
+            )
+            raise InvalidRequestError(
+                f"the reference engine reads text content parts only, and this chat has "
+                f"{', '.join(kinds)} parts (a model without vision): send text",
+                param="messages",
+            )
         refuse_unfittable(request, self.engine.tokenizer, self.engine.max_positions, "the engine")
-        ids = render_chat(self.engine.tokenizer, request.messages, self.pieces.encode, tools=request.tools,
-                          add_special_tokens=request.add_special_tokens).token_ids
-        return EngineCompletionRequest(model=request.model, prompt=ids, **request.completion_params(),
-                                       **request.generation_params())
+        ids = render_chat(
+            self.engine.tokenizer,
+            request.messages,
+            self.pieces.encode,
+            tools=request.tools,
+            add_special_tokens=request.add_special_tokens,
+        ).token_ids
+        return EngineCompletionRequest(
+            model=request.model, prompt=ids, **request.completion_params(), **request.generation_params()
+        )
 
     async def chat_completion(self, request: ChatCompletionRequest) -> dict:
         """Chat through the model's chat template, so the engine stands in for any OpenAI-compatible server."""
@@ -232,8 +263,11 @@ class EngineServing:
     def count_tokens(self, request: Conversation) -> int:
         """The prompt tokens a Messages request renders to."""
         if request.model not in self.served_names:
-            raise NotFoundError(f"model {request.model!r} does not exist; this server serves {self.model_name!r}",
-                                param="model", code="model_not_found")
+            raise NotFoundError(
+                f"model {request.model!r} does not exist; this server serves {self.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
         chat = request.as_chat(self.merge_inline_system)
         return len(render_chat(self.engine.tokenizer, chat.messages, self.pieces.encode, tools=chat.tools).token_ids)
 
@@ -260,8 +294,9 @@ def _check_supported(request: SamplingFields) -> None:
     if getattr(request, "functions", None):
         unsupported.append("functions")
     if unsupported:
-        raise InvalidRequestError(f"the reference engine does not support {', '.join(unsupported)}",
-                                  param=unsupported[0])
+        raise InvalidRequestError(
+            f"the reference engine does not support {', '.join(unsupported)}", param=unsupported[0]
+        )
 
 
 def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float]:
@@ -270,10 +305,10 @@ def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, flo
     except ValueError:
         raise InvalidRequestError("logit_bias keys must be token IDs", param="logit_bias") from None
     if any(not 0 <= token < vocab_size for token in out) or any(not -100 <= v <= 100 for v in out.values()):
-        raise InvalidRequestError(f"logit_bias takes token IDs in [0, {vocab_size}) and values in [-100, 100]",
-                                  param="logit_bias")
+        raise InvalidRequestError(
+            f"logit_bias takes token IDs in [0, {vocab_size}) and values in [-100, 100]", param="logit_bias"
+        )
     return out
-
 
 
 def _check_positions(positions: list[int], n_tokens: int, max_positions: int) -> None:

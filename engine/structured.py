@@ -23,11 +23,13 @@ def json_schema_of(response_format: dict[str, Any] | None) -> dict[str, Any] | N
     if kind == "json_schema":
         schema = (response_format.get("json_schema") or {}).get("schema")
         if not isinstance(schema, dict):
-            raise InvalidRequestError("response_format.json_schema.schema must be a JSON schema object",
-                                      param="response_format")
+            raise InvalidRequestError(
+                "response_format.json_schema.schema must be a JSON schema object", param="response_format"
+            )
         return schema
-    raise InvalidRequestError(f"response_format type {kind!r} is not supported; use text, json_object or "
-                              "json_schema", param="response_format")
+    raise InvalidRequestError(
+        f"response_format type {kind!r} is not supported; use text, json_object or json_schema", param="response_format"
+    )
 
 
 class JSONConstraint:
@@ -93,5 +95,6 @@ def json_parser(response_format: dict[str, Any] | None):
     try:
         return JsonSchemaParser(schema)
     except Exception as exc:  # the library raises whatever its schema model raises
-        raise InvalidRequestError(f"response_format's JSON schema is not usable: {exc}",
-                                  param="response_format") from None
+        raise InvalidRequestError(
+            f"response_format's JSON schema is not usable: {exc}", param="response_format"
+        ) from None

@@ -16,8 +16,8 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from common.cancellation import with_cancellation
 from common import messages as anthropic
+from common.cancellation import with_cancellation
 from common.errors import APIError, AuthenticationError, install_error_handlers, shaped_errors
 from common.protocol import ChatCompletionRequest, CompletionRequest
 from common.responses import ResponsesRequest
@@ -38,8 +38,9 @@ from gateway.wiring import build_serving
 logger = logging.getLogger("specprefill.gateway")
 
 
-def create_app(settings: GatewaySettings | None = None, *, draft: DraftClient | None = None,
-               backend: Backend | None = None) -> FastAPI:
+def create_app(
+    settings: GatewaySettings | None = None, *, draft: DraftClient | None = None, backend: Backend | None = None
+) -> FastAPI:
     """Builds the gateway. ``draft`` and ``backend`` replace the configured ones (embedding, tests)."""
     settings = settings or GatewaySettings()
     metrics = GatewayMetrics()
@@ -52,8 +53,11 @@ def create_app(settings: GatewaySettings | None = None, *, draft: DraftClient | 
         app.state.responses = ResponsesAPI(serving)
         app.state.messages = MessagesAPI(serving, chat)
         app.state.dry_run = DryRunAPI(serving)
-        logger.info("gateway ready: model %r, backend %s", serving.model_name,
-                    ", ".join(settings.backend_url) or "reference engine in-process")
+        logger.info(
+            "gateway ready: model %r, backend %s",
+            serving.model_name,
+            ", ".join(settings.backend_url) or "reference engine in-process",
+        )
         try:
             yield
         finally:
@@ -73,15 +77,17 @@ def create_app(settings: GatewaySettings | None = None, *, draft: DraftClient | 
     @with_cancellation
     async def completions(request: CompletionRequest, raw_request: Request) -> Response:
         """OpenAI Completions (a text or token-ID prompt), streamed or not; compressed like chat."""
-        return await _respond("completions", raw_request,
-                              raw_request.app.state.completions(request, raw_request.headers))
+        return await _respond(
+            "completions", raw_request, raw_request.app.state.completions(request, raw_request.headers)
+        )
 
     @app.post("/v1/responses", dependencies=auth)
     @with_cancellation
     async def responses(request: ResponsesRequest, raw_request: Request) -> Response:
         """OpenAI Responses (``instructions`` + ``input``), streamed or not; compressed like chat."""
-        return await _respond("responses", raw_request, raw_request.app.state.responses(request, raw_request.headers),
-                              named=True)
+        return await _respond(
+            "responses", raw_request, raw_request.app.state.responses(request, raw_request.headers), named=True
+        )
 
     messages_api = APIRouter(route_class=shaped_errors(anthropic.error_body), dependencies=auth)
 
@@ -89,8 +95,13 @@ def create_app(settings: GatewaySettings | None = None, *, draft: DraftClient | 
     @with_cancellation
     async def messages(request: anthropic.MessagesRequest, raw_request: Request) -> Response:
         """Anthropic's Messages API, streamed or not; compressed like chat; errors in Anthropic's shape."""
-        return await _respond("messages", raw_request, raw_request.app.state.messages(request, raw_request.headers),
-                              named=True, error_shape=anthropic.error_body)
+        return await _respond(
+            "messages",
+            raw_request,
+            raw_request.app.state.messages(request, raw_request.headers),
+            named=True,
+            error_shape=anthropic.error_body,
+        )
 
     @messages_api.post("/v1/messages/count_tokens")
     async def count_tokens(request: anthropic.Conversation, raw_request: Request) -> JSONResponse:
@@ -133,13 +144,16 @@ def create_app(settings: GatewaySettings | None = None, *, draft: DraftClient | 
         ready = await asyncio.gather(*(r.backend.ready() for r in serving.replicas))
         backend = {"ready": any(ready), "kind": serving.backend.kind}
         if len(ready) > 1:  # replicas: the gateway serves while one of them does
-            backend["replicas"] = [{"replica": r.index, "ready": ok, "routed": r.up}
-                                   for r, ok in zip(serving.replicas, ready)]
-        return JSONResponse({
-            "status": "ok" if draft_ready and all(ready) else "degraded",
-            "draft": {"ready": draft_ready, "tokenizer": getattr(serving.draft, "kind", "shared")},
-            "backend": backend,
-        })
+            backend["replicas"] = [
+                {"replica": r.index, "ready": ok, "routed": r.up} for r, ok in zip(serving.replicas, ready)
+            ]
+        return JSONResponse(
+            {
+                "status": "ok" if draft_ready and all(ready) else "degraded",
+                "draft": {"ready": draft_ready, "tokenizer": getattr(serving.draft, "kind", "shared")},
+                "backend": backend,
+            }
+        )
 
     @app.get("/metrics", dependencies=[] if settings.metrics_public else auth)
     async def prometheus() -> Response:
@@ -149,8 +163,14 @@ def create_app(settings: GatewaySettings | None = None, *, draft: DraftClient | 
     return app
 
 
-async def _respond(endpoint: str, raw_request: Request, work: Awaitable[Answer], *, named: bool = False,
-                   error_shape: Callable[[APIError], dict] | None = None) -> Response:
+async def _respond(
+    endpoint: str,
+    raw_request: Request,
+    work: Awaitable[Answer],
+    *,
+    named: bool = False,
+    error_shape: Callable[[APIError], dict] | None = None,
+) -> Response:
     """``named``: a stream of named events without ``[DONE]`` (Responses, Messages); ``error_shape``: its error
     event in that API's shape."""
     metrics: GatewayMetrics = raw_request.app.state.serving.metrics
@@ -172,9 +192,11 @@ async def _respond(endpoint: str, raw_request: Request, work: Awaitable[Answer],
         metrics.errors.labels(endpoint, str(getattr(exc, "status_code", 500))).inc()
 
     if answer.stream is not None:
-        return StreamingResponse(sse_body(answer.stream, on_first=first_byte, on_error=failed, named=named,
-                                          error_shape=error_shape),
-                                 media_type="text/event-stream", headers=plan.headers())
+        return StreamingResponse(
+            sse_body(answer.stream, on_first=first_byte, on_error=failed, named=named, error_shape=error_shape),
+            media_type="text/event-stream",
+            headers=plan.headers(),
+        )
     first_byte()
     return JSONResponse(answer.body, headers=plan.headers())
 
@@ -202,6 +224,7 @@ def _api_key_checker(settings: GatewaySettings, *, browser: bool = False):
                 "a valid API key is required: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')"
                 + (" (in a browser: any user name, the key as password)" if browser else ""),
                 code="invalid_api_key",
-                headers={"www-authenticate": 'Basic realm="specprefill", charset="UTF-8"'} if browser else None)
+                headers={"www-authenticate": 'Basic realm="specprefill", charset="UTF-8"'} if browser else None,
+            )
 
     return check

@@ -26,7 +26,6 @@ from common.responses import ResponsesRequest
 from engine.protocol import EngineCompletionRequest
 from engine.serving import EngineServing
 
-
 # idle connections to a backend are closed by the gateway before the backend closes them: vLLM closes its idle
 # connections after 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE), and a request sent on one just as vLLM closes it fails
 # before it is read (a 502, or a stream cut at its start). Kept 60 s, that race cost a chaos run with one core
@@ -122,8 +121,10 @@ class InProcessBackend:
     def _endpoint(self, path: str):
         """The request model and the serving calls (whole, streamed) of the engine's other endpoints."""
         serving = self.serving
-        endpoints = {"/v1/responses": (ResponsesRequest, serving.responses, serving.responses_stream),
-                     "/v1/messages": (MessagesRequest, serving.messages, serving.messages_stream)}
+        endpoints = {
+            "/v1/responses": (ResponsesRequest, serving.responses, serving.responses_stream),
+            "/v1/messages": (MessagesRequest, serving.messages, serving.messages_stream),
+        }
         if path not in endpoints:
             raise NotFoundError(f"the reference engine does not serve {path}")
         return endpoints[path]
@@ -150,8 +151,17 @@ class HTTPBackend:
     per streamed request, 2.0 against 3.2 ms with a 12,000-token body, and that hop is most of the gateway's
     own time on a cached request it sends whole.)"""
 
-    def __init__(self, base_url: str, kind: str, *, model: str | None = None, api_key: str | None = None,
-                 connect_timeout: float = 5.0, read_timeout: float = 600.0, rank: int | None = None) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        kind: str,
+        *,
+        model: str | None = None,
+        api_key: str | None = None,
+        connect_timeout: float = 5.0,
+        read_timeout: float = 600.0,
+        rank: int | None = None,
+    ) -> None:
         self.kind = kind
         self.base_url = base_url.rstrip("/")
         self.rank = rank  # vLLM's data-parallel rank every request goes to (None: vLLM balances them)
@@ -161,22 +171,32 @@ class HTTPBackend:
         if rank is not None:
             self._headers["X-data-parallel-rank"] = str(rank)
         # connect covers waiting for a free connection too, as httpx's pool timeout did
-        self._timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout, sock_connect=connect_timeout,
-                                              sock_read=read_timeout)
+        self._timeout = aiohttp.ClientTimeout(
+            total=None, connect=connect_timeout, sock_connect=connect_timeout, sock_read=read_timeout
+        )
         self._session: aiohttp.ClientSession | None = None  # made in the event loop, at the first request
         self._timeouts = (connect_timeout, read_timeout)
 
     def for_rank(self, rank: int) -> HTTPBackend:
         """The same server, each request sent to data-parallel rank ``rank`` (vLLM's ``X-data-parallel-rank``)."""
-        return HTTPBackend(self.base_url, self.kind, model=self._model, api_key=self._api_key,
-                           connect_timeout=self._timeouts[0], read_timeout=self._timeouts[1], rank=rank)
+        return HTTPBackend(
+            self.base_url,
+            self.kind,
+            model=self._model,
+            api_key=self._api_key,
+            connect_timeout=self._timeouts[0],
+            read_timeout=self._timeouts[1],
+            rank=rank,
+        )
 
     @property
     def session(self) -> aiohttp.ClientSession:
         if self._session is None:
             self._session = aiohttp.ClientSession(
-                headers=self._headers, timeout=self._timeout,
-                connector=aiohttp.TCPConnector(limit=1024, limit_per_host=0, keepalive_timeout=KEEPALIVE_S))
+                headers=self._headers,
+                timeout=self._timeout,
+                connector=aiohttp.TCPConnector(limit=1024, limit_per_host=0, keepalive_timeout=KEEPALIVE_S),
+            )
         return self._session
 
     async def model_name(self) -> str:
@@ -359,8 +379,9 @@ async def _sse_events(response: aiohttp.ClientResponse) -> AsyncIterator[dict]:
     except asyncio.TimeoutError as exc:
         raise _transport_error(exc) from None
     except aiohttp.ClientError as exc:
-        raise BackendGone(f"the backend connection broke mid-stream ({type(exc).__name__})",
-                          code="backend_error") from None
+        raise BackendGone(
+            f"the backend connection broke mid-stream ({type(exc).__name__})", code="backend_error"
+        ) from None
     finally:
         response.release()  # read to its end, the connection goes back to the pool; else it is closed
 
@@ -402,8 +423,12 @@ def _status_error(status: int, content: bytes) -> APIError:
     if 400 <= status < 500:  # the client's mistake, as the backend saw it: pass it through
         # vLLM's errors name the parameter in the message too, and Anthropic's shape only there
         named = re.search(r"\(parameter=([\w.\-\[\]]+)", message or "")
-        exc = APIError(message or f"the backend rejected the request ({status})", status_code=status,
-                       param=error.get("param") or (named.group(1) if named else None), code=error.get("code"))
+        exc = APIError(
+            message or f"the backend rejected the request ({status})",
+            status_code=status,
+            param=error.get("param") or (named.group(1) if named else None),
+            code=error.get("code"),
+        )
         exc.error_type = error.get("type") or "invalid_request_error"
         return exc
     return UpstreamError(f"the backend failed ({status}): {message or 'no details'}", code="backend_error")

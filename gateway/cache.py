@@ -84,11 +84,14 @@ class RedisScoreCache:
     After an error the cache stays off for ``retry_after`` seconds, then tries again (``RedisLink``).
     """
 
-    def __init__(self, url: str, ttl: float, max_entry_bytes: int, *, timeout: float = 0.5,
-                 retry_after: float = 1.0) -> None:
+    def __init__(
+        self, url: str, ttl: float, max_entry_bytes: int, *, timeout: float = 0.5, retry_after: float = 1.0
+    ) -> None:
         self.ttl = ttl
         self.max_entry_bytes = max_entry_bytes
-        self.link = RedisLink(url, "score cache", "serving without it", logger, timeout=timeout, retry_after=retry_after)
+        self.link = RedisLink(
+            url, "score cache", "serving without it", logger, timeout=timeout, retry_after=retry_after
+        )
 
     async def get(self, key: str) -> tuple[str, torch.Tensor | None]:
         if not self.link.available():

@@ -36,8 +36,9 @@ def draft_features(new: int, cached: int) -> list[float]:
 class CostModel:
     """seconds ≈ coefficients · features, fitted on the probe (always kept) and the last ``window`` requests."""
 
-    def __init__(self, terms: Sequence[str], features, defaults: Sequence[float], window: int = 256,
-                 fixed: bool = False) -> None:
+    def __init__(
+        self, terms: Sequence[str], features, defaults: Sequence[float], window: int = 256, fixed: bool = False
+    ) -> None:
         assert len(terms) == len(defaults)
         self.terms = tuple(terms)
         self.features = features
@@ -119,7 +120,11 @@ def cost_models(fixed: dict[str, Sequence[float]] | None = None) -> tuple[CostMo
         for name, terms in (("target", TARGET_TERMS), ("draft", DRAFT_TERMS)):
             if len(fixed.get(name, ())) != len(terms):
                 raise ValueError(f"cost_coefficients needs {name!r}: {len(terms)} numbers ({', '.join(terms)})")
-        return (CostModel(TARGET_TERMS, target_features, fixed["target"], fixed=True),
-                CostModel(DRAFT_TERMS, draft_features, fixed["draft"], fixed=True))
-    return (CostModel(TARGET_TERMS, target_features, (0.02, 3e-4, 1e-6, 3e-9)),
-            CostModel(DRAFT_TERMS, draft_features, (0.005, 1e-5, 1e-10, 1e-6)))
+        return (
+            CostModel(TARGET_TERMS, target_features, fixed["target"], fixed=True),
+            CostModel(DRAFT_TERMS, draft_features, fixed["draft"], fixed=True),
+        )
+    return (
+        CostModel(TARGET_TERMS, target_features, (0.02, 3e-4, 1e-6, 3e-9)),
+        CostModel(DRAFT_TERMS, draft_features, (0.005, 1e-5, 1e-10, 1e-6)),
+    )

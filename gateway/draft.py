@@ -136,8 +136,9 @@ class RemoteDraft:
 
     def _mark_down(self, url: str, exc: Exception) -> None:
         if self._down_until[url] <= time.monotonic():
-            logger.warning("draft worker %s failed (%s); skipping it for %.0f s", url, type(exc).__name__,
-                           self.cooldown)
+            logger.warning(
+                "draft worker %s failed (%s); skipping it for %.0f s", url, type(exc).__name__, self.cooldown
+            )
         self._down_until[url] = time.monotonic() + self.cooldown
 
     async def infos(self) -> dict[str, dict]:

@@ -82,14 +82,23 @@ class MemoryEngineCache:
 class RedisEngineCache:
     """The same model in one Redis sorted set (block hash -> last use), shared by the gateway's replicas."""
 
-    def __init__(self, url: str, key: str, block_size: int, capacity_tokens: int, *, timeout: float = 0.5,
-                 retry_after: float = 1.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        key: str,
+        block_size: int,
+        capacity_tokens: int,
+        *,
+        timeout: float = 0.5,
+        retry_after: float = 1.0,
+    ) -> None:
         self.block_size = block_size
         self.max_blocks = max(0, capacity_tokens // block_size)
         self._hashes = BlockHasher(block_size)
         self.key = key
-        self.link = RedisLink(url, "engine cache model", "predicting no cache hits", logger, timeout=timeout,
-                              retry_after=retry_after)
+        self.link = RedisLink(
+            url, "engine cache model", "predicting no cache hits", logger, timeout=timeout, retry_after=retry_after
+        )
 
     async def cached_tokens(self, token_ids: Sequence[int], position_ids: Sequence[int] | None) -> int:
         hashes = self._hashes(token_ids, position_ids)
@@ -142,8 +151,7 @@ class EventEngineCache:
     What the gateway has just sent counts as cached until its events come (they follow the engine's step), for
     ``confirm_s`` at most: a block no event confirms by then was not kept."""
 
-    def __init__(self, block_size: int, capacity_tokens: int, *, confirm_s: float = 5.0,
-                 clock=time.monotonic) -> None:
+    def __init__(self, block_size: int, capacity_tokens: int, *, confirm_s: float = 5.0, clock=time.monotonic) -> None:
         self.block_size = block_size
         self.max_blocks = max(0, capacity_tokens // block_size)
         self.confirm_s = confirm_s
@@ -161,8 +169,7 @@ class EventEngineCache:
     async def cached_tokens(self, token_ids: Sequence[int], position_ids: Sequence[int] | None) -> int:
         self._expire()
         hashes = self._hashes(token_ids, position_ids)
-        hits = next((i for i, h in enumerate(hashes) if h not in self._theirs and h not in self._pending),
-                    len(hashes))
+        hits = next((i for i, h in enumerate(hashes) if h not in self._theirs and h not in self._pending), len(hashes))
         return reusable_blocks(hits, len(token_ids), self.block_size) * self.block_size
 
     async def record(self, token_ids: Sequence[int], position_ids: Sequence[int] | None) -> None:
@@ -180,12 +187,21 @@ class EventEngineCache:
         self._theirs.clear()
         self._pending.clear()
 
-    def stored(self, hashes: Sequence, parent: object | None, token_ids: Sequence[int], block_size: int,
-               extra_keys: Sequence | None) -> int:
+    def stored(
+        self,
+        hashes: Sequence,
+        parent: object | None,
+        token_ids: Sequence[int],
+        block_size: int,
+        extra_keys: Sequence | None,
+    ) -> int:
         """Blocks the engine stored (one ``BlockStored``); how many this model could place."""
         if block_size != self.block_size:  # the engine's own word on it, over a guess or a setting
-            logger.info("the engine's KV events come in blocks of %d tokens: the model's blocks were %d",
-                        block_size, self.block_size)
+            logger.info(
+                "the engine's KV events come in blocks of %d tokens: the model's blocks were %d",
+                block_size,
+                self.block_size,
+            )
             capacity = self.max_blocks * self.block_size
             self.clear()
             self.block_size, self.max_blocks = block_size, capacity // block_size
@@ -195,7 +211,7 @@ class EventEngineCache:
             self.orphans += len(hashes)
             return 0
         for index, theirs in enumerate(hashes):
-            tokens = token_ids[index * block_size:(index + 1) * block_size]
+            tokens = token_ids[index * block_size : (index + 1) * block_size]
             ours = block_hash(ours, tokens, extra_keys[index] if extra_keys else None)
             if (old := self._theirs.get(ours)) is not None and old != theirs:
                 self._ours.pop(old, None)

@@ -45,8 +45,14 @@ class Snapshot:
 
 
 class EngineLoad:
-    def __init__(self, *, history: int = 64, min_history: int = 4, clock: Callable[[], float] = time.monotonic,
-                 background_yields: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        history: int = 64,
+        min_history: int = 4,
+        clock: Callable[[], float] = time.monotonic,
+        background_yields: bool = False,
+    ) -> None:
         self.clock = clock
         # the engine stops background work under way for a new request (the reference engine does, between two
         # layers): none of it is ahead of a foreground request

@@ -31,8 +31,15 @@ def runs(indices: Sequence[int]) -> list[list[int]]:
     return out
 
 
-def inspection(pieces: list[str], scores: torch.Tensor, protected: torch.Tensor | None, chunk_size: int,
-               keep_rate: float, plans: dict[float, dict], **about) -> dict:
+def inspection(
+    pieces: list[str],
+    scores: torch.Tensor,
+    protected: torch.Tensor | None,
+    chunk_size: int,
+    keep_rate: float,
+    plans: dict[float, dict],
+    **about,
+) -> dict:
     """The page's data. ``plans``: per keep rate of the grid, ``{"status", "reason", "plan", "kept": runs}``
     (what the target reads) and optionally ``"selected": runs`` (what the rule keeps where the target reads
     the whole prompt anyway); ``about``: counts and timings shown as they are (draft_ms, cache, ...)."""
@@ -54,8 +61,12 @@ def selections(select: Callable[[float], list[int]]) -> dict[float, dict]:
     plans = {}
     for rate in KEEP_RATES:
         kept = select(rate)
-        plans[rate] = {"status": "compressed" if rate < 1 else "bypassed", "reason": None if rate < 1 else
-                       "keep_rate_one", "plan": "fresh" if rate < 1 else "whole", "kept": runs(kept)}
+        plans[rate] = {
+            "status": "compressed" if rate < 1 else "bypassed",
+            "reason": None if rate < 1 else "keep_rate_one",
+            "plan": "fresh" if rate < 1 else "whole",
+            "kept": runs(kept),
+        }
     return plans
 
 
@@ -65,6 +76,8 @@ def page(data: dict | None = None, *, api: str = "/v1/specprefill/inspect") -> s
     template = resources.files("gateway").joinpath("inspector.html").read_text(encoding="utf-8")
     # inside <script type="application/json"> only "</" could end the element early
     inlined = json.dumps(data, ensure_ascii=False).replace("</", "<\\/") if data is not None else "null"
-    return (template.replace("__TITLE__", html.escape(PAGE_TITLE))
-            .replace("__API__", html.escape(api, quote=True))
-            .replace("__DATA__", inlined))
+    return (
+        template.replace("__TITLE__", html.escape(PAGE_TITLE))
+        .replace("__API__", html.escape(api, quote=True))
+        .replace("__DATA__", inlined)
+    )

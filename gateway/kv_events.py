@@ -29,8 +29,16 @@ MEDIA = (None, "GPU")  # the engine's own cache; an offloading tier ("CPU", "STO
 
 
 class EventSubscriber:
-    def __init__(self, model: EventEngineCache, endpoint: str, *, replay_endpoint: str | None = None,
-                 topic: str = "", metrics: GatewayMetrics | None = None, replay_timeout: float = 2.0) -> None:
+    def __init__(
+        self,
+        model: EventEngineCache,
+        endpoint: str,
+        *,
+        replay_endpoint: str | None = None,
+        topic: str = "",
+        metrics: GatewayMetrics | None = None,
+        replay_timeout: float = 2.0,
+    ) -> None:
         self.model = model
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
@@ -52,8 +60,9 @@ class EventSubscriber:
         poller = zmq.asyncio.Poller()
         poller.register(sub, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
-        logger.info("following the engine's KV cache events on %s (replay: %s)", self.endpoint,
-                    self.replay_endpoint or "none")
+        logger.info(
+            "following the engine's KV cache events on %s (replay: %s)", self.endpoint, self.replay_endpoint or "none"
+        )
         try:
             while True:
                 ready = dict(await poller.poll())
@@ -101,8 +110,11 @@ class EventSubscriber:
         if seq > expected:
             if not await self._replay(expected, seq):
                 if self.last is not None:
-                    logger.warning("KV events: batches %d-%d missed and not replayed: the cache model starts "
-                                   "empty again", expected, seq - 1)
+                    logger.warning(
+                        "KV events: batches %d-%d missed and not replayed: the cache model starts empty again",
+                        expected,
+                        seq - 1,
+                    )
                     self._count("gap")
                     self.model.clear()
         self.apply(decode_batch(payload))
@@ -135,8 +147,9 @@ class EventSubscriber:
         for event in batch.events:
             if isinstance(event, BlockStored):
                 if event.medium in MEDIA:
-                    self.model.stored(event.block_hashes, event.parent_block_hash, event.token_ids, event.block_size,
-                                      event.extra_keys)
+                    self.model.stored(
+                        event.block_hashes, event.parent_block_hash, event.token_ids, event.block_size, event.extra_keys
+                    )
                     self._count("stored", len(event.block_hashes))
             elif isinstance(event, BlockRemoved):
                 if event.medium in MEDIA:

@@ -59,11 +59,18 @@ class Plan:
         }
         if self.reason:
             headers["x-specprefill-reason"] = self.reason
-        timings = (("tokenize", self.tokenize_ms), ("draft", self.draft_ms), ("select", self.select_ms),
-                   ("backend", self.backend_ms), ("predicted", self.predicted_ms), ("wait", self.wait_ms),
-                   ("background", self.background_ms))
+        timings = (
+            ("tokenize", self.tokenize_ms),
+            ("draft", self.draft_ms),
+            ("select", self.select_ms),
+            ("backend", self.backend_ms),
+            ("predicted", self.predicted_ms),
+            ("wait", self.wait_ms),
+            ("background", self.background_ms),
+        )
         headers["server-timing"] = ", ".join(f"{name};dur={value:.1f}" for name, value in timings) + (
-            f', plan;desc="{self.kind}", cached;desc="{self.engine_cached}"')
+            f', plan;desc="{self.kind}", cached;desc="{self.engine_cached}"'
+        )
         if self.replica is not None:
             headers["server-timing"] += f', replica;desc="{self.replica.index}"'
         return headers

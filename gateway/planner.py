@@ -70,9 +70,17 @@ class Candidate:
 
 
 class Planner:
-    def __init__(self, settings: GatewaySettings, draft: DraftClient, scores: ScoreProvider, metrics: GatewayMetrics,
-                 special_ids: Collection[int], costs: tuple[CostModel, CostModel], positional: bool = True,
-                 replicas: list[Replica] | None = None) -> None:
+    def __init__(
+        self,
+        settings: GatewaySettings,
+        draft: DraftClient,
+        scores: ScoreProvider,
+        metrics: GatewayMetrics,
+        special_ids: Collection[int],
+        costs: tuple[CostModel, CostModel],
+        positional: bool = True,
+        replicas: list[Replica] | None = None,
+    ) -> None:
         self.settings = settings
         self.draft = draft
         self.scores = scores
@@ -85,9 +93,18 @@ class Planner:
         self.selections: RecentPrompts[Selection] = RecentPrompts(capacity=64)
         self._routed = 0
 
-    async def plan(self, token_ids: list[int], options: RequestOptions, unsupported: list[str],
-                   keep: torch.Tensor | None = None, *, boundary: int | None = None, dry_run: bool = False,
-                   scored: tuple[torch.Tensor, str] | None = None, replica: Replica | None = None) -> Plan:
+    async def plan(
+        self,
+        token_ids: list[int],
+        options: RequestOptions,
+        unsupported: list[str],
+        keep: torch.Tensor | None = None,
+        *,
+        boundary: int | None = None,
+        dry_run: bool = False,
+        scored: tuple[torch.Tensor, str] | None = None,
+        replica: Replica | None = None,
+    ) -> Plan:
         """The plan for this prompt, at ``replica`` (default: where ``route`` sends it). ``keep`` marks tokens to
         keep whole if affordable (a system prompt); ``boundary``: where the last message begins (a chat's), the
         point another user's request would leave this one's; ``scored``: the prompt's scores and their cache
@@ -99,14 +116,25 @@ class Planner:
         whole = None
         if replica is None:
             replica, whole = await self.route(tokens, options, keep, dry_run=dry_run)
-        plan = await self._plan(token_ids, tokens, options, unsupported, keep, boundary, dry_run, scored, replica,
-                                whole)
+        plan = await self._plan(
+            token_ids, tokens, options, unsupported, keep, boundary, dry_run, scored, replica, whole
+        )
         plan.replica = replica
         return plan
 
-    async def _plan(self, token_ids: list[int], tokens: np.ndarray, options: RequestOptions, unsupported: list[str],
-                    keep: torch.Tensor | None, boundary: int | None, dry_run: bool,
-                    scored: tuple[torch.Tensor, str] | None, replica: Replica, whole: Candidate | None) -> Plan:
+    async def _plan(
+        self,
+        token_ids: list[int],
+        tokens: np.ndarray,
+        options: RequestOptions,
+        unsupported: list[str],
+        keep: torch.Tensor | None,
+        boundary: int | None,
+        dry_run: bool,
+        scored: tuple[torch.Tensor, str] | None,
+        replica: Replica,
+        whole: Candidate | None,
+    ) -> Plan:
         """``whole``: the whole prompt's candidate at ``replica`` where routing priced it already."""
         n = len(token_ids)
         wait = replica.load.wait_s()
@@ -139,22 +167,35 @@ class Planner:
         except Exception as exc:  # any draft fault: the full prompt goes through instead
             draft_ms = (time.perf_counter() - start) * 1e3
             self.metrics.draft_latency.labels("error").observe(draft_ms / 1e3)
-            logger.warning("draft failed, forwarding the full prompt: %s",
-                           type(exc).__name__ + (f": {exc}" if str(exc) else ""))
-            return self._priced(Plan(token_ids, reason=Reason.DRAFT_ERROR, draft_ms=draft_ms), whole,
-                                max(0.0, wait - draft_ms / 1e3))
+            logger.warning(
+                "draft failed, forwarding the full prompt: %s", type(exc).__name__ + (f": {exc}" if str(exc) else "")
+            )
+            return self._priced(
+                Plan(token_ids, reason=Reason.DRAFT_ERROR, draft_ms=draft_ms), whole, max(0.0, wait - draft_ms / 1e3)
+            )
         draft_ms = (time.perf_counter() - start) * 1e3
         if cache != "hit" and scored is None:
             self.metrics.draft_latency.labels("ok").observe(draft_ms / 1e3)
-            if replica.load.undisturbed(before):  # a draft that shared the hardware with the engine's work: not its cost
+            if replica.load.undisturbed(
+                before
+            ):  # a draft that shared the hardware with the engine's work: not its cost
                 self.draft_cost.observe(draft_new, n - draft_new, draft_ms / 1e3)
         start = time.perf_counter()
-        compressed = await self._compressed(token_ids, tokens, scores, options.keep_rate, keep, earlier, held > 0,
-                                            divergence, replica)
+        compressed = await self._compressed(
+            token_ids, tokens, scores, options.keep_rate, keep, earlier, held > 0, divergence, replica
+        )
         chosen = self._choose([whole, *compressed]) if priced else compressed[0]
         reason = Reason.CHEAPER_WHOLE if chosen.kind == "whole" else None
-        plan = self._as_plan(chosen, token_ids, options, reason=reason, cache=cache, draft_ms=draft_ms,
-                             protected=chosen.protected, wait=max(0.0, wait - draft_ms / 1e3))
+        plan = self._as_plan(
+            chosen,
+            token_ids,
+            options,
+            reason=reason,
+            cache=cache,
+            draft_ms=draft_ms,
+            protected=chosen.protected,
+            wait=max(0.0, wait - draft_ms / 1e3),
+        )
         plan.select_ms = (time.perf_counter() - start) * 1e3
         plan.recurring = recurring
         if not dry_run and plan.status == "compressed":
@@ -176,8 +217,9 @@ class Planner:
             return Plan(token_ids, reason=Reason.PROMPT_TOO_LONG)
         return None
 
-    async def _candidate(self, kind: str, tokens: np.ndarray, kept: list[int] | None, replica: Replica,
-                         protected: bool = False) -> Candidate:
+    async def _candidate(
+        self, kind: str, tokens: np.ndarray, kept: list[int] | None, replica: Replica, protected: bool = False
+    ) -> Candidate:
         cached = await self._cached(tokens, kept, replica)
         sent = len(tokens) if kept is None else len(kept)
         return Candidate(kind, kept, cached, self.target_cost.predict(sent - cached, cached), protected)
@@ -186,11 +228,13 @@ class Planner:
         """The leading tokens of this prompt (of its ``kept`` tokens at their positions) ``replica`` holds."""
         if replica.cache is None:
             return 0
-        return await replica.cache.cached_tokens(tokens if kept is None else tokens[kept],
-                                                 kept if self.positional else None)
+        return await replica.cache.cached_tokens(
+            tokens if kept is None else tokens[kept], kept if self.positional else None
+        )
 
-    async def route(self, tokens: np.ndarray, options: RequestOptions, keep: torch.Tensor | None, *,
-                    dry_run: bool = False) -> tuple[Replica, Candidate | None]:
+    async def route(
+        self, tokens: np.ndarray, options: RequestOptions, keep: torch.Tensor | None, *, dry_run: bool = False
+    ) -> tuple[Replica, Candidate | None]:
         """The replica where this prompt costs least now (see the module's docstring), among the replicas that are
         up (all of them when none is), and the whole prompt's candidate there (None: one replica, not priced)."""
         live = [r for r in self.replicas if r.up] or self.replicas
@@ -233,8 +277,7 @@ class Planner:
         return seen if seen is not None and 2 * seen[1] >= n else None
 
     @staticmethod
-    def _divergence(keep: torch.Tensor | None, boundary: int | None,
-                    seen: tuple[Selection, int] | None) -> int | None:
+    def _divergence(keep: torch.Tensor | None, boundary: int | None, seen: tuple[Selection, int] | None) -> int | None:
         """Where the next request on this context most likely leaves this prompt, from how this one left the
         earlier prompt it began like: continued it (a chat's next turn, an agent's next step): the next one
         continues this one, past its end, so nowhere inside; replaced its end (the same document, another
@@ -259,8 +302,15 @@ class Planner:
         block = replica.cache.block_size if replica.cache is not None else 1
         return end if cached + block > end else 0
 
-    def _least_target(self, n: int, options: RequestOptions, earlier: tuple[Selection, int] | None,
-                      held: int, cached: int, head_cached: int | None) -> float:
+    def _least_target(
+        self,
+        n: int,
+        options: RequestOptions,
+        earlier: tuple[Selection, int] | None,
+        held: int,
+        cached: int,
+        head_cached: int | None,
+    ) -> float:
         """The least target time a compressed plan could take, before the draft says which tokens it keeps;
         ``held``: leading tokens kept whole (a system prompt); ``cached``: the prompt's leading tokens the
         engine holds. Held tokens past the cached ones are read anew, as the whole prompt reads them. An
@@ -278,9 +328,18 @@ class Planner:
             least = min(least, self.target_cost.predict(tail + head - served, served))
         return least
 
-    async def _compressed(self, token_ids: list[int], tokens: np.ndarray, scores: torch.Tensor, keep_rate: float,
-                          keep: torch.Tensor | None, earlier: tuple[Selection, int] | None, held: bool,
-                          divergence: int | None, replica: Replica) -> list[Candidate]:
+    async def _compressed(
+        self,
+        token_ids: list[int],
+        tokens: np.ndarray,
+        scores: torch.Tensor,
+        keep_rate: float,
+        keep: torch.Tensor | None,
+        earlier: tuple[Selection, int] | None,
+        held: bool,
+        divergence: int | None,
+        replica: Replica,
+    ) -> list[Candidate]:
         """The compressed candidates, each filled to whole engine blocks below ``divergence`` (``fill_blocks``)."""
         config = self.draft.config
         block = replica.cache.block_size if replica.cache is not None and divergence else 1
@@ -306,12 +365,26 @@ class Planner:
             # an earlier selection is held against a fresh one of its own kind: one that compressed the system
             # prompt against one that does too (no compressed selection covers a system prompt kept whole)
             reference = fresh if selection.protected else plain
-            if start > 0 and selection.keep_rate >= keep_rate and self._covers(scores, selection.kept, reference,
-                                                                                start):
-                extended = extend_selection(token_ids, scores, keep_rate, config, selection.kept, start,
-                                            self.special_ids, keep if selection.protected else None)
-                candidates.append(await self._candidate("extend", tokens, await filled(extended), replica,
-                                                        protected=has_system and selection.protected))
+            if (
+                start > 0
+                and selection.keep_rate >= keep_rate
+                and self._covers(scores, selection.kept, reference, start)
+            ):
+                extended = extend_selection(
+                    token_ids,
+                    scores,
+                    keep_rate,
+                    config,
+                    selection.kept,
+                    start,
+                    self.special_ids,
+                    keep if selection.protected else None,
+                )
+                candidates.append(
+                    await self._candidate(
+                        "extend", tokens, await filled(extended), replica, protected=has_system and selection.protected
+                    )
+                )
         return candidates
 
     def _covers(self, scores: torch.Tensor, reused: tuple[int, ...], fresh: list[int], end: int) -> bool:
@@ -323,8 +396,9 @@ class Planner:
     async def priced(self, plan: Plan) -> None:
         """``plan``'s predictions at its replica, for a plan that goes elsewhere than it was priced for: to
         another replica (its own is down), or whole (its swap was refused)."""
-        there = await self._candidate(plan.kind, np.asarray(plan.token_ids, dtype=np.int64), plan.kept_indices,
-                                      plan.replica)
+        there = await self._candidate(
+            plan.kind, np.asarray(plan.token_ids, dtype=np.int64), plan.kept_indices, plan.replica
+        )
         plan.engine_cached, plan.target_s = there.cached, there.seconds
 
     def _choose(self, candidates: list[Candidate]) -> Candidate:
@@ -333,13 +407,31 @@ class Planner:
         affordable = [c for c in candidates if c.seconds <= (1 + self.settings.plan_slack) * cheapest]
         return min(affordable, key=lambda c: (TIERS[c.kind], c.seconds))
 
-    def _as_plan(self, chosen: Candidate, token_ids: list[int], options: RequestOptions, *, reason: str | None,
-                 cache: str = "off", draft_ms: float = 0.0, protected: bool = False, wait: float = 0.0) -> Plan:
+    def _as_plan(
+        self,
+        chosen: Candidate,
+        token_ids: list[int],
+        options: RequestOptions,
+        *,
+        reason: str | None,
+        cache: str = "off",
+        draft_ms: float = 0.0,
+        protected: bool = False,
+        wait: float = 0.0,
+    ) -> Plan:
         kind = "fresh" if chosen.kind == "fresh_unprotected" else chosen.kind
         compressed = chosen.kept is not None
-        plan = Plan(token_ids, status="compressed" if compressed else "bypassed", reason=reason,
-                    kept_indices=chosen.kept, keep_rate=options.keep_rate if compressed else 1.0, cache=cache,
-                    draft_ms=draft_ms, kind=kind, protected=protected and compressed)
+        plan = Plan(
+            token_ids,
+            status="compressed" if compressed else "bypassed",
+            reason=reason,
+            kept_indices=chosen.kept,
+            keep_rate=options.keep_rate if compressed else 1.0,
+            cache=cache,
+            draft_ms=draft_ms,
+            kind=kind,
+            protected=protected and compressed,
+        )
         return self._priced(plan, chosen, wait)
 
     @staticmethod
@@ -375,13 +467,21 @@ class Planner:
         if engine_cache is not None:
             await engine_cache.record(sent, positions)
         if plan.status == "compressed":
-            self.selections.add(plan.token_ids, Selection(tuple(plan.kept_indices), plan.keep_rate, plan.protected,
-                                                          len(plan.token_ids)))
+            self.selections.add(
+                plan.token_ids, Selection(tuple(plan.kept_indices), plan.keep_rate, plan.protected, len(plan.token_ids))
+            )
         self.metrics.plans.labels(plan.kind).inc()
 
-    async def calibrate(self, complete, vocab: list[int], sizes: tuple[int, ...] = (256, 1024, 4096),
-                        extensions: tuple[int, ...] = (32, 512), reads: int = 2, limit: int | None = None,
-                        grow_below_s: float = 0.5) -> None:
+    async def calibrate(
+        self,
+        complete,
+        vocab: list[int],
+        sizes: tuple[int, ...] = (256, 1024, 4096),
+        extensions: tuple[int, ...] = (32, 512),
+        reads: int = 2,
+        limit: int | None = None,
+        grow_below_s: float = 0.5,
+    ) -> None:
         """The start-up probe through ``complete(token_ids)`` (the target, one token: its completion answer) and
         the draft. First an unmeasured warm-up (a GPU's first forwards load kernels and libraries: timed, they
         made the draft look seconds slow and the gateway forward every prompt whole). Then random prompts of
@@ -445,13 +545,19 @@ class Planner:
                     await probe(base + tokens(16), len(base))
         except Exception as exc:  # a refused probe never stops the gateway from starting
             logger.warning("cost-model probe stopped: %s", type(exc).__name__ + (f": {exc}" if str(exc) else ""))
-        logger.info("cost models calibrated on prompts up to %d tokens: target %s, draft %s", sizes[-1],
-                    self.target_cost.describe(), self.draft_cost.describe())
+        logger.info(
+            "cost models calibrated on prompts up to %d tokens: target %s, draft %s",
+            sizes[-1],
+            self.target_cost.describe(),
+            self.draft_cost.describe(),
+        )
         if reports and not any(reports):
-            logger.warning("the backend's answers do not say how many prompt tokens its prefix cache served "
-                           "(usage.prompt_tokens_details.cached_tokens; vLLM: --enable-prompt-tokens-details): the "
-                           "gateway then learns the engine's costs from its own guesses of what the cache held, "
-                           "and cannot tell how good they are")
+            logger.warning(
+                "the backend's answers do not say how many prompt tokens its prefix cache served "
+                "(usage.prompt_tokens_details.cached_tokens; vLLM: --enable-prompt-tokens-details): the "
+                "gateway then learns the engine's costs from its own guesses of what the cache held, "
+                "and cannot tell how good they are"
+            )
 
 
 def _cached_tokens(usage: dict | None) -> int | None:

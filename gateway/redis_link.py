@@ -14,22 +14,27 @@ import time
 
 
 class RedisLink:
-    def __init__(self, url: str, name: str, without: str, log: logging.Logger, *, timeout: float = 0.5,
-                 retry_after: float = 1.0) -> None:
+    def __init__(
+        self, url: str, name: str, without: str, log: logging.Logger, *, timeout: float = 0.5, retry_after: float = 1.0
+    ) -> None:
         """``name``: who uses it, in ``log``; ``without``: what it does while Redis is down."""
         import redis.asyncio as redis
+        from redis.asyncio.retry import Retry
         from redis.backoff import NoBackoff
         from redis.exceptions import ConnectionError as RedisConnectionError
-        from redis.asyncio.retry import Retry
 
         self.name = name
         self.log = log
         self.without = without
         self.retry_after = retry_after
         # one retry on a fresh connection, for a stale pooled one; timeouts are not retried (Redis is slow or gone)
-        self.client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout,
-                                           retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
-                                           health_check_interval=0)
+        self.client = redis.Redis.from_url(
+            url,
+            socket_timeout=timeout,
+            socket_connect_timeout=timeout,
+            retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
+            health_check_interval=0,
+        )
         self._down_until = 0.0
         self.outage = False
 
@@ -40,8 +45,9 @@ class RedisLink:
         self._down_until = time.monotonic() + self.retry_after
         if not self.outage:
             self.outage = True
-            self.log.warning("%s: Redis unavailable (%s); %s until it returns", self.name, type(exc).__name__,
-                           self.without)
+            self.log.warning(
+                "%s: Redis unavailable (%s); %s until it returns", self.name, type(exc).__name__, self.without
+            )
 
     def succeeded(self) -> None:
         if self.outage:

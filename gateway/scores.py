@@ -19,8 +19,9 @@ logger = logging.getLogger("specprefill.gateway")
 
 
 class ScoreProvider:
-    def __init__(self, draft: DraftClient, cache: ScoreCache | None, metrics: GatewayMetrics,
-                 key_prefix: str = "specprefill:") -> None:
+    def __init__(
+        self, draft: DraftClient, cache: ScoreCache | None, metrics: GatewayMetrics, key_prefix: str = "specprefill:"
+    ) -> None:
         self.draft = draft
         self.cache = cache
         self.metrics = metrics

@@ -66,8 +66,16 @@ class Prompt:
 
 
 class GatewayServing:
-    def __init__(self, settings: GatewaySettings, tokenizer, draft: DraftClient, metrics: GatewayMetrics,
-                 served_names: list[str], planner: Planner, health: HealthWatch | None = None) -> None:
+    def __init__(
+        self,
+        settings: GatewaySettings,
+        tokenizer,
+        draft: DraftClient,
+        metrics: GatewayMetrics,
+        served_names: list[str],
+        planner: Planner,
+        health: HealthWatch | None = None,
+    ) -> None:
         self.settings = settings
         self.tokenizer = tokenizer
         self.draft = draft
@@ -101,12 +109,24 @@ class GatewayServing:
         """The prompt's tokens as the backend would make them (chat template; special tokens added, like vLLM)."""
         if isinstance(request, ChatCompletionRequest):
             if len(request.messages) > self.settings.max_messages:
-                raise InvalidRequestError(f"the chat has {len(request.messages)} messages; this gateway accepts at "
-                                          f"most {self.settings.max_messages}", param="messages")
-            rendered = render_chat(self.tokenizer, request.messages, self.pieces.encode, tools=request.tools,
-                                   add_special_tokens=request.add_special_tokens)
-            return Prompt(rendered.token_ids, rendered, self._system_tokens(request, rendered),
-                          _last_message_start(request, rendered))
+                raise InvalidRequestError(
+                    f"the chat has {len(request.messages)} messages; this gateway accepts at "
+                    f"most {self.settings.max_messages}",
+                    param="messages",
+                )
+            rendered = render_chat(
+                self.tokenizer,
+                request.messages,
+                self.pieces.encode,
+                tools=request.tools,
+                add_special_tokens=request.add_special_tokens,
+            )
+            return Prompt(
+                rendered.token_ids,
+                rendered,
+                self._system_tokens(request, rendered),
+                _last_message_start(request, rendered),
+            )
         return Prompt(request.prompt_token_ids(self.tokenizer))
 
     def _system_tokens(self, request: ChatCompletionRequest, rendered: RenderedChat) -> torch.Tensor | None:
@@ -133,12 +153,17 @@ class GatewayServing:
         limit = prompt_limit(settings, self.tokenizer)
         if limit is not None and len(token_ids) > limit:
             param = "messages" if isinstance(request, ChatCompletionRequest) else "prompt"
-            raise InvalidRequestError(f"the prompt has {len(token_ids)} tokens; this gateway accepts at most {limit}",
-                                      param=param, code="context_length_exceeded")
+            raise InvalidRequestError(
+                f"the prompt has {len(token_ids)} tokens; this gateway accepts at most {limit}",
+                param=param,
+                code="context_length_exceeded",
+            )
         requested = request.completion_params().get("max_tokens")
         if requested is not None and settings.max_tokens_limit is not None and requested > settings.max_tokens_limit:
-            raise InvalidRequestError(f"max_tokens is {requested}; this gateway allows at most "
-                                      f"{settings.max_tokens_limit}", param="max_tokens")
+            raise InvalidRequestError(
+                f"max_tokens is {requested}; this gateway allows at most {settings.max_tokens_limit}",
+                param="max_tokens",
+            )
 
     def admit(self) -> None:
         """Load shed: a 503 with ``Retry-After`` at once where every replica's queue would hold this request past
@@ -146,19 +171,29 @@ class GatewayServing:
         limit = self.settings.max_queue_wait
         if limit is None:
             return
-        wait = min(replica.load.wait_s() for replica in self.replicas if replica.up) if any(
-            replica.up for replica in self.replicas) else 0.0
+        wait = (
+            min(replica.load.wait_s() for replica in self.replicas if replica.up)
+            if any(replica.up for replica in self.replicas)
+            else 0.0
+        )
         if wait > limit:
             self.metrics.shed.inc()
             retry = max(1, math.ceil(wait - limit))
-            raise OverloadedError(f"the engine is busy: a request sent now would wait about {wait:.0f} s before "
-                                  f"it starts, over this gateway's {limit:g} s (--max-queue-wait); retry in "
-                                  f"{retry} s", code="queue_full", headers={"retry-after": str(retry)})
+            raise OverloadedError(
+                f"the engine is busy: a request sent now would wait about {wait:.0f} s before "
+                f"it starts, over this gateway's {limit:g} s (--max-queue-wait); retry in "
+                f"{retry} s",
+                code="queue_full",
+                headers={"retry-after": str(retry)},
+            )
 
     def check_model(self, model: str) -> None:
         if model not in self.served_names:
-            raise NotFoundError(f"model {model!r} does not exist; this gateway serves {self.model_name!r}",
-                                param="model", code="model_not_found")
+            raise NotFoundError(
+                f"model {model!r} does not exist; this gateway serves {self.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
 
     @contextlib.asynccontextmanager
     async def arrival(self):
@@ -186,8 +221,9 @@ class GatewayServing:
         prompt = await asyncio.to_thread(self.prompt, request) if chars > OFF_LOOP_CHARS else self.prompt(request)
         tokenize_ms = (time.perf_counter() - start) * 1e3
         self.check_limits(request, prompt.token_ids)
-        plan = await self.planner.plan(prompt.token_ids, options, self.unsupported(request), prompt.keep,
-                                       boundary=prompt.boundary)
+        plan = await self.planner.plan(
+            prompt.token_ids, options, self.unsupported(request), prompt.keep, boundary=prompt.boundary
+        )
         plan.tokenize_ms = tokenize_ms
         return plan, prompt
 
@@ -222,8 +258,14 @@ class GatewayServing:
             if exc.status_code != 400 or exc.param != SWAP_PARAM:
                 raise
             self._mismatched(exc.message)
-        whole = Plan(plan.token_ids, reason=Reason.SWAP_MISMATCH, cache=plan.cache, draft_ms=plan.draft_ms,
-                     tokenize_ms=plan.tokenize_ms, replica=plan.replica)
+        whole = Plan(
+            plan.token_ids,
+            reason=Reason.SWAP_MISMATCH,
+            cache=plan.cache,
+            draft_ms=plan.draft_ms,
+            tokenize_ms=plan.tokenize_ms,
+            replica=plan.replica,
+        )
         await self.planner.priced(whole)
         return await self.forward(whole, body, path)
 
@@ -232,8 +274,11 @@ class GatewayServing:
         self.metrics.swap_mismatch.labels(cause[:120]).inc()
         if cause not in self._mismatch_causes:
             self._mismatch_causes.add(cause)
-            logger.warning("the backend renders prompts differently from the gateway (%s); such requests go whole. "
-                           "Check that --target-model has the backend's tokenizer and chat template.", message)
+            logger.warning(
+                "the backend renders prompts differently from the gateway (%s); such requests go whole. "
+                "Check that --target-model has the backend's tokenizer and chat template.",
+                message,
+            )
 
     async def forward(self, plan: Plan, body: dict, path: str) -> Answer:
         """Sends ``body`` to the backend's endpoint ``path`` at the plan's replica; the answer as the backend gave
@@ -263,7 +308,9 @@ class GatewayServing:
         if ticket.behind:
             self.metrics.behind_background.observe(plan.background_ms / 1e3)
         if streamed:
-            return Answer(plan, stream=self._observed(answer, plan, ticket, wants_usage or path not in (CHAT, COMPLETIONS)))
+            return Answer(
+                plan, stream=self._observed(answer, plan, ticket, wants_usage or path not in (CHAT, COMPLETIONS))
+            )
         await self._settle(plan, ticket, answer.get("usage"))
         return Answer(plan, body=answer)
 
@@ -293,8 +340,9 @@ class GatewayServing:
             return backend.completion_stream(body) if streamed else backend.completion(body)
         return backend.stream(path, body) if streamed else backend.post(path, body)
 
-    async def _observed(self, chunks: AsyncIterator[dict], plan: Plan, ticket: Ticket,
-                        wants_usage: bool) -> AsyncIterator[dict]:
+    async def _observed(
+        self, chunks: AsyncIterator[dict], plan: Plan, ticket: Ticket, wants_usage: bool
+    ) -> AsyncIterator[dict]:
         """The backend's stream, its usage kept for the planner (and hidden from a client that did not ask).
         The stream opened with the backend's first event, so the engine holds the prompt whether or not the
         client reads to the end: the planner learns either way (the usage, if it came, says what was cached)."""
@@ -302,7 +350,9 @@ class GatewayServing:
         try:
             async for chunk in chunks:
                 # chat and completion chunks; a Responses event's response; an Anthropic message_start's message
-                usage = chunk.get("usage") or (chunk.get("response") or chunk.get("message") or {}).get("usage") or usage
+                usage = (
+                    chunk.get("usage") or (chunk.get("response") or chunk.get("message") or {}).get("usage") or usage
+                )
                 if not wants_usage:
                     if not chunk.get("choices"):
                         continue
@@ -314,8 +364,9 @@ class GatewayServing:
             self._settling.add(task)
             task.add_done_callback(self._settling.discard)
 
-    async def _settle(self, plan: Plan, ticket: Ticket, usage: dict | None,
-                      chunks: AsyncIterator[dict] | None = None) -> None:
+    async def _settle(
+        self, plan: Plan, ticket: Ticket, usage: dict | None, chunks: AsyncIterator[dict] | None = None
+    ) -> None:
         """The end of a backend request: the stream closed (the backend stops generating for a client that
         left), the planner told, and a recurring context offered for warming. The request counts as under way
         until then, so that no one watching sees the backend idle in between."""

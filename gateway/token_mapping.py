@@ -51,15 +51,18 @@ class TokenMapping:
         self.target = target_tokenizer
         self.draft = draft_tokenizer
         self.target_special = frozenset(target_tokenizer.all_special_ids) | frozenset(
-            i for i, t in target_tokenizer.added_tokens_decoder.items() if t.special)
+            i for i, t in target_tokenizer.added_tokens_decoder.items() if t.special
+        )
         draft_vocab = draft_tokenizer.get_vocab()
-        self.passthrough = {i: draft_vocab[name] for i in self.target_special
-                            if (name := target_tokenizer.convert_ids_to_tokens(i)) in draft_vocab}
+        self.passthrough = {
+            i: draft_vocab[name]
+            for i in self.target_special
+            if (name := target_tokenizer.convert_ids_to_tokens(i)) in draft_vocab
+        }
         probe = draft_tokenizer("a").input_ids
         bos = draft_tokenizer.bos_token_id
         self.draft_bos = bos if bos is not None and probe and probe[0] == bos else None
-        self.identity = (f"{RULE}:{tokenizer_fingerprint(target_tokenizer)}>"
-                         f"{tokenizer_fingerprint(draft_tokenizer)}")
+        self.identity = f"{RULE}:{tokenizer_fingerprint(target_tokenizer)}>{tokenizer_fingerprint(draft_tokenizer)}"
 
     def draft_input(self, target_ids: Sequence[int]) -> DraftInput:
         draft_ids: list[int] = []
@@ -87,8 +90,9 @@ class TokenMapping:
             draft_ids += ids
             start = end
         empty = np.zeros(0, dtype=np.int64)
-        return DraftInput(draft_ids, np.concatenate(pairs_t) if pairs_t else empty,
-                          np.concatenate(pairs_d) if pairs_d else empty, n)
+        return DraftInput(
+            draft_ids, np.concatenate(pairs_t) if pairs_t else empty, np.concatenate(pairs_d) if pairs_d else empty, n
+        )
 
     def project(self, draft_scores: torch.Tensor, mapped: DraftInput) -> torch.Tensor:
         """Target scores [n_target]: the max over overlapping draft tokens; 0 where none maps (left-out markup)."""
@@ -109,8 +113,11 @@ class TokenMapping:
         """The run's text and each target token's character span in it: from the tokenizer's own offsets when
         decoding and re-tokenizing gives the same tokens, else from each token's decoded piece."""
         backend = getattr(self.target, "backend_tokenizer", None)
-        text = (backend.decode(list(ids), skip_special_tokens=False) if backend is not None else
-                self.target.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False))
+        text = (
+            backend.decode(list(ids), skip_special_tokens=False)
+            if backend is not None
+            else self.target.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        )
         again, spans = _encode(self.target, text)
         if again == list(ids):
             return text, spans

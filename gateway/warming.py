@@ -35,10 +35,21 @@ SAFETY = 2.0  # a piece needs an idle window of twice its predicted time: predic
 
 
 class Warmer:
-    def __init__(self, send: Callable[[list[int], int | None], Awaitable[dict]], landed: Callable, load: EngineLoad,
-                 cache: EngineCacheModel, cost: CostModel, metrics: GatewayMetrics, *, piece_s: float = 0.1,
-                 priority: int | None = 10, confidence: float = 0.9, max_jobs: int = 4, recheck_s: float = 0.05
-                 ) -> None:
+    def __init__(
+        self,
+        send: Callable[[list[int], int | None], Awaitable[dict]],
+        landed: Callable,
+        load: EngineLoad,
+        cache: EngineCacheModel,
+        cost: CostModel,
+        metrics: GatewayMetrics,
+        *,
+        piece_s: float = 0.1,
+        priority: int | None = 10,
+        confidence: float = 0.9,
+        max_jobs: int = 4,
+        recheck_s: float = 0.05,
+    ) -> None:
         self.send = send  # (prompt tokens, priority) -> the one-token completion answer, with its usage
         self.landed = landed  # Planner.completed
         self.load = load
@@ -68,7 +79,7 @@ class Warmer:
                 return  # already on its way
             else:
                 kept.append(job)
-        self._jobs = [*kept, prompt][-self.max_jobs:]
+        self._jobs = [*kept, prompt][-self.max_jobs :]
         self._next = None
         self.metrics.warming_pending.set(len(self._jobs))
         self.metrics.warming.labels("offered").inc()
@@ -140,8 +151,9 @@ class Warmer:
             self.load.end(ticket)
             self.metrics.in_flight.labels("warm").dec()
         self.metrics.warming.labels("piece").inc()
-        await self.landed(Plan(prompt, kind="warm"), answer.get("usage"), time.perf_counter() - start,
-                          contended=ticket.contended)
+        await self.landed(
+            Plan(prompt, kind="warm"), answer.get("usage"), time.perf_counter() - start, contended=ticket.contended
+        )
         return True
 
     async def _send(self, prompt: list[int]) -> dict:

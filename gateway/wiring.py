@@ -32,33 +32,54 @@ class MissingModelError(ValueError):
     """The gateway was started without the models it needs."""
 
 
-async def build_serving(settings: GatewaySettings, metrics: GatewayMetrics, draft: DraftClient | None = None,
-                        backend: Backend | None = None) -> GatewayServing:
+async def build_serving(
+    settings: GatewaySettings, metrics: GatewayMetrics, draft: DraftClient | None = None, backend: Backend | None = None
+) -> GatewayServing:
     """``draft`` and ``backend`` replace the configured ones (embedding, tests; ``backend`` the only replica)."""
-    if settings.target_model is None or (settings.draft_model is None and not settings.draft_worker_url
-                                         and draft is None):
-        raise MissingModelError("set --target-model and --draft-model (or --draft-worker-url); "
-                                "`specprefill serve` without either serves the demo pair")
+    if settings.target_model is None or (
+        settings.draft_model is None and not settings.draft_worker_url and draft is None
+    ):
+        raise MissingModelError(
+            "set --target-model and --draft-model (or --draft-worker-url); "
+            "`specprefill serve` without either serves the demo pair"
+        )
     tokenizer = load_tokenizer(settings.target_model)
     draft = draft or await _draft(settings, tokenizer, metrics)
     served = settings.served_model_name or settings.target_model
     backends = [backend] if backend is not None else _backends(settings, served)
-    names = list(dict.fromkeys(n for n in (served, settings.target_model, settings.backend_model, *settings.model_alias)
-                               if n))
+    names = list(
+        dict.fromkeys(n for n in (served, settings.target_model, settings.backend_model, *settings.model_alias) if n)
+    )
     scores = ScoreProvider(draft, score_cache(settings), metrics, settings.redis_key_prefix)
     replicas = await _replicas(settings, backends, metrics)
     costs = cost_models(settings.cost_coefficients)
     metrics.expose_costs({"target": costs[0], "draft": costs[1]})
     metrics.expose_replicas(replicas)
     kind = replicas[0].backend.kind
-    planner = Planner(settings, draft, scores, metrics, tokenizer.all_special_ids, costs,
-                      positional=kind in ("reference", "vllm"), replicas=replicas)
+    planner = Planner(
+        settings,
+        draft,
+        scores,
+        metrics,
+        tokenizer.all_special_ids,
+        costs,
+        positional=kind in ("reference", "vllm"),
+        replicas=replicas,
+    )
     for replica in replicas:
         cache = replica.cache
         if settings.warming and cache is not None and cache.max_blocks > 0:
-            replica.warmer = Warmer(_sender(replica.backend), _landed_at(planner, replica), replica.load, cache,
-                                    planner.target_cost, metrics, piece_s=settings.warming_piece_ms / 1e3,
-                                    priority=settings.warming_priority, confidence=settings.warming_confidence)
+            replica.warmer = Warmer(
+                _sender(replica.backend),
+                _landed_at(planner, replica),
+                replica.load,
+                cache,
+                planner.target_cost,
+                metrics,
+                piece_s=settings.warming_piece_ms / 1e3,
+                priority=settings.warming_priority,
+                confidence=settings.warming_confidence,
+            )
     if settings.calibrate and settings.cost_coefficients is None:  # replicas of one model: the first stands for all
         vocab = sorted(set(range(len(tokenizer))) - set(tokenizer.all_special_ids))
         first = _sender(replicas[0].backend)
@@ -81,8 +102,11 @@ async def _replicas(settings: GatewaySettings, backends: list[Backend], metrics:
         ranks = [(None, next(iter(sources.values()), None))]
         if len(sources) > 1 and isinstance(backend, HTTPBackend):  # vLLM's data parallelism: one replica per rank
             ranks = list(sources.items())
-            logger.info("%s runs %d data-parallel ranks: each is a replica, its requests sent with "
-                        "X-data-parallel-rank", url, len(ranks))
+            logger.info(
+                "%s runs %d data-parallel ranks: each is a replica, its requests sent with X-data-parallel-rank",
+                url,
+                len(ranks),
+            )
         for rank, source in ranks:
             each = backend if rank is None else backend.for_rank(rank)
             name = url if rank is None else f"{url} rank {rank}"
@@ -92,8 +116,14 @@ async def _replicas(settings: GatewaySettings, backends: list[Backend], metrics:
     return replicas
 
 
-async def _replica(settings: GatewaySettings, index: int, url: str, backend: Backend,
-                   source: tuple[str, str | None, str] | None, metrics: GatewayMetrics) -> Replica:
+async def _replica(
+    settings: GatewaySettings,
+    index: int,
+    url: str,
+    backend: Backend,
+    source: tuple[str, str | None, str] | None,
+    metrics: GatewayMetrics,
+) -> Replica:
     """One engine: its backend, the model of its prefix cache (followed from its KV events, ``source``, where it
     publishes them) and its load."""
     replica = Replica(index, url, backend, EngineLoad(background_yields=backend.kind == "reference"))
@@ -102,8 +132,7 @@ async def _replica(settings: GatewaySettings, index: int, url: str, backend: Bac
     replica.cache = await _engine_cache(settings, backend, url, source is not None)
     if source is not None and isinstance(replica.cache, EventEngineCache):
         endpoint, replay, topic = source
-        replica.events = EventSubscriber(replica.cache, endpoint, replay_endpoint=replay, topic=topic,
-                                         metrics=metrics)
+        replica.events = EventSubscriber(replica.cache, endpoint, replay_endpoint=replay, topic=topic, metrics=metrics)
         replica.events.start()
     return replica
 
@@ -114,6 +143,7 @@ def _sender(backend: Backend):
 
 def _landed_at(planner: Planner, replica: Replica):
     """``Planner.completed`` for a warming piece that landed at ``replica``."""
+
     async def landed(plan, usage, seconds, *, contended=False) -> None:
         plan.replica = replica
         await planner.completed(plan, usage, seconds, contended=contended)
@@ -147,8 +177,11 @@ async def _kv_events(settings: GatewaySettings, backend: Backend) -> dict[int, t
             endpoint, replay, topic = found[rank]
             found[rank] = (_offset(endpoint, rank), _offset(replay, rank), topic)
     for rank, (endpoint, _, _) in sorted(found.items()):
-        logger.info("the backend publishes its KV cache events%s: following %s",
-                    f" (rank {rank})" if len(found) > 1 else "", endpoint)
+        logger.info(
+            "the backend publishes its KV cache events%s: following %s",
+            f" (rank {rank})" if len(found) > 1 else "",
+            endpoint,
+        )
     return dict(sorted(found.items()))
 
 
@@ -165,7 +198,7 @@ def _reachable(endpoint: str | None, host: str) -> str | None:
     vLLM does with ``tcp://*:PORT``) is the backend's host."""
     if not endpoint or not endpoint.startswith("tcp://"):
         return None
-    address, _, port = endpoint[len("tcp://"):].rpartition(":")
+    address, _, port = endpoint[len("tcp://") :].rpartition(":")
     return f"tcp://{host}:{port}" if address in ("*", "0.0.0.0", "[::]", "::") else endpoint
 
 
@@ -175,9 +208,14 @@ async def _engine_cache(settings: GatewaySettings, backend: Backend, url: str, e
     shape = await backend.cache_shape()
     block_size = settings.engine_block_size or (shape[0] if shape else 16)
     capacity = settings.engine_cache_tokens if settings.engine_cache_tokens is not None else (shape[1] if shape else 0)
-    logger.info("engine prefix cache: %s tokens in blocks of %d%s", capacity, block_size,
-                "" if shape or settings.engine_cache_tokens is not None else
-                " (the engine did not say: set --engine-cache-tokens; until then no cache hit is expected)")
+    logger.info(
+        "engine prefix cache: %s tokens in blocks of %d%s",
+        capacity,
+        block_size,
+        ""
+        if shape or settings.engine_cache_tokens is not None
+        else " (the engine did not say: set --engine-cache-tokens; until then no cache hit is expected)",
+    )
     if events:
         return EventEngineCache(block_size, capacity)
     if settings.redis_url and not settings.embedded:
@@ -196,16 +234,26 @@ async def _draft(settings: GatewaySettings, tokenizer, metrics: GatewayMetrics) 
             await draft.close()
             raise TokenizerMismatchError(
                 "the draft workers use another tokenizer than the target: "
-                + ("set --draft-tokenizer-mapping auto to map their scores onto the target's tokens"
-                   if source is not None else "set --draft-tokenizer (the workers' tokenizer) to map their scores "
-                   "onto the target's tokens, or use a draft from the target's model family"))
+                + (
+                    "set --draft-tokenizer-mapping auto to map their scores onto the target's tokens"
+                    if source is not None
+                    else "set --draft-tokenizer (the workers' tokenizer) to map their scores "
+                    "onto the target's tokens, or use a draft from the target's model family"
+                )
+            )
         return _mapped(draft, tokenizer, load_tokenizer(source), metrics)
     if kind := baseline_kind(settings.draft_model):
         logger.info("the draft is the %s baseline: scores without a model (for evals)", kind)
         return LocalDraft(BaselineScorer(kind, settings.scoring_config()))
-    worker = DraftWorker.from_pretrained(settings.draft_model, settings.scoring_config(), device=settings.device,
-                                         dtype=settings.dtype, prefix_cache_bytes=settings.draft_prefix_cache_mb << 20,
-                                         cuda_graphs=settings.cuda_graphs, layers=settings.draft_layers)
+    worker = DraftWorker.from_pretrained(
+        settings.draft_model,
+        settings.scoring_config(),
+        device=settings.device,
+        dtype=settings.dtype,
+        prefix_cache_bytes=settings.draft_prefix_cache_mb << 20,
+        cuda_graphs=settings.cuda_graphs,
+        layers=settings.draft_layers,
+    )
     try:
         check_same_tokenizer(worker.tokenizer, tokenizer)
     except TokenizerMismatchError as exc:
@@ -217,8 +265,11 @@ async def _draft(settings: GatewaySettings, tokenizer, metrics: GatewayMetrics) 
 
 def _mapped(draft: DraftClient, target_tokenizer, draft_tokenizer, metrics: GatewayMetrics) -> MappedDraft:
     mapping = TokenMapping(target_tokenizer, draft_tokenizer)
-    logger.info("the draft's tokenizer differs from the target's: it scores its own tokens of the prompt's text, "
-                "and each target token takes the highest score of the draft tokens it overlaps (%s)", mapping.identity)
+    logger.info(
+        "the draft's tokenizer differs from the target's: it scores its own tokens of the prompt's text, "
+        "and each target token takes the highest score of the draft tokens it overlaps (%s)",
+        mapping.identity,
+    )
     return MappedDraft(draft, mapping, on_mapped=metrics.mapping_latency.observe)
 
 
@@ -227,13 +278,22 @@ def _backends(settings: GatewaySettings, served_name: str) -> list[Backend]:
         from engine.serving import EngineServing
         from engine.settings import EngineSettings
 
-        engine = EngineSettings(model=settings.target_model, device=settings.device, dtype=settings.dtype,
-                                served_model_name=served_name)
+        engine = EngineSettings(
+            model=settings.target_model, device=settings.device, dtype=settings.dtype, served_model_name=served_name
+        )
         return [InProcessBackend(EngineServing.from_settings(engine))]
     api_key = settings.backend_api_key.get_secret_value() if settings.backend_api_key else None
-    return [HTTPBackend(url, settings.backend_kind, model=settings.backend_model, api_key=api_key,
-                        connect_timeout=settings.backend_connect_timeout, read_timeout=settings.backend_read_timeout)
-            for url in settings.backend_url]
+    return [
+        HTTPBackend(
+            url,
+            settings.backend_kind,
+            model=settings.backend_model,
+            api_key=api_key,
+            connect_timeout=settings.backend_connect_timeout,
+            read_timeout=settings.backend_read_timeout,
+        )
+        for url in settings.backend_url
+    ]
 
 
 def score_cache(settings: GatewaySettings) -> ScoreCache | None:

@@ -27,11 +27,14 @@ def cli_options() -> dict[str, list[argparse.Action]]:
 
     from specprefill.cli import Main
 
-    parser = CliSettingsSource(Main, cli_prog_name="specprefill", cli_kebab_case=True,
-                               cli_implicit_flags=True).root_parser
+    parser = CliSettingsSource(
+        Main, cli_prog_name="specprefill", cli_kebab_case=True, cli_implicit_flags=True
+    ).root_parser
     commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    return {name: [a for a in sub._actions if a.option_strings and a.dest != "help"]
-            for name, sub in commands.choices.items()}
+    return {
+        name: [a for a in sub._actions if a.option_strings and a.dest != "help"]
+        for name, sub in commands.choices.items()
+    }
 
 
 def cli() -> str:
@@ -41,8 +44,14 @@ def cli() -> str:
     for name, actions in cli_options().items():
         field = Main.model_fields[name.replace("-", "_")]
         command = field.annotation.__args__[0] if hasattr(field.annotation, "__args__") else field.annotation
-        lines += [f"## `specprefill {name}`", "", _first_line(command.__doc__), "",
-                  "| flag | default | description |", "| --- | --- | --- |"]
+        lines += [
+            f"## `specprefill {name}`",
+            "",
+            _first_line(command.__doc__),
+            "",
+            "| flag | default | description |",
+            "| --- | --- | --- |",
+        ]
         for action in actions:
             help_text, default = _split_default(action.help or "")
             flags = ", ".join(f"`{flag}`" for flag in action.option_strings)
@@ -58,8 +67,10 @@ def settings() -> str:
     lines = ["| flag | environment variable | default | description |", "| --- | --- | --- | --- |"]
     for name, field in GatewaySettings.model_fields.items():
         flag = "--" + name.replace("_", "-")
-        lines.append(f"| `{flag}` | `{prefix}{name.upper()}` | {_code(_field_default(field))} | "
-                     f"{_cell(field.description or '')} |")
+        lines.append(
+            f"| `{flag}` | `{prefix}{name.upper()}` | {_code(_field_default(field))} | "
+            f"{_cell(field.description or '')} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -77,16 +88,18 @@ def metric_families() -> list[tuple[str, str, str, list[str], str]]:
         for family in registry.collect():
             name = family.name + ("_total" if family.type == "counter" else "")
             labels = {label for sample in family.samples for label in sample.labels} - {"le"}
-            families.append((name, family.type, family.documentation,
-                             sorted(labels | set(declared.get(family.name, ()))), where))
+            families.append(
+                (name, family.type, family.documentation, sorted(labels | set(declared.get(family.name, ()))), where)
+            )
     return families
 
 
 def metrics() -> str:
     lines = ["| metric | type | labels | exported by | description |", "| --- | --- | --- | --- | --- |"]
     for name, kind, documentation, labels, where in metric_families():
-        lines.append(f"| `{name}` | {kind} | {', '.join(f'`{x}`' for x in labels)} | {where} | "
-                     f"{_cell(documentation)} |")
+        lines.append(
+            f"| `{name}` | {kind} | {', '.join(f'`{x}`' for x in labels)} | {where} | {_cell(documentation)} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -105,8 +118,11 @@ def http() -> str:
 
 def _declared_labels(registry) -> dict[str, tuple[str, ...]]:
     """Each metric's label names as declared: a labelled metric no request has touched has no samples yet."""
-    return {name: tuple(getattr(collector, "_labelnames", ()))
-            for collector, names in registry._collector_to_names.items() for name in names}
+    return {
+        name: tuple(getattr(collector, "_labelnames", ()))
+        for collector, names in registry._collector_to_names.items()
+        for name in names
+    }
 
 
 def _field_default(field: FieldInfo) -> str:
@@ -122,7 +138,7 @@ def _split_default(help_text: str) -> tuple[str, str]:
     at = help_text.rfind(DEFAULT)
     if at < 0 or not help_text.endswith(")"):
         return help_text, ""
-    return help_text[:at], help_text[at + len(DEFAULT):-1]
+    return help_text[:at], help_text[at + len(DEFAULT) : -1]
 
 
 def _first_line(text: str | None) -> str:

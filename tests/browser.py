@@ -30,8 +30,14 @@ class Browser:
         assert found is not None, "no Chromium with chromedriver installed"
         options = webdriver.ChromeOptions()
         options.binary_location = found[0]
-        for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                     "--window-size=1280,900", "--force-device-scale-factor=1"):
+        for flag in (
+            "--headless=new",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-dev-shm-usage",
+            "--window-size=1280,900",
+            "--force-device-scale-factor=1",
+        ):
             options.add_argument(flag)
         self.driver = webdriver.Chrome(options=options, service=Service(executable_path=found[1]))
 
@@ -51,8 +57,10 @@ class Browser:
         deadline = time.monotonic() + timeout
         while not self.evaluate(condition):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{condition!r} did not hold within {timeout:.0f} s; "
-                                   f"page state {self.evaluate('document.body.dataset.state')!r}")
+                raise TimeoutError(
+                    f"{condition!r} did not hold within {timeout:.0f} s; "
+                    f"page state {self.evaluate('document.body.dataset.state')!r}"
+                )
             time.sleep(0.05)
 
     def press(self, key: str) -> None:
@@ -60,8 +68,9 @@ class Browser:
         from selenium.webdriver.common.action_chains import ActionChains
         from selenium.webdriver.common.keys import Keys
 
-        ActionChains(self.driver).send_keys(getattr(Keys, {"ArrowRight": "ARROW_RIGHT", "ArrowLeft": "ARROW_LEFT"}
-                                                    .get(key, key.upper()))).perform()
+        ActionChains(self.driver).send_keys(
+            getattr(Keys, {"ArrowRight": "ARROW_RIGHT", "ArrowLeft": "ARROW_LEFT"}.get(key, key.upper()))
+        ).perform()
 
     def screenshot(self, path: Path) -> None:
         self.driver.save_screenshot(str(path))

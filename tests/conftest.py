@@ -48,8 +48,11 @@ def long_pair(tmp_path_factory, tokenizer) -> Path:
     write_model(root / "target", ModelShape(128, 256, 2, 4, 2), long, seed=2, max_positions=131_072, init_std=0.2)
     weights = load_file(root / "target" / "model.safetensors")
     weights["lm_head.weight"][eos_ids(tokenizer)[0]] *= 2.0
-    save_file({k: v.contiguous() for k, v in weights.items()}, root / "target" / "model.safetensors",
-              metadata={"format": "pt"})
+    save_file(
+        {k: v.contiguous() for k, v in weights.items()},
+        root / "target" / "model.safetensors",
+        metadata={"format": "pt"},
+    )
     generation = json.loads((root / "target" / "generation_config.json").read_text())
     (root / "target" / "generation_config.json").write_text(json.dumps({**generation, "temperature": 0.0}))
     return root

@@ -29,16 +29,22 @@ LONG_DOC = " ".join(synthetic_corpus(seed=3, n_sentences=60))
 
 
 def chat_messages(question: str = "What is the third number?") -> list[dict]:
-    return [{"role": "system", "content": "Answer briefly."},
-            {"role": "user", "content": LONG_DOC + "\n\n" + question}]
+    return [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": LONG_DOC + "\n\n" + question}]
 
 
 def gateway_settings(model_pair, **overrides) -> GatewaySettings:
     """For tests of the gateway's mechanics: every prompt above 64 tokens compressed afresh, no warming, no probe
     (the planner's own tests turn each on)."""
-    values = dict(target_model=str(model_pair / "target"), draft_model=str(model_pair / "draft"),
-                  min_prompt_tokens=64, device="cpu", served_model_name="tiny", planner="fresh", warming=False,
-                  calibrate=False)
+    values = dict(
+        target_model=str(model_pair / "target"),
+        draft_model=str(model_pair / "draft"),
+        min_prompt_tokens=64,
+        device="cpu",
+        served_model_name="tiny",
+        planner="fresh",
+        warming=False,
+        calibrate=False,
+    )
     values.update(overrides)
     return GatewaySettings(**values)
 
@@ -63,8 +69,12 @@ def reference_logits(model, ids: list[int], positions: list[int]) -> torch.Tenso
 
 def assert_swap_mismatch_is_a_400(url: str) -> None:
     """A swap whose kept tokens are not the rendered chat's: a 400 naming the position (before the engine)."""
-    body = {"model": "target", "messages": chat_messages(), "max_tokens": 1,
-            "vllm_xargs": {"kept_token_ids": [1, 2, 3], "position_ids": [0, 1, 2]}}
+    body = {
+        "model": "target",
+        "messages": chat_messages(),
+        "max_tokens": 1,
+        "vllm_xargs": {"kept_token_ids": [1, 2, 3], "position_ids": [0, 1, 2]},
+    }
     response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
     assert response.status_code == 400, response.text
     error = response.json()["error"]
@@ -100,14 +110,29 @@ def openai_client(url: str, api_key: str = "unused") -> openai.OpenAI:
     return client
 
 
-def tiny_llama(*, layers: int = 2, heads: int = 4, kv_heads: int = 2, hidden: int = 64, vocab: int = 256,
-               seed: int = 0, max_positions: int = 2048, eos: list[int] | None = None) -> LlamaForCausalLM:
+def tiny_llama(
+    *,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    hidden: int = 64,
+    vocab: int = 256,
+    seed: int = 0,
+    max_positions: int = 2048,
+    eos: list[int] | None = None,
+) -> LlamaForCausalLM:
     """A tiny random Llama, with larger weights than the default init so attention is far from uniform and
     greedy tokens vary."""
     config = LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_positions,
-        pad_token_id=0, eos_token_id=eos if eos is not None else [1],
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_positions,
+        pad_token_id=0,
+        eos_token_id=eos if eos is not None else [1],
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
@@ -121,12 +146,18 @@ def tiny_llama(*, layers: int = 2, heads: int = 4, kv_heads: int = 2, hidden: in
 
 # --- servers ---
 
+
 @contextlib.contextmanager
 def serve(app, *, timeout: float = 60.0, port: int = 0, max_body_bytes: int = 16 << 20) -> Iterator[str]:
     """Runs ``app`` on 127.0.0.1 at a free port (or ``port``) behind the production guard middleware and header
     limit, in a background thread; yields its base URL; stops it on exit."""
-    config = uvicorn.Config(GuardMiddleware(app, max_body_bytes=max_body_bytes), host="127.0.0.1", port=port,
-                            log_level="warning", lifespan="on")
+    config = uvicorn.Config(
+        GuardMiddleware(app, max_body_bytes=max_body_bytes),
+        host="127.0.0.1",
+        port=port,
+        log_level="warning",
+        lifespan="on",
+    )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -145,8 +176,11 @@ def serve(app, *, timeout: float = 60.0, port: int = 0, max_body_bytes: int = 16
 
 def start_command(args: list[str], url: str, timeout: float = 120) -> subprocess.Popen:
     """``specprefill ARGS`` as a separate process, once ``url/health`` answers."""
-    process = subprocess.Popen([sys.executable, "-m", "specprefill", *args, "--log-level", "warning"],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "specprefill", *args, "--log-level", "warning"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         wait_healthy(url, process, timeout)
     except RuntimeError:
@@ -174,8 +208,7 @@ class RecordingApp:
             if not message.get("more_body"):
                 break
         headers = {k.decode(): v.decode() for k, v in scope["headers"]}
-        self.requests.append({"path": scope["path"], "headers": headers,
-                              "body": json.loads(body) if body else None})
+        self.requests.append({"path": scope["path"], "headers": headers, "body": json.loads(body) if body else None})
 
         async def replay():
             return messages.pop(0) if messages else await receive()
@@ -188,14 +221,16 @@ class RecordingApp:
 
 # --- the engine's activity ---
 
+
 class FCFSEngine:
     """A stand-in engine for the gateway's timing logic: one request at a time, first come first served (as vLLM
     runs a prefill that holds its whole token budget), each taking ``fixed + per_token × new + per_cached ×
     cached`` seconds, with a prefix cache of whole blocks. ``complete(token_ids, priority)`` answers as a
     backend does, with the cached tokens in its usage."""
 
-    def __init__(self, *, block_size: int = 16, fixed: float = 0.01, per_token: float = 1e-4,
-                 per_cached: float = 1e-6) -> None:
+    def __init__(
+        self, *, block_size: int = 16, fixed: float = 0.01, per_token: float = 1e-4, per_cached: float = 1e-6
+    ) -> None:
         from gateway.engine_cache import MemoryEngineCache
 
         self.cache = MemoryEngineCache(block_size, 1 << 20)
@@ -207,23 +242,26 @@ class FCFSEngine:
         fixed, per_token, per_cached = self.coefficients
         return fixed + per_token * new + per_cached * cached
 
-    async def complete(self, token_ids: list[int], priority: int | None = None,
-                       position_ids: list[int] | None = None) -> dict:
+    async def complete(
+        self, token_ids: list[int], priority: int | None = None, position_ids: list[int] | None = None
+    ) -> dict:
         async with self.lock:
             start = time.monotonic()
             cached = await self.cache.cached_tokens(token_ids, position_ids)
             await asyncio.sleep(self.seconds(len(token_ids) - cached, cached))
             await self.cache.record(token_ids, position_ids)
-        self.requests.append({"tokens": len(token_ids), "cached": cached, "priority": priority, "start": start,
-                              "end": time.monotonic()})
+        self.requests.append(
+            {"tokens": len(token_ids), "cached": cached, "priority": priority, "start": start, "end": time.monotonic()}
+        )
         return {"usage": {"prompt_tokens_details": {"cached_tokens": cached}}}
 
 
 def engine_active(engine_url: str) -> float:
     """Requests waiting or running in a reference engine, from its /metrics."""
     text = httpx.get(f"{engine_url}/metrics").text
-    return float(next(line.split()[-1] for line in text.splitlines()
-                      if line.startswith("specprefill_engine_active_requests ")))
+    return float(
+        next(line.split()[-1] for line in text.splitlines() if line.startswith("specprefill_engine_active_requests "))
+    )
 
 
 def requests_with_gaps(gateway_url: str, n: int = 4, pause: float = 0.3, model: str = "tiny") -> None:
@@ -232,16 +270,18 @@ def requests_with_gaps(gateway_url: str, n: int = 4, pause: float = 0.3, model: 
     for _ in range(n):
         time.sleep(pause)
         body = {"model": model, "prompt": "Hello", "max_tokens": 1}
-        response = httpx.post(f"{gateway_url}/v1/completions", json=body,
-                              headers={"x-specprefill": "off"}, timeout=60)
+        response = httpx.post(f"{gateway_url}/v1/completions", json=body, headers={"x-specprefill": "off"}, timeout=60)
         assert response.status_code == 200, response.text
 
 
 def gateway_settled(gateway_url: str) -> bool:
     """No request of the gateway at the backend, and no context waiting to be warmed (its /metrics)."""
     text = httpx.get(f"{gateway_url}/metrics").text
-    return all(float(line.rsplit(" ", 1)[1]) == 0 for line in text.splitlines()
-               if line.startswith(("specprefill_backend_requests_in_flight{", "specprefill_warming_pending_contexts ")))
+    return all(
+        float(line.rsplit(" ", 1)[1]) == 0
+        for line in text.splitlines()
+        if line.startswith(("specprefill_backend_requests_in_flight{", "specprefill_warming_pending_contexts "))
+    )
 
 
 async def eventually(predicate: Callable[[], bool], within: float) -> bool:

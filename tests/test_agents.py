@@ -26,16 +26,22 @@ ALIASES = ["claude-opus-5-5", "gpt-6.2-sol"]
 def agents() -> Path:
     if shutil.which("npm") is None:
         pytest.skip("npm is not installed: the agents come from the npm registry")
-    out = subprocess.run(["bash", str(REPO / "scripts" / "agent-clis.sh")], capture_output=True, text=True,
-                         timeout=900)
+    out = subprocess.run(["bash", str(REPO / "scripts" / "agent-clis.sh")], capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, f"could not install the agents:\n{out.stderr[-3000:]}"
     return Path(out.stdout.strip().splitlines()[-1])
 
 
 def _settings(pair: Path, **overrides):
     """The gateway as a deployment runs it (the cost planner, warming), serving the agents' model names."""
-    return gateway_settings(pair, served_model_name="tiny", model_alias=ALIASES, planner="cost", warming=True,
-                            min_prompt_tokens=1024, **overrides)
+    return gateway_settings(
+        pair,
+        served_model_name="tiny",
+        model_alias=ALIASES,
+        planner="cost",
+        warming=True,
+        min_prompt_tokens=1024,
+        **overrides,
+    )
 
 
 def _workdir(tmp_path: Path) -> Path:
@@ -45,14 +51,21 @@ def _workdir(tmp_path: Path) -> Path:
     return work
 
 
-def claude(agents: Path, url: str, work: Path, prompt: str, *, again: bool = False,
-           headers: str | None = None) -> tuple[dict, str]:
+def claude(
+    agents: Path, url: str, work: Path, prompt: str, *, again: bool = False, headers: str | None = None
+) -> tuple[dict, str]:
     """One headless turn (``again``: the next turn of the same session), as a user runs it; its JSON result and
     its standard error."""
     home = work.parent / "home"
     home.mkdir(exist_ok=True)
-    env = {"PATH": os.environ["PATH"], "HOME": str(home), "ANTHROPIC_BASE_URL": url, "ANTHROPIC_API_KEY": "sk-test",
-           "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1"}
+    env = {
+        "PATH": os.environ["PATH"],
+        "HOME": str(home),
+        "ANTHROPIC_BASE_URL": url,
+        "ANTHROPIC_API_KEY": "sk-test",
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+        "DISABLE_AUTOUPDATER": "1",
+    }
     if headers:
         env["ANTHROPIC_CUSTOM_HEADERS"] = headers
     command = [str(agents / "claude"), *(["-c"] if again else []), "-p", prompt, "--output-format", "json"]
@@ -67,8 +80,12 @@ def claude(agents: Path, url: str, work: Path, prompt: str, *, again: bool = Fal
 def _counted(url: str, bodies: list[dict]) -> int:
     """The prompt tokens of these Messages requests, as the gateway counts them (``/v1/messages/count_tokens``)."""
     keep = ("model", "messages", "system", "tools", "tool_choice", "thinking")
-    return sum(httpx.post(f"{url}/v1/messages/count_tokens", json={k: b[k] for k in keep if k in b},
-                          timeout=60).json()["input_tokens"] for b in bodies)
+    return sum(
+        httpx.post(f"{url}/v1/messages/count_tokens", json={k: b[k] for k in keep if k in b}, timeout=60).json()[
+            "input_tokens"
+        ]
+        for b in bodies
+    )
 
 
 def test_a_claude_code_session_of_two_turns_through_the_gateway(agents, long_pair, tmp_path):
@@ -78,7 +95,7 @@ def test_a_claude_code_session_of_two_turns_through_the_gateway(agents, long_pai
         first, stderr = claude(agents, url, work, "What does hello.py print?")
         sent = [r for r in recorder.requests if r["path"] == "/v1/messages"]
         second, stderr2 = claude(agents, url, work, "And what does it print when run twice?", again=True)
-        later = [r for r in recorder.requests if r["path"] == "/v1/messages"][len(sent):]
+        later = [r for r in recorder.requests if r["path"] == "/v1/messages"][len(sent) :]
         counted = (_counted(url, [r["body"] for r in sent]), _counted(url, [r["body"] for r in later]))
     assert second["session_id"] == first["session_id"]
     assert "unrecognized_model" not in stderr + stderr2  # it sends its default model's name, served (an alias)
@@ -92,8 +109,9 @@ def test_a_claude_code_session_of_two_turns_through_the_gateway(agents, long_pai
     assert sum(len(b.get("text", "")) for b in body["system"]) > 5_000
     for result, tokens in zip((first, second), counted, strict=True):
         usage = result["usage"]  # the input Claude Code reports adds up to the prompt the gateway read
-        assert usage["input_tokens"] + usage["cache_read_input_tokens"] + usage["cache_creation_input_tokens"] \
-            == tokens, (usage, tokens)
+        assert (
+            usage["input_tokens"] + usage["cache_read_input_tokens"] + usage["cache_creation_input_tokens"] == tokens
+        ), (usage, tokens)
         assert tokens > 30_000
 
 
@@ -104,10 +122,18 @@ def test_a_codex_exec_turn_through_the_gateway(agents, long_pair, tmp_path):
     with serve(create_app(_settings(long_pair)), timeout=120) as url:
         (codex_home / "config.toml").write_text(
             f'model_provider = "specprefill"\n\n[model_providers.specprefill]\nname = "SpecPrefill gateway"\n'
-            f'base_url = "{url}/v1"\nwire_api = "responses"\n')
+            f'base_url = "{url}/v1"\nwire_api = "responses"\n'
+        )
         env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "CODEX_HOME": str(codex_home)}
-        out = subprocess.run([str(agents / "codex"), "exec", "--skip-git-repo-check", "What does hello.py print?"],
-                             cwd=work, env=env, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
+        out = subprocess.run(
+            [str(agents / "codex"), "exec", "--skip-git-repo-check", "What does hello.py print?"],
+            cwd=work,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            stdin=subprocess.DEVNULL,
+        )
     assert out.returncode == 0, f"codex exited {out.returncode}:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}"
     assert out.stdout.strip() and "tokens used" in out.stderr
     assert "error" not in out.stderr.lower().replace("stderr", ""), out.stderr[-2000:]
@@ -123,9 +149,16 @@ def test_a_claude_code_session_answers_through_the_gateway_as_directly_at_vllm(a
     from specprefill.lab.vllm_server import VLLMServer
     from tests.vllm_plugin.test_vllm_integration import _vllm_python
 
-    server = VLLMServer(_vllm_python(), long_pair / "target", tmp_path / "vllm.log", plugin=True,
-                        served_name=ALIASES[0], max_model_len=131_072, pinned=False,
-                        extra_args=("--disable-log-stats", *README_VLLM_ARGS))
+    server = VLLMServer(
+        _vllm_python(),
+        long_pair / "target",
+        tmp_path / "vllm.log",
+        plugin=True,
+        served_name=ALIASES[0],
+        max_model_len=131_072,
+        pinned=False,
+        extra_args=("--disable-log-stats", *README_VLLM_ARGS),
+    )
     try:
         server.wait()
         answers = {}

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 import re
+import tomllib
 from pathlib import Path
 
 import pytest
-import tomllib
 import yaml
 
 from gateway.settings import GatewaySettings
@@ -68,7 +68,9 @@ def test_every_gateway_variable_is_a_setting(compose, monkeypatch):
     for key, value in env.items():
         if key.startswith("SPECPREFILL_"):
             assert key in fields, key
-            monkeypatch.setenv(key, re.sub(r"\$\{[^}:]+:-([^}]*)\}", r"\1", value).replace("${TARGET_MODEL:?set TARGET_MODEL}", "m"))
+            monkeypatch.setenv(
+                key, re.sub(r"\$\{[^}:]+:-([^}]*)\}", r"\1", value).replace("${TARGET_MODEL:?set TARGET_MODEL}", "m")
+            )
     settings = GatewaySettings()
     assert settings.draft_worker_url == ["http://draft-worker:8002"] and settings.backend_kind == "vllm"
 
@@ -107,6 +109,8 @@ def test_the_gateway_follows_vllms_kv_events(compose):
     config = json.loads(command[command.index("--kv-events-config") + 1])
     assert config["enable_kv_cache_events"] and config["publisher"] == "zmq"
     env = _env(compose["services"]["gateway"])
-    for setting, key in (("SPECPREFILL_BACKEND_KV_EVENTS", "endpoint"),
-                         ("SPECPREFILL_BACKEND_KV_EVENTS_REPLAY", "replay_endpoint")):
+    for setting, key in (
+        ("SPECPREFILL_BACKEND_KV_EVENTS", "endpoint"),
+        ("SPECPREFILL_BACKEND_KV_EVENTS_REPLAY", "replay_endpoint"),
+    ):
         assert env[setting] == config[key].replace("*", "vllm")

@@ -25,9 +25,14 @@ LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 def test_the_site_builds_strictly_with_every_page_and_the_generated_reference(tmp_path):
     site = tmp_path / "site"
-    result = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
-                            cwd=ROOT, capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    result = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     assert "WARNING" not in result.stderr, result.stderr[-4000:]
     built = (site / "reference" / "settings" / "index.html").read_text()
@@ -60,8 +65,15 @@ def test_every_flag_setting_and_metric_in_the_code_is_in_the_reference(gateway_u
             if not name.endswith("_created"):  # prometheus_client's creation times, beside each metric
                 assert f"`{name}`" in metrics, name
     http = reference.http()
-    for path in ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/health", "/metrics",
-                 "/v1/specprefill/compress"):
+    for path in (
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/responses",
+        "/v1/messages",
+        "/health",
+        "/metrics",
+        "/v1/specprefill/compress",
+    ):
         assert f"`{path}`" in http, path
 
 
@@ -95,4 +107,3 @@ def test_the_readme_quickstart_runs_against_a_live_gateway(tmp_path, monkeypatch
         exec(compile(example.replace("http://127.0.0.1:8000/v1", f"{url}/v1"), "README.md", "exec"), {})
     first = out.getvalue().splitlines()[0].split()
     assert first[0] == "compressed" and int(first[1]) < int(first[3]), out.getvalue()
-

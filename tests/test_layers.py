@@ -16,11 +16,24 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 # bottom to top; units in one layer are peers and never import each other
-LAYERS = [("common",), ("draft_worker", "engine"), ("gateway",), ("specprefill.lab",), ("specprefill",),
-          ("benchmarks",)]
+LAYERS = [
+    ("common",),
+    ("draft_worker", "engine"),
+    ("gateway",),
+    ("specprefill.lab",),
+    ("specprefill",),
+    ("benchmarks",),
+]
 APART = ("specprefill_vllm",)  # its own distribution: imports nothing of ours, and nothing of ours imports it
-SOURCES = {"common": "common", "draft_worker": "draft_worker", "engine": "engine", "gateway": "gateway",
-           "specprefill": "specprefill", "benchmarks": "benchmarks", "specprefill_vllm": "vllm_plugin/specprefill_vllm"}
+SOURCES = {
+    "common": "common",
+    "draft_worker": "draft_worker",
+    "engine": "engine",
+    "gateway": "gateway",
+    "specprefill": "specprefill",
+    "benchmarks": "benchmarks",
+    "specprefill_vllm": "vllm_plugin/specprefill_vllm",
+}
 
 
 def module_name(path: Path, package_root: Path, package: str) -> str:
@@ -115,18 +128,24 @@ def test_the_checks_catch_what_they_look_for():
 
 def test_type_only_and_function_level_imports_count(tmp_path):
     source = tmp_path / "m.py"
-    source.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from gateway.app import x\n"
-                      "def f():\n    from specprefill.cli import main\n")
+    source.write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from gateway.app import x\n"
+        "def f():\n    from specprefill.cli import main\n"
+    )
     assert imports_of("common.m", source, {"gateway.app", "specprefill.cli"}) == {"gateway.app", "specprefill.cli"}
 
 
 def test_importing_every_module_registers_nothing():
     """No import-time side effects: custom attention kernels are registered when a model is prepared."""
-    modules = [m for m in project_modules() if not m.startswith(("benchmarks", "specprefill_vllm", "specprefill.__main__"))]
-    script = ("import importlib, sys\n"
-              f"for name in {modules!r}: importlib.import_module(name)\n"
-              "from transformers import AttentionInterface\n"
-              "print(sorted(k for k in AttentionInterface._global_mapping if 'specprefill' in k))\n")
+    modules = [
+        m for m in project_modules() if not m.startswith(("benchmarks", "specprefill_vllm", "specprefill.__main__"))
+    ]
+    script = (
+        "import importlib, sys\n"
+        f"for name in {modules!r}: importlib.import_module(name)\n"
+        "from transformers import AttentionInterface\n"
+        "print(sorted(k for k in AttentionInterface._global_mapping if 'specprefill' in k))\n"
+    )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]"

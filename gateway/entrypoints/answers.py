@@ -48,11 +48,14 @@ def anthropic(body: dict, plan: Plan, model: str) -> dict:
 def shaped(answer: Answer, rewrite: Rewrite, model: str, *, ping: bool = False) -> Answer:
     """The answer rewritten for the client; ``ping``: an Anthropic stream's ``ping`` after ``message_start``."""
     plan = answer.plan
-    return answer.map(lambda body: rewrite(body, plan, model), lambda stream: _stream(stream, rewrite, plan, model, ping))
+    return answer.map(
+        lambda body: rewrite(body, plan, model), lambda stream: _stream(stream, rewrite, plan, model, ping)
+    )
 
 
-async def _stream(stream: AsyncIterator[dict], rewrite: Rewrite, plan: Plan, model: str,
-                  ping: bool) -> AsyncIterator[dict]:
+async def _stream(
+    stream: AsyncIterator[dict], rewrite: Rewrite, plan: Plan, model: str, ping: bool
+) -> AsyncIterator[dict]:
     pinged = False
     try:
         async for event in stream:

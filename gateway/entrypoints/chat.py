@@ -24,8 +24,10 @@ class ChatAPI(Surface):
         if serving.backend.kind == "text":
             body["messages"] = kept_messages(serving.tokenizer, request.messages, prompt.rendered, plan.kept_indices)
             return await serving.forward(plan, body, CHAT)
-        body = token_body(serving.backend.kind, body["model"], plan.kept_token_ids(), plan.kept_indices,
-                          request.completion_params())
+        body = token_body(
+            serving.backend.kind, body["model"], plan.kept_token_ids(), plan.kept_indices, request.completion_params()
+        )
         answer = await serving.forward(plan, body, COMPLETIONS)
-        return answer.map(lambda b: completion_to_chat(b, model),
-                          lambda s: as_chat_chunks(s, ChatChunkConverter(model)))
+        return answer.map(
+            lambda b: completion_to_chat(b, model), lambda s: as_chat_chunks(s, ChatChunkConverter(model))
+        )

@@ -18,9 +18,17 @@ class CompletionsAPI(Surface):
         if serving.swaps or plan.passthrough or plan.kept_indices is None:
             return await serving.swapped(plan, body, COMPLETIONS)
         if serving.backend.kind == "text":
-            body = {"model": body["model"], "prompt": kept_text(serving.tokenizer, plan.token_ids, plan.kept_indices),
-                    **request.completion_params()}
+            body = {
+                "model": body["model"],
+                "prompt": kept_text(serving.tokenizer, plan.token_ids, plan.kept_indices),
+                **request.completion_params(),
+            }
         else:
-            body = token_body(serving.backend.kind, body["model"], plan.kept_token_ids(), plan.kept_indices,
-                              request.completion_params())
+            body = token_body(
+                serving.backend.kind,
+                body["model"],
+                plan.kept_token_ids(),
+                plan.kept_indices,
+                request.completion_params(),
+            )
         return await serving.forward(plan, body, COMPLETIONS)

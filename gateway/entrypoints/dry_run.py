@@ -11,8 +11,8 @@ import torch
 
 from common.errors import InvalidRequestError, OverloadedError, parse_body
 from common.protocol import ChatCompletionRequest, CompletionRequest
-from common.tokenize import token_pieces
 from common.selection import always_kept, select_tokens
+from common.tokenize import token_pieces
 from gateway.inspector import KEEP_RATES, inspection, runs
 from gateway.policy import RequestOptions, request_options
 from gateway.serving import GatewayServing
@@ -29,8 +29,15 @@ class DryRunAPI:
         return_scores = bool(body.pop("return_scores", False)) or return_scores
         request, options, prompt = self._dry_request(body, headers)
         scored = await self._scores(prompt.token_ids) if return_scores else None
-        plan = await serving.planner.plan(prompt.token_ids, options, serving.unsupported(request), prompt.keep,
-                                          boundary=prompt.boundary, dry_run=True, scored=scored)
+        plan = await serving.planner.plan(
+            prompt.token_ids,
+            options,
+            serving.unsupported(request),
+            prompt.keep,
+            boundary=prompt.boundary,
+            dry_run=True,
+            scored=scored,
+        )
         answer = {
             "original_tokens": plan.original_tokens,
             "kept_tokens": plan.kept_tokens,
@@ -57,36 +64,58 @@ class DryRunAPI:
         config = serving.draft.config
         plans = {}
         for rate in KEEP_RATES:
-            plan = await serving.planner.plan(prompt.token_ids, RequestOptions(rate, options.enabled), unsupported,
-                                              prompt.keep, boundary=prompt.boundary, dry_run=True,
-                                              scored=(scores, cache))
-            entry = {"status": plan.status, "reason": plan.reason, "plan": plan.kind,
-                     "kept": runs(plan.position_ids())}
+            plan = await serving.planner.plan(
+                prompt.token_ids,
+                RequestOptions(rate, options.enabled),
+                unsupported,
+                prompt.keep,
+                boundary=prompt.boundary,
+                dry_run=True,
+                scored=(scores, cache),
+            )
+            entry = {"status": plan.status, "reason": plan.reason, "plan": plan.kind, "kept": runs(plan.position_ids())}
             if plan.status != "compressed" and rate < 1:  # sent whole: what the rule would have dropped
-                entry["selected"] = runs(select_tokens(prompt.token_ids, scores, rate, config,
-                                                       serving.planner.special_ids, prompt.keep))
+                entry["selected"] = runs(
+                    select_tokens(prompt.token_ids, scores, rate, config, serving.planner.special_ids, prompt.keep)
+                )
             plans[rate] = entry
         protected = always_kept(prompt.token_ids, config, serving.planner.special_ids, prompt.keep)
-        return inspection(token_pieces(serving.tokenizer, prompt.token_ids), scores, protected, config.chunk_size,
-                          options.keep_rate, plans, draft_ms=draft_ms, cache=cache, model=serving.model_name)
+        return inspection(
+            token_pieces(serving.tokenizer, prompt.token_ids),
+            scores,
+            protected,
+            config.chunk_size,
+            options.keep_rate,
+            plans,
+            draft_ms=draft_ms,
+            cache=cache,
+            model=serving.model_name,
+        )
 
     async def _scores(self, token_ids: list[int]) -> tuple[torch.Tensor, str]:
         """The prompt's scores for a caller that asked for them: a draft fault is a 503 that says so."""
         serving = self.serving
         if len(token_ids) > serving.draft.max_prompt_tokens:
-            raise InvalidRequestError(f"the prompt has {len(token_ids)} tokens; the draft model scores at most "
-                                      f"{serving.draft.max_prompt_tokens}", param="prompt", code="prompt_too_long")
+            raise InvalidRequestError(
+                f"the prompt has {len(token_ids)} tokens; the draft model scores at most "
+                f"{serving.draft.max_prompt_tokens}",
+                param="prompt",
+                code="prompt_too_long",
+            )
         try:
             return await asyncio.wait_for(serving.planner.scores.scores(token_ids), serving.settings.draft_timeout)
         except Exception as exc:
-            raise OverloadedError(f"the draft model could not score this prompt ({type(exc).__name__}); "
-                                  "try again later", code="draft_unavailable") from None
+            raise OverloadedError(
+                f"the draft model could not score this prompt ({type(exc).__name__}); try again later",
+                code="draft_unavailable",
+            ) from None
 
     def _dry_request(self, body: dict, headers):
         """A chat or completion body checked as for a real request (the model name may be left out)."""
         if not isinstance(body, dict):
-            raise InvalidRequestError("the body must be a JSON object: a chat body with messages, or a completion "
-                                      "body with a prompt")
+            raise InvalidRequestError(
+                "the body must be a JSON object: a chat body with messages, or a completion body with a prompt"
+            )
         serving = self.serving
         body = {"model": serving.model_name, **body}
         request = parse_body(ChatCompletionRequest if "messages" in body else CompletionRequest, body)

@@ -29,10 +29,13 @@ class Bench(BaseSettings):
     keep_rates: list[float] = Field([0.1, 0.3, 0.5, 1.0], description="keep rates through the gateway")
     repeats: int = Field(3, description="measured requests per point (after the warm-up)")
     warmup: int = Field(1, description="unmeasured requests per length first")
-    warmup_direct: bool = Field(True, description="the warm-up requests also go directly (off: through the gateway "
-                                                  "only, where the draft has first-time costs at a new length and "
-                                                  "the engine has none: a 32B target's direct 128k-token prompt "
-                                                  "takes most of a minute on a GPU)")
+    warmup_direct: bool = Field(
+        True,
+        description="the warm-up requests also go directly (off: through the gateway "
+        "only, where the draft has first-time costs at a new length and "
+        "the engine has none: a 32B target's direct 128k-token prompt "
+        "takes most of a minute on a GPU)",
+    )
     max_tokens: int = Field(1, description="tokens generated per request")
     out: str = Field("bench_results", description="folder for bench.json and the plots")
     load: bool = Field(False, description="also run the Poisson load mode")
@@ -42,73 +45,140 @@ class Bench(BaseSettings):
     ttft_slo: float = Field(2.0, description="load mode: the p99 TTFT objective in seconds")
     load_tokens: int = Field(4096, description="load mode: prompt length")
     load_keep_rate: float = Field(0.1, description="load mode: keep rate through the gateway")
-    load_direct: bool = Field(True, description="load mode: also load the engine directly (off: the gateway only, "
-                                                "as when comparing gateway settings)")
+    load_direct: bool = Field(
+        True,
+        description="load mode: also load the engine directly (off: the gateway only, "
+        "as when comparing gateway settings)",
+    )
     workloads: bool = Field(False, description="run the workload mode (repeated contexts) instead of the sweep")
-    arrivals: list[str] = Field(["back-to-back", "think", "poisson"], description="workloads: how requests "
-                                "arrive, one run each: back-to-back (the next request when the previous answer "
-                                "ends), think (after --think-time), poisson (mixed sessions at --session-rates), "
-                                "idle (after the engines and the gateway are idle, warming included: flatters "
-                                "warming, for comparison only)")
+    arrivals: list[str] = Field(
+        ["back-to-back", "think", "poisson"],
+        description="workloads: how requests "
+        "arrive, one run each: back-to-back (the next request when the previous answer "
+        "ends), think (after --think-time), poisson (mixed sessions at --session-rates), "
+        "idle (after the engines and the gateway are idle, warming included: flatters "
+        "warming, for comparison only)",
+    )
     think_time: float = Field(1.0, description="workloads: seconds between an answer and the next request (think)")
-    workload_names: list[str] = Field(list(WORKLOADS), description="workloads: which ones (also: "
-                                      + ", ".join(EXTRA_WORKLOADS) + ", which disturb the engine on purpose)")
+    workload_names: list[str] = Field(
+        list(WORKLOADS),
+        description="workloads: which ones (also: "
+        + ", ".join(EXTRA_WORKLOADS)
+        + ", which disturb the engine on purpose)",
+    )
     workload_requests: int = Field(7, description="workloads: requests per workload")
     workload_tokens: int = Field(8000, description="workloads: prompt tokens of each workload's context")
     step_tokens: int = Field(1000, description="workloads: tokens an agent step adds")
     workload_keep_rate: float = Field(0.3, description="workloads: keep rate through the gateway")
-    session_rates: list[float] = Field([0.04, 0.08, 0.12, 0.2, 0.3], description="poisson: sessions started per "
-                                       "second, one run each")
+    session_rates: list[float] = Field(
+        [0.04, 0.08, 0.12, 0.2, 0.3], description="poisson: sessions started per second, one run each"
+    )
     sessions_per_rate: int = Field(18, description="poisson: sessions per rate (kinds in equal shares)")
-    vllm_scheduling: str = Field("fcfs", description="launched vLLM: fcfs (its default) or priority "
-                                                     "(--scheduling-policy priority), for both instances")
-    shared_engine: bool = Field(False, description="workloads: one engine for both paths, the direct path's "
-                                                   "requests over other documents of the same length (neither "
-                                                   "warms the other's cache, and no two instances differ)")
-    vllm_python: str | None = Field(None, description="launch vLLM (this python's, with the plugin for the "
-                                                      "gateway, stock for direct) instead of reference engines")
-    baseline: bool = Field(False, description="launch the gateway as it was before cache-aware planning: a fresh "
-                                              "selection for every prompt, no warming, system prompts compressed")
+    vllm_scheduling: str = Field(
+        "fcfs",
+        description="launched vLLM: fcfs (its default) or priority (--scheduling-policy priority), for both instances",
+    )
+    shared_engine: bool = Field(
+        False,
+        description="workloads: one engine for both paths, the direct path's "
+        "requests over other documents of the same length (neither "
+        "warms the other's cache, and no two instances differ)",
+    )
+    vllm_python: str | None = Field(
+        None,
+        description="launch vLLM (this python's, with the plugin for the "
+        "gateway, stock for direct) instead of reference engines",
+    )
+    baseline: bool = Field(
+        False,
+        description="launch the gateway as it was before cache-aware planning: a fresh "
+        "selection for every prompt, no warming, system prompts compressed",
+    )
     gateway_warming: bool = Field(True, description="launched gateway: warming on (its default) or off")
-    gateway_keep_system_whole: bool = Field(True, description="launched gateway: system prompts kept whole where "
-                                                              "affordable (its default) or compressed with the rest")
-    kv_events: bool = Field(True, description="launched servers: the gateway's engine publishes its KV cache "
-                                              "events and the gateway follows them (off: it guesses)")
-    engine_cache_tokens: int | None = Field(None, description="launched reference engines: their prefix caches' "
-                                                              "size in tokens (default: the engine's)")
-    foreign_tokens: int = Field(16000, description="workload foreign: tokens another client sends straight to the "
-                                                   "engine before each later turn, in prompts of --workload-tokens")
-    replicas: int = Field(1, ge=1, description="launched servers: each path's engine as this many replicas (the "
-                                               "gateway routes over its own; the direct path's behind --router)")
-    router: str = Field("round-robin", description="with --replicas: the direct path's router: round-robin, or "
-                                                   "prefix (prefix affinity, as SGLang's cache-aware router)")
-    pair: str | None = Field(None, description="launched servers: a folder with draft/ and target/ (as "
-                                               "`specprefill demo-models` writes; default: the demo pair)")
-    target_model: str | None = Field(None, description="launched servers: the target's folder instead of the pair's "
-                                                       "(`real`: the real model, SmolLM2-135M-Instruct)")
-    draft_model: str | None = Field(None, description="launched servers: the gateway's draft instead of the pair's "
-                                                      "(a folder, `target` for the target itself, or baseline:KIND)")
-    draft_layers: int | None = Field(None, ge=1, description="launched servers: the draft's first N layers only "
-                                                              "(with --draft-model target: a self-draft)")
-    agents: bool = Field(False, description="coding agents' sessions instead: Claude Code (and Codex CLI) headless, "
-                         "turn after turn, through the gateway and directly, each path on its own engine "
-                         "(agents.json); the demo pair (131,072 positions), or --pair")
+    gateway_keep_system_whole: bool = Field(
+        True,
+        description="launched gateway: system prompts kept whole where "
+        "affordable (its default) or compressed with the rest",
+    )
+    kv_events: bool = Field(
+        True,
+        description="launched servers: the gateway's engine publishes its KV cache "
+        "events and the gateway follows them (off: it guesses)",
+    )
+    engine_cache_tokens: int | None = Field(
+        None, description="launched reference engines: their prefix caches' size in tokens (default: the engine's)"
+    )
+    foreign_tokens: int = Field(
+        16000,
+        description="workload foreign: tokens another client sends straight to the "
+        "engine before each later turn, in prompts of --workload-tokens",
+    )
+    replicas: int = Field(
+        1,
+        ge=1,
+        description="launched servers: each path's engine as this many replicas (the "
+        "gateway routes over its own; the direct path's behind --router)",
+    )
+    router: str = Field(
+        "round-robin",
+        description="with --replicas: the direct path's router: round-robin, or "
+        "prefix (prefix affinity, as SGLang's cache-aware router)",
+    )
+    pair: str | None = Field(
+        None,
+        description="launched servers: a folder with draft/ and target/ (as "
+        "`specprefill demo-models` writes; default: the demo pair)",
+    )
+    target_model: str | None = Field(
+        None,
+        description="launched servers: the target's folder instead of the pair's "
+        "(`real`: the real model, SmolLM2-135M-Instruct)",
+    )
+    draft_model: str | None = Field(
+        None,
+        description="launched servers: the gateway's draft instead of the pair's "
+        "(a folder, `target` for the target itself, or baseline:KIND)",
+    )
+    draft_layers: int | None = Field(
+        None,
+        ge=1,
+        description="launched servers: the draft's first N layers only (with --draft-model target: a self-draft)",
+    )
+    agents: bool = Field(
+        False,
+        description="coding agents' sessions instead: Claude Code (and Codex CLI) headless, "
+        "turn after turn, through the gateway and directly, each path on its own engine "
+        "(agents.json); the demo pair (131,072 positions), or --pair",
+    )
     agent_names: list[str] = Field(["claude", "codex"], description="agents: which (claude, codex)")
     agent_sessions: int = Field(1, ge=1, description="agents: sessions per agent and path")
     agent_turns: int = Field(5, ge=1, description="agents: turns per session")
     agent_think: float = Field(5.0, ge=0, description="agents: seconds between an answer and the next turn")
-    agent_max_new_tokens: int = Field(512, gt=0, description="agents: the engines' cap on each answer (a safety net: "
-                                      "the target's end-of-turn row is doubled so its random answers end by "
-                                      "themselves; an agent takes an answer cut at the cap for an error)")
-    merge: list[str] = Field([], description="merge these sweeps' bench.json files (one per length, say) into one "
-                                             "table and plot in --out, and run nothing")
-    chaos: bool = Field(False, description="faults under load instead: Redis, the engine, a draft worker, a stalled "
-                        "engine, refused swaps, several at once, then a SIGTERM, all on loopback (chaos.json)")
+    agent_max_new_tokens: int = Field(
+        512,
+        gt=0,
+        description="agents: the engines' cap on each answer (a safety net: "
+        "the target's end-of-turn row is doubled so its random answers end by "
+        "themselves; an agent takes an answer cut at the cap for an error)",
+    )
+    merge: list[str] = Field(
+        [],
+        description="merge these sweeps' bench.json files (one per length, say) into one "
+        "table and plot in --out, and run nothing",
+    )
+    chaos: bool = Field(
+        False,
+        description="faults under load instead: Redis, the engine, a draft worker, a stalled "
+        "engine, refused swaps, several at once, then a SIGTERM, all on loopback (chaos.json)",
+    )
     chaos_fault_s: float = Field(8.0, description="chaos: seconds each part stays broken")
     chaos_calm_s: float = Field(10.0, description="chaos: seconds of steady load first and after each recovery")
     chaos_rate: float = Field(2.0, description="chaos: requests per second")
-    chaos_soak_s: float = Field(0.0, description="chaos: a soak of this many seconds instead (no faults; the "
-                                "gateway's resident memory and open file descriptors sampled every 10 s)")
+    chaos_soak_s: float = Field(
+        0.0,
+        description="chaos: a soak of this many seconds instead (no faults; the "
+        "gateway's resident memory and open file descriptors sampled every 10 s)",
+    )
 
     def cli_cmd(self) -> None:
         raise SystemExit(run_bench(self))
@@ -145,24 +215,42 @@ def run_bench(options: Bench) -> int:
             return 2
         vllm_args = ("--scheduling-policy", "priority") if options.vllm_scheduling == "priority" else ()
         target, draft = _models(options)
-        context = launched(engines, gateway_args(options), options.vllm_python, out,
-                           Path(options.pair) if options.pair else None, vllm_args=vllm_args,
-                           kv_events=options.kv_events, cache_tokens=options.engine_cache_tokens,
-                           replicas=options.replicas, router=options.router, target=target, draft=draft)
+        context = launched(
+            engines,
+            gateway_args(options),
+            options.vllm_python,
+            out,
+            Path(options.pair) if options.pair else None,
+            vllm_args=vllm_args,
+            kv_events=options.kv_events,
+            cache_tokens=options.engine_cache_tokens,
+            replicas=options.replicas,
+            router=options.router,
+            target=target,
+            draft=draft,
+        )
     with context as stack, httpx.Client(timeout=60) as client:
         model = options.model or client.get(f"{stack.gateway_url}/v1/models").json()["data"][0]["id"]
         direct_model = options.backend_model or client.get(f"{stack.direct_url}/v1/models").json()["data"][0]["id"]
         from specprefill.lab.bench import PromptMaker
 
         prompts = PromptMaker(client, stack.gateway_url, model)
-        meta = {"gateway_url": stack.gateway_url, "backend_url": stack.direct_url, "model": model,
-                "launched": options.base_url is None, "engine": "vllm" if options.vllm_python else "reference",
-                "baseline": options.baseline, "gateway_warming": options.gateway_warming,
-                "gateway_keep_system_whole": options.gateway_keep_system_whole,
-                "replicas": options.replicas, "router": options.router if options.replicas > 1 else None,
-                "pair": _pair_description(options.pair) if options.base_url is None else None,
-                "target_model": options.target_model, "draft_model": options.draft_model,
-                "draft_layers": options.draft_layers}
+        meta = {
+            "gateway_url": stack.gateway_url,
+            "backend_url": stack.direct_url,
+            "model": model,
+            "launched": options.base_url is None,
+            "engine": "vllm" if options.vllm_python else "reference",
+            "baseline": options.baseline,
+            "gateway_warming": options.gateway_warming,
+            "gateway_keep_system_whole": options.gateway_keep_system_whole,
+            "replicas": options.replicas,
+            "router": options.router if options.replicas > 1 else None,
+            "pair": _pair_description(options.pair) if options.base_url is None else None,
+            "target_model": options.target_model,
+            "draft_model": options.draft_model,
+            "draft_layers": options.draft_layers,
+        }
         if options.workloads:
             written = _workloads(options, stack, prompts, (model, direct_model), meta)
         else:
@@ -212,35 +300,72 @@ def _sweep_and_load(options: Bench, stack: Stack, prompts, models: tuple[str, st
     model, direct_model = models
     samples, rows, load = [], [], None
     if not options.load_only:
-        config = BenchConfig(stack.gateway_url, stack.direct_url, model, direct_model, options.lengths,
-                             options.keep_rates, options.repeats, options.warmup, options.max_tokens,
-                             options.warmup_direct)
+        config = BenchConfig(
+            stack.gateway_url,
+            stack.direct_url,
+            model,
+            direct_model,
+            options.lengths,
+            options.keep_rates,
+            options.repeats,
+            options.warmup,
+            options.max_tokens,
+            options.warmup_direct,
+        )
         samples, rows = asyncio.run(run_sweep(config, prompts, stack.idle_urls))
         print(format_table(rows))
     if options.load or options.load_only:
         # a different document per request, as real traffic: no cache hit flatters the gateway
         n_bodies = max(8, int(max(options.rates) * options.duration * 1.5))
-        bodies = [{"messages": prompts.make(options.load_tokens), "max_tokens": options.max_tokens,
-                   "temperature": 0} for _ in range(n_bodies)]
-        results = {"gateway": asyncio.run(run_load(f"{stack.gateway_url}/v1/chat/completions",
-                                                   [{**b, "model": model} for b in bodies],
-                                                   {"x-keep-rate": f"{options.load_keep_rate:g}"}, options.rates,
-                                                   options.duration, idle_urls=stack.idle_urls))}
+        bodies = [
+            {"messages": prompts.make(options.load_tokens), "max_tokens": options.max_tokens, "temperature": 0}
+            for _ in range(n_bodies)
+        ]
+        results = {
+            "gateway": asyncio.run(
+                run_load(
+                    f"{stack.gateway_url}/v1/chat/completions",
+                    [{**b, "model": model} for b in bodies],
+                    {"x-keep-rate": f"{options.load_keep_rate:g}"},
+                    options.rates,
+                    options.duration,
+                    idle_urls=stack.idle_urls,
+                )
+            )
+        }
         if options.load_direct:
-            results["direct"] = asyncio.run(run_load(f"{stack.direct_url}/v1/chat/completions",
-                                                     [{**b, "model": direct_model} for b in bodies], {},
-                                                     options.rates, options.duration, idle_urls=stack.idle_urls))
-        load = {"slo_s": options.ttft_slo, "tokens": options.load_tokens, "keep_rate": options.load_keep_rate,
-                "results": results,
-                "max_rate": {name: max_rate_meeting(r, options.ttft_slo) for name, r in results.items()}}
+            results["direct"] = asyncio.run(
+                run_load(
+                    f"{stack.direct_url}/v1/chat/completions",
+                    [{**b, "model": direct_model} for b in bodies],
+                    {},
+                    options.rates,
+                    options.duration,
+                    idle_urls=stack.idle_urls,
+                )
+            )
+        load = {
+            "slo_s": options.ttft_slo,
+            "tokens": options.load_tokens,
+            "keep_rate": options.load_keep_rate,
+            "results": results,
+            "max_rate": {name: max_rate_meeting(r, options.ttft_slo) for name, r in results.items()},
+        }
         for name, result in results.items():
             for r in result:
-                print(f"load {name:>7} {r['rate']:>6g} req/s: p50 {r['p50_s']:.3f} s, p99 {r['p99_s']:.3f} s, "
-                      f"{r['errors']} errors")
+                print(
+                    f"load {name:>7} {r['rate']:>6g} req/s: p50 {r['p50_s']:.3f} s, p99 {r['p99_s']:.3f} s, "
+                    f"{r['errors']} errors"
+                )
         print(f"highest rate with p99 TTFT <= {options.ttft_slo:g} s: {load['max_rate']}")
-    meta |= {"lengths": options.lengths, "keep_rates": options.keep_rates, "repeats": options.repeats,
-             "warmup": options.warmup, "warmup_direct": options.warmup_direct,
-             "cost_coefficients": _cost_coefficients(stack.gateway_url)}
+    meta |= {
+        "lengths": options.lengths,
+        "keep_rates": options.keep_rates,
+        "repeats": options.repeats,
+        "warmup": options.warmup,
+        "warmup_direct": options.warmup_direct,
+        "cost_coefficients": _cost_coefficients(stack.gateway_url),
+    }
     return write_outputs(Path(options.out), rows, samples, load, meta)
 
 
@@ -260,47 +385,85 @@ def _workloads(options: Bench, stack: Stack, prompts, models: tuple[str, str], m
     unknown = sorted(set(options.arrivals) - {*MODES, "poisson"})
     if unknown:
         raise SystemExit(f"specprefill bench: unknown arrival mode {unknown[0]!r}: use {', '.join(MODES)} or poisson")
-    paths = [PathTarget("gateway", stack.gateway_url, models[0], {"x-keep-rate": f"{options.workload_keep_rate:g}"},
-                        stack.gateway_engine_url),
-             PathTarget("direct", stack.direct_url, models[1], {}, stack.direct_url)]
+    paths = [
+        PathTarget(
+            "gateway",
+            stack.gateway_url,
+            models[0],
+            {"x-keep-rate": f"{options.workload_keep_rate:g}"},
+            stack.gateway_engine_url,
+        ),
+        PathTarget("direct", stack.direct_url, models[1], {}, stack.direct_url),
+    ]
     modes: dict[str, list[dict]] = {}
     samples, last = [], None
     for number, mode in enumerate(m for m in options.arrivals if m != "poisson"):
         # new documents for every mode (the engines have seen none of them); the direct path's over other
         # documents when both paths share one engine
-        workloads = build_workloads(prompts, options.workload_names, options.workload_requests,
-                                    options.workload_tokens, options.step_tokens)
-        direct = build_workloads(prompts, options.workload_names, options.workload_requests, options.workload_tokens,
-                                 options.step_tokens) if options.shared_engine else workloads
-        mode_samples = asyncio.run(run_workloads(mode, {"gateway": workloads, "direct": direct}, paths,
-                                                 stack.idle_urls, think_s=options.think_time,
-                                                 max_tokens=options.max_tokens,
-                                                 first="gateway" if number % 2 == 0 else "direct",
-                                                 act=_engine_actions(options, stack, models[1])))
+        workloads = build_workloads(
+            prompts, options.workload_names, options.workload_requests, options.workload_tokens, options.step_tokens
+        )
+        direct = (
+            build_workloads(
+                prompts, options.workload_names, options.workload_requests, options.workload_tokens, options.step_tokens
+            )
+            if options.shared_engine
+            else workloads
+        )
+        mode_samples = asyncio.run(
+            run_workloads(
+                mode,
+                {"gateway": workloads, "direct": direct},
+                paths,
+                stack.idle_urls,
+                think_s=options.think_time,
+                max_tokens=options.max_tokens,
+                first="gateway" if number % 2 == 0 else "direct",
+                act=_engine_actions(options, stack, models[1]),
+            )
+        )
         modes[mode] = summarize_workloads(mode_samples)
         print(f"arrivals: {mode}\n" + format_workloads(modes[mode]))
         samples += mode_samples
         # the engine check's request: one both engines hold whole, else the last one sent
-        last = last_whole_request(workloads, mode_samples) or last or next(
-            (w.requests[-1] for w in reversed(workloads) if w.api == "chat"), None)
+        last = (
+            last_whole_request(workloads, mode_samples)
+            or last
+            or next((w.requests[-1] for w in reversed(workloads) if w.api == "chat"), None)
+        )
     sessions = None
     if "poisson" in options.arrivals:
         sessions = _poisson(options, stack, prompts, paths)
         print("arrivals: poisson, mixed sessions\n" + format_sessions(sessions["summary"]))
     if stack.gateway_engine_url is not None and last is not None and "kill" not in options.workload_names:
-        engines = asyncio.run(compare_engines({"gateway's engine": stack.gateway_engine_url,
-                                               "direct's engine": stack.direct_url}, models[1], last,
-                                              stack.idle_urls, max_tokens=options.max_tokens))
+        engines = asyncio.run(
+            compare_engines(
+                {"gateway's engine": stack.gateway_engine_url, "direct's engine": stack.direct_url},
+                models[1],
+                last,
+                stack.idle_urls,
+                max_tokens=options.max_tokens,
+            )
+        )
         meta["engines"] = engines
-        print("the last request sent whole, with a new last line each time, directly to each engine (alternating, "
-              "8 each): median " + ", ".join(f"{name} {s * 1e3:.0f} ms" for name, s in engines["medians_s"].items())
-              + f"; ratio {engines['ratio']:.2f} (the engines' difference, no gateway in it)")
-    meta |= {"workload_tokens": options.workload_tokens, "step_tokens": options.step_tokens,
-             "keep_rate": options.workload_keep_rate, "baseline": options.baseline,
-             "shared_engine": options.shared_engine, "arrivals": options.arrivals, "think_time": options.think_time,
-             "vllm_scheduling": options.vllm_scheduling if options.vllm_python else None,
-             "cost_coefficients": _cost_coefficients(stack.gateway_url),
-             "gateway_counters": _gateway_counters(stack.gateway_url)}
+        print(
+            "the last request sent whole, with a new last line each time, directly to each engine (alternating, "
+            "8 each): median "
+            + ", ".join(f"{name} {s * 1e3:.0f} ms" for name, s in engines["medians_s"].items())
+            + f"; ratio {engines['ratio']:.2f} (the engines' difference, no gateway in it)"
+        )
+    meta |= {
+        "workload_tokens": options.workload_tokens,
+        "step_tokens": options.step_tokens,
+        "keep_rate": options.workload_keep_rate,
+        "baseline": options.baseline,
+        "shared_engine": options.shared_engine,
+        "arrivals": options.arrivals,
+        "think_time": options.think_time,
+        "vllm_scheduling": options.vllm_scheduling if options.vllm_python else None,
+        "cost_coefficients": _cost_coefficients(stack.gateway_url),
+        "gateway_counters": _gateway_counters(stack.gateway_url),
+    }
     return write_workloads(Path(options.out), modes, samples, sessions, meta)
 
 
@@ -327,8 +490,9 @@ def _engine_actions(options: Bench, stack: Stack, model: str):
         async with httpx.AsyncClient(timeout=3600) as client:
             for _ in range(max(1, options.foreign_tokens // options.workload_tokens)):
                 prompt = [rng.randrange(100, 4000) for _ in range(options.workload_tokens)]
-                r = await client.post(f"{path.engine_url}/v1/completions",
-                                      json={"model": model, "prompt": prompt, "max_tokens": 1})
+                r = await client.post(
+                    f"{path.engine_url}/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 1}
+                )
                 r.raise_for_status()
 
     return act
@@ -345,15 +509,19 @@ def _poisson(options: Bench, stack: Stack, prompts, paths) -> dict:
         samples = []
         async with httpx.AsyncClient(timeout=60) as client:
             for number, rate in enumerate(options.session_rates):
-                schedule = session_schedule(prompts, rate, options.sessions_per_rate, options.workload_tokens,
-                                            options.step_tokens, seed=number)
+                schedule = session_schedule(
+                    prompts, rate, options.sessions_per_rate, options.workload_tokens, options.step_tokens, seed=number
+                )
                 for path in paths if number % 2 == 0 else paths[::-1]:
                     await wait_idle(client, stack.idle_urls)
-                    print(f"poisson: {rate:g} sessions/s through {path.name} "
-                          f"({schedule[-1].start_s:.0f} s of arrivals)", flush=True)
+                    print(
+                        f"poisson: {rate:g} sessions/s through {path.name} ({schedule[-1].start_s:.0f} s of arrivals)",
+                        flush=True,
+                    )
                     samples += await run_sessions(path, schedule, rate, options.max_tokens)
                 (Path(options.out) / "sessions-partial.json").write_text(
-                    json.dumps({"summary": summarize_sessions(samples), "samples": as_dicts(samples)}))
+                    json.dumps({"summary": summarize_sessions(samples), "samples": as_dicts(samples)})
+                )
         return samples
 
     samples = asyncio.run(run())
@@ -391,8 +559,10 @@ def _gateway_counters(gateway_url: str) -> dict[str, float]:
         for sample in family.samples:
             if sample.name == "specprefill_warming_total":
                 out[f"warming_{sample.labels['outcome']}"] = sample.value
-            elif sample.name in ("specprefill_foreground_behind_background_seconds_count",
-                                 "specprefill_foreground_behind_background_seconds_sum"):
+            elif sample.name in (
+                "specprefill_foreground_behind_background_seconds_count",
+                "specprefill_foreground_behind_background_seconds_sum",
+            ):
                 out[sample.name.removeprefix("specprefill_")] = sample.value
     return out
 
@@ -417,9 +587,16 @@ def _run_chaos(options: Bench, out: Path) -> int:
 
     root = Path(options.pair) if options.pair else ensure_demo_models()
     soak = options.chaos_soak_s > 0
-    report = asyncio.run(run_chaos(root, out, fault_s=options.chaos_fault_s, rate=options.chaos_rate,
-                                   calm_s=options.chaos_soak_s if soak else options.chaos_calm_s,
-                                   faults=() if soak else FAULTS))
+    report = asyncio.run(
+        run_chaos(
+            root,
+            out,
+            fault_s=options.chaos_fault_s,
+            rate=options.chaos_rate,
+            calm_s=options.chaos_soak_s if soak else options.chaos_calm_s,
+            faults=() if soak else FAULTS,
+        )
+    )
     summary = report.summary()
     print(format_chaos(summary))
     if soak:  # flat after the first 5 minutes (a twelfth of a shorter soak)
@@ -433,8 +610,15 @@ def _run_agents(options: Bench, out: Path) -> int:
     the plugin (vLLM), the same turns in the same order, one path after the other (which first alternating)."""
     import subprocess
 
-    from specprefill.lab.agents import AGENT_MODELS, TimingProxy, as_dicts, ending_target, format_turns, \
-        run_session, summarize_turns
+    from specprefill.lab.agents import (
+        AGENT_MODELS,
+        TimingProxy,
+        as_dicts,
+        ending_target,
+        format_turns,
+        run_session,
+        summarize_turns,
+    )
     from specprefill.lab.demo_models import ensure_demo_models
 
     unknown = sorted(set(options.agent_names) - {"claude", "codex"})
@@ -453,22 +637,47 @@ def _run_agents(options: Bench, out: Path) -> int:
     cap = options.agent_max_new_tokens
     args = gateway_args(options) + ["--min-prompt-tokens", "1024", "--model-alias", ",".join(AGENT_MODELS)]
     turns, failures = [], []
-    meta = {"engine": "vllm" if options.vllm_python else "reference", "think_s": options.agent_think,
-            "turns": options.agent_turns, "sessions": options.agent_sessions, "max_new_tokens": cap,
-            "pair": _pair_description(options.pair)}
+    meta = {
+        "engine": "vllm" if options.vllm_python else "reference",
+        "think_s": options.agent_think,
+        "turns": options.agent_turns,
+        "sessions": options.agent_sessions,
+        "max_new_tokens": cap,
+        "pair": _pair_description(options.pair),
+    }
 
     def write() -> list[dict]:  # after every session: a run cut short keeps what it measured
         rows = summarize_turns(turns)
-        (out / "agents.json").write_text(json.dumps({"meta": meta, "summary": rows, "failures": failures,
-                                                     "turns": as_dicts(turns)}, indent=1))
+        (out / "agents.json").write_text(
+            json.dumps({"meta": meta, "summary": rows, "failures": failures, "turns": as_dicts(turns)}, indent=1)
+        )
         return rows
 
-    with launched(2, args, options.vllm_python, out, pair,
-                  vllm_args=("--override-generation-config", json.dumps({"max_new_tokens": cap}),
-                             "--served-model-name", "specprefill-demo", *AGENT_MODELS),
-                  kv_events=options.kv_events, target=target, draft=draft, max_model_len=131_072,
-                  engine_args=("--max-new-tokens", str(cap), "--served-model-name", "specprefill-demo",
-                               *(arg for name in AGENT_MODELS for arg in ("--model-alias", name)))) as stack:
+    with launched(
+        2,
+        args,
+        options.vllm_python,
+        out,
+        pair,
+        vllm_args=(
+            "--override-generation-config",
+            json.dumps({"max_new_tokens": cap}),
+            "--served-model-name",
+            "specprefill-demo",
+            *AGENT_MODELS,
+        ),
+        kv_events=options.kv_events,
+        target=target,
+        draft=draft,
+        max_model_len=131_072,
+        engine_args=(
+            "--max-new-tokens",
+            str(cap),
+            "--served-model-name",
+            "specprefill-demo",
+            *(arg for name in AGENT_MODELS for arg in ("--model-alias", name)),
+        ),
+    ) as stack:
         proxies = {"gateway": TimingProxy(stack.gateway_url), "direct": TimingProxy(stack.direct_url)}
         with contextlib.ExitStack() as running:
             urls = {name: running.enter_context(proxy.serving()) for name, proxy in proxies.items()}
@@ -477,13 +686,23 @@ def _run_agents(options: Bench, out: Path) -> int:
                     order = ("direct", "gateway") if session % 2 == 0 else ("gateway", "direct")
                     for path in order:
                         print(f"agents: {agent} session {session + 1} through {path}", flush=True)
-                        done, error = run_session(agent, bin_dir, path, urls[path], proxies[path],
-                                                  out / "sessions", session, options.agent_turns,
-                                                  options.agent_think)
+                        done, error = run_session(
+                            agent,
+                            bin_dir,
+                            path,
+                            urls[path],
+                            proxies[path],
+                            out / "sessions",
+                            session,
+                            options.agent_turns,
+                            options.agent_think,
+                        )
                         turns += done
                         if error is not None:
-                            print(f"agents: {agent} session {session + 1} through {path} failed at {error[:600]}",
-                                  flush=True)
+                            print(
+                                f"agents: {agent} session {session + 1} through {path} failed at {error[:600]}",
+                                flush=True,
+                            )
                             failures.append({"agent": agent, "path": path, "session": session, "error": error})
                         write()
         meta["gateway_counters"] = _gateway_counters(stack.gateway_url)

@@ -23,9 +23,12 @@ class DemoModels(BaseSettings):
     target_shape: str | None = Field(None, description="a real target's shape: llama-3.1-8b, ...")
     device: str | None = Field(None, description="where shaped weights are made (default: cuda if available)")
     dtype: str = Field("bfloat16", description="shaped weights' dtype: bfloat16, float16 or float32")
-    weights: bool = Field(True, description="shaped pairs: write the weights (off: the configs and the tokenizer "
-                                            "only; each load makes the same random weights on its device, as for "
-                                            "a 32B shape that would take 64 GB on disk)")
+    weights: bool = Field(
+        True,
+        description="shaped pairs: write the weights (off: the configs and the tokenizer "
+        "only; each load makes the same random weights on its device, as for "
+        "a 32B shape that would take 64 GB on disk)",
+    )
     max_positions: int = Field(65536, gt=0, description="shaped pairs: the models' max_position_embeddings")
 
     def cli_cmd(self) -> None:
@@ -40,9 +43,16 @@ class DemoModels(BaseSettings):
             unknown = [s for s in (self.draft_shape, self.target_shape) if s not in SHAPES]
             if unknown:
                 _fail(f"unknown shape {unknown[0]!r}; known: {', '.join(SHAPES)}")
-            out = write_shaped_pair(self.dir, self.draft_shape, self.target_shape, seed=self.seed,
-                                    device=self.device or default_device(), dtype=resolve_dtype(self.dtype),
-                                    max_positions=self.max_positions, weights=self.weights)
+            out = write_shaped_pair(
+                self.dir,
+                self.draft_shape,
+                self.target_shape,
+                seed=self.seed,
+                device=self.device or default_device(),
+                dtype=resolve_dtype(self.dtype),
+                max_positions=self.max_positions,
+                weights=self.weights,
+            )
         print(f"wrote {out / 'draft'} and {out / 'target'}")
 
 
@@ -57,8 +67,9 @@ class RealModel(BaseSettings):
     `specprefill serve` without --target-model does this itself."""
 
     model_config = SETTINGS_CONFIG
-    cache_dir: Path | None = Field(None, description="the cache folder (default: $SPECPREFILL_CACHE_DIR, else "
-                                                     "~/.cache/specprefill)")
+    cache_dir: Path | None = Field(
+        None, description="the cache folder (default: $SPECPREFILL_CACHE_DIR, else ~/.cache/specprefill)"
+    )
 
     def cli_cmd(self) -> None:
         from specprefill.lab.real_model import RealModelError, ensure_real_model

@@ -23,8 +23,9 @@ class Eval(BaseSettings):
     out: str = Field("eval_results", description="folder for eval.json (and eval.png)")
     samples: int = Field(100, description="retrieval: samples")
     words: int = Field(1500, description="retrieval: words of context per sample (about 1.1 tokens each)")
-    pair: str | None = Field(None, description="retrieval: a pair's folder (DIR/draft, DIR/target); "
-                                                "default: the one shipped in the package")
+    pair: str | None = Field(
+        None, description="retrieval: a pair's folder (DIR/draft, DIR/target); default: the one shipped in the package"
+    )
     train: bool = Field(False, description="retrieval: retrain the pair into the cache first (about 20 min)")
     dataset: str | None = Field(None, description="JSONL rows: messages or prompt, answers, metric")
     base_url: str | None = Field(None, description="dataset: the gateway's base URL (without /v1)")
@@ -33,41 +34,69 @@ class Eval(BaseSettings):
     direct_model: str | None = Field(None, description="dataset: the model name at --direct-url")
     max_tokens: int = Field(64, description="dataset: tokens generated per answer")
     api_key: str | None = Field(None, description="dataset: Bearer token for the gateway")
-    sessions: bool = Field(False, description="retrieval across requests: one document, several questions, as "
-                                              "chat turns and as separate requests, through a live gateway")
+    sessions: bool = Field(
+        False,
+        description="retrieval across requests: one document, several questions, as "
+        "chat turns and as separate requests, through a live gateway",
+    )
     questions: int = Field(4, description="sessions: questions per document")
     session_samples: int = Field(40, description="sessions: documents")
     session_keep_rate: float = Field(0.1, description="sessions: keep rate through the gateway")
-    cross_tokenizer: bool = Field(False, description="retrieval through live gateways with the pair's own draft and "
-                                  "with --cross-draft (another tokenizer, mapped), and the mapping's cost")
-    cross_draft: str | None = Field(None, description="cross-tokenizer: the other draft (default: the shipped "
-                                    "retrieval draft with a SentencePiece-style BPE, retrieval-pair/draft-bpe)")
-    suite: bool = Field(False, description="the RULER-style suite (single, multivalue, multiquery, variables, "
-                        "aggregation) through live gateways: SpecPrefill, random/head/tail chunks, and the target as "
-                        "its own draft (upper bound), at every --suite-keep-rates; --pair defaults to the suite pair")
-    families: list[str] = Field(["single", "multivalue", "multiquery", "variables", "aggregation"],
-                                description="suite: task families (comma-separated)")
+    cross_tokenizer: bool = Field(
+        False,
+        description="retrieval through live gateways with the pair's own draft and "
+        "with --cross-draft (another tokenizer, mapped), and the mapping's cost",
+    )
+    cross_draft: str | None = Field(
+        None,
+        description="cross-tokenizer: the other draft (default: the shipped "
+        "retrieval draft with a SentencePiece-style BPE, retrieval-pair/draft-bpe)",
+    )
+    suite: bool = Field(
+        False,
+        description="the RULER-style suite (single, multivalue, multiquery, variables, "
+        "aggregation) through live gateways: SpecPrefill, random/head/tail chunks, and the target as "
+        "its own draft (upper bound), at every --suite-keep-rates; --pair defaults to the suite pair",
+    )
+    families: list[str] = Field(
+        ["single", "multivalue", "multiquery", "variables", "aggregation"],
+        description="suite: task families (comma-separated)",
+    )
     suite_samples: int = Field(50, description="suite: samples per family")
-    suite_words: int = Field(1024, description="suite: words of context per sample (one token each; the suite "
-                             "pair was trained up to 2,048)")
+    suite_words: int = Field(
+        1024, description="suite: words of context per sample (one token each; the suite pair was trained up to 2,048)"
+    )
     suite_keep_rates: list[float] = Field([0.05, 0.1, 0.3, 0.5, 1.0], description="suite: keep rates")
-    methods: list[str] = Field(["specprefill", "random", "head", "tail", "upper"],
-                               description="suite: selection methods (comma-separated)")
-    ablations: bool = Field(False, description="suite: also the paper's ablations (look-ahead 1/4, pooling off, "
-                            "chunks of 1/8/64, protection off), each on the pair's draft")
-    real: bool = Field(False, description="the real model (SmolLM2-135M-Instruct) on real text: facts planted in the "
-                       "standard library's prose, through live gateways with each draft (resumes from "
-                       "OUT/answers.jsonl); hours on 2 cores at the defaults")
+    methods: list[str] = Field(
+        ["specprefill", "random", "head", "tail", "upper"], description="suite: selection methods (comma-separated)"
+    )
+    ablations: bool = Field(
+        False,
+        description="suite: also the paper's ablations (look-ahead 1/4, pooling off, "
+        "chunks of 1/8/64, protection off), each on the pair's draft",
+    )
+    real: bool = Field(
+        False,
+        description="the real model (SmolLM2-135M-Instruct) on real text: facts planted in the "
+        "standard library's prose, through live gateways with each draft (resumes from "
+        "OUT/answers.jsonl); hours on 2 cores at the defaults",
+    )
     real_lengths: list[int] = Field([2000, 4000, 7000], description="real: chat lengths in tokens")
     real_samples: int = Field(50, description="real: haystacks per length (each asked every task)")
     real_keep_rates: list[float] = Field([0.3, 0.1, 0.05], description="real: keep rates (the full prompt too)")
-    real_drafts: list[str] | None = Field(None, description="real: which drafts (target, self-K for each "
-                                                             "--real-self-layers K, cross, random, head, tail; "
-                                                             "default: all)")
+    real_drafts: list[str] | None = Field(
+        None,
+        description="real: which drafts (target, self-K for each "
+        "--real-self-layers K, cross, random, head, tail; "
+        "default: all)",
+    )
     real_self_layers: list[int] = Field([4, 8, 12], description="real: the self-drafts' layer counts")
     real_rule_length: int = Field(2000, description="real: the instruction-following haystacks' length (0: none)")
-    real_speed: list[str] = Field([], description="real: DRAFT=FOLDER, a `specprefill bench` run of that draft "
-                                  "(repeatable): accuracy against cold TTFT, plotted (real-frontier.png)")
+    real_speed: list[str] = Field(
+        [],
+        description="real: DRAFT=FOLDER, a `specprefill bench` run of that draft "
+        "(repeatable): accuracy against cold TTFT, plotted (real-frontier.png)",
+    )
 
     def cli_cmd(self) -> None:
         raise SystemExit(run_eval(self))
@@ -88,15 +117,23 @@ def run_eval(options: Eval) -> int:
             import httpx
 
             model = httpx.get(f"{options.base_url.rstrip('/')}/v1/models", timeout=30).json()["data"][0]["id"]
-        results = evaluate_dataset(rows, options.base_url.rstrip("/"), model, options.keep_rates,
-                                   direct_url=options.direct_url, direct_model=options.direct_model,
-                                   max_tokens=options.max_tokens, api_key=options.api_key)
+        results = evaluate_dataset(
+            rows,
+            options.base_url.rstrip("/"),
+            model,
+            options.keep_rates,
+            direct_url=options.direct_url,
+            direct_model=options.direct_model,
+            max_tokens=options.max_tokens,
+            api_key=options.api_key,
+        )
         print(f"{'variant':>10} {'score':>7} {'kept':>6}")
         for name, r in results.items():
             kept = f"{r['kept_fraction']:.1%}" if r["kept_fraction"] is not None else "-"
             print(f"{name:>10} {r['score']:>7.3f} {kept:>6}")
-        (out / "eval.json").write_text(json.dumps({"dataset": options.dataset, "rows": len(rows), "results": results},
-                                                  indent=2))
+        (out / "eval.json").write_text(
+            json.dumps({"dataset": options.dataset, "rows": len(rows), "results": results}, indent=2)
+        )
         print(f"wrote {out / 'eval.json'}")
         return 0
 
@@ -142,9 +179,16 @@ def _real(options: Eval, out: Path) -> int:
     if unknown:
         print(f"specprefill eval: unknown draft {unknown[0]!r}; drafts: {', '.join(known)}", file=sys.stderr)
         return 2
-    rows = run_real_eval(real, out, lengths=options.real_lengths, samples=options.real_samples,
-                         keep_rates=options.real_keep_rates, self_layers=options.real_self_layers,
-                         names=options.real_drafts, rule_length=options.real_rule_length or None)
+    rows = run_real_eval(
+        real,
+        out,
+        lengths=options.real_lengths,
+        samples=options.real_samples,
+        keep_rates=options.real_keep_rates,
+        self_layers=options.real_self_layers,
+        names=options.real_drafts,
+        rule_length=options.real_rule_length or None,
+    )
     cells = summarize(rows)
     print("\n".join(format_summary(cells)))
     result = {"samples": options.real_samples, "cells": cells}
@@ -165,12 +209,25 @@ def _real(options: Eval, out: Path) -> int:
 def _sessions(options: Eval, pair: Path, out: Path) -> int:
     from specprefill.lab.session_eval import evaluate_sessions, format_sessions
 
-    results = evaluate_sessions(pair, samples=options.session_samples, words=options.words,
-                                questions=options.questions, keep_rate=options.session_keep_rate)
+    results = evaluate_sessions(
+        pair,
+        samples=options.session_samples,
+        words=options.words,
+        questions=options.questions,
+        keep_rate=options.session_keep_rate,
+    )
     print(format_sessions(results))
-    (out / "sessions.json").write_text(json.dumps({"pair": str(pair), "keep_rate": options.session_keep_rate,
-                                                   "words": options.words, "results": [asdict(r) for r in results]},
-                                                  indent=2))
+    (out / "sessions.json").write_text(
+        json.dumps(
+            {
+                "pair": str(pair),
+                "keep_rate": options.session_keep_rate,
+                "words": options.words,
+                "results": [asdict(r) for r in results],
+            },
+            indent=2,
+        )
+    )
     print(f"wrote {out / 'sessions.json'}")
     return 0
 
@@ -180,15 +237,31 @@ def _cross_tokenizer(options: Eval, pair: Path, out: Path) -> int:
     from specprefill.lab.retrieval import SHIPPED_PAIR
 
     other = Path(options.cross_draft) if options.cross_draft else SHIPPED_PAIR / "draft-bpe"
-    results = evaluate_drafts(pair / "target", [pair / "draft", other], samples=options.samples,
-                              words=options.words, keep_rates=[k for k in options.keep_rates if k < 1])
+    results = evaluate_drafts(
+        pair / "target",
+        [pair / "draft", other],
+        samples=options.samples,
+        words=options.words,
+        keep_rates=[k for k in options.keep_rates if k < 1],
+    )
     print(format_drafts(results))
     cost = mapping_cost(pair / "target", other)
-    print(f"mapping a {cost['target_tokens']}-token prompt onto the draft's {cost['draft_tokens']} tokens and back: "
-          f"{cost['mapping_ms']:.1f} ms, {cost['ratio']:.1%} of the draft's scoring ({cost['draft_ms']:.1f} ms)")
-    (out / "cross-tokenizer.json").write_text(json.dumps(
-        {"pair": str(pair), "samples": options.samples, "words": options.words,
-         "results": [asdict(r) for r in results], "mapping_cost": cost}, indent=2))
+    print(
+        f"mapping a {cost['target_tokens']}-token prompt onto the draft's {cost['draft_tokens']} tokens and back: "
+        f"{cost['mapping_ms']:.1f} ms, {cost['ratio']:.1%} of the draft's scoring ({cost['draft_ms']:.1f} ms)"
+    )
+    (out / "cross-tokenizer.json").write_text(
+        json.dumps(
+            {
+                "pair": str(pair),
+                "samples": options.samples,
+                "words": options.words,
+                "results": [asdict(r) for r in results],
+                "mapping_cost": cost,
+            },
+            indent=2,
+        )
+    )
     print(f"wrote {out / 'cross-tokenizer.json'}")
     return 0
 
@@ -200,15 +273,24 @@ def _suite(options: Eval, out: Path) -> int:
     pair = Path(options.pair) if options.pair else SHIPPED_SUITE_PAIR
     unknown = sorted(set(options.families) - set(FAMILIES)) + sorted(set(options.methods) - set(METHODS))
     if unknown:
-        print(f"specprefill eval: unknown {', '.join(unknown)}; families: {', '.join(FAMILIES)}; "
-              f"methods: {', '.join(METHODS)}", file=sys.stderr)
+        print(
+            f"specprefill eval: unknown {', '.join(unknown)}; families: {', '.join(FAMILIES)}; "
+            f"methods: {', '.join(METHODS)}",
+            file=sys.stderr,
+        )
         return 2
     if not (pair / "draft").is_dir() or not (pair / "target").is_dir():
         print(f"specprefill eval: {pair} needs draft/ and target/ model folders", file=sys.stderr)
         return 2
-    result = evaluate_suite(pair, families=options.families, samples_per_family=options.suite_samples,
-                            words=options.suite_words, keep_rates=options.suite_keep_rates, methods=options.methods,
-                            ablations=options.ablations)
+    result = evaluate_suite(
+        pair,
+        families=options.families,
+        samples_per_family=options.suite_samples,
+        words=options.suite_words,
+        keep_rates=options.suite_keep_rates,
+        methods=options.methods,
+        ablations=options.ablations,
+    )
     print(format_suite(result))
     (out / "suite.json").write_text(json.dumps(asdict(result) | {"pair": str(pair)}, indent=2))
     written = plot_suite(result, out / "suite.png")

@@ -25,8 +25,11 @@ class Score(DeviceOptions, ScoringOptions):
     json_output: bool = Field(
         False, validation_alias=AliasChoices("json", "json_output"), description="print the numbers as JSON"
     )
-    html: str | None = Field(None, description="also write the inspector's view to this file: one self-contained "
-                             "HTML page, with a keep-rate slider over the same selections")
+    html: str | None = Field(
+        None,
+        description="also write the inspector's view to this file: one self-contained "
+        "HTML page, with a keep-rate slider over the same selections",
+    )
 
     @field_validator("keep_rate")
     @classmethod
@@ -45,8 +48,9 @@ def run_score(options: Score) -> int:
         raw = _read_input(options.file)
         token_ids = parse_token_ids(raw) if options.token_ids else None
         config = options.scoring_config()
-        worker = DraftWorker.from_pretrained(options.model, config, device=options.device, dtype=options.dtype,
-                                             layers=options.draft_layers)
+        worker = DraftWorker.from_pretrained(
+            options.model, config, device=options.device, dtype=options.dtype, layers=options.draft_layers
+        )
         if token_ids is None:
             token_ids = worker.tokenizer(raw).input_ids  # as the gateway tokenizes a completion prompt
         scores = worker.score(token_ids)
@@ -56,28 +60,46 @@ def run_score(options: Score) -> int:
     special = worker.tokenizer.all_special_ids
     kept = select_tokens(token_ids, scores, options.keep_rate, config, special)
     if options.html:
-        write_html(options.html, worker.tokenizer, token_ids, scores, config, special, options.keep_rate,
-                   options.model)
+        write_html(options.html, worker.tokenizer, token_ids, scores, config, special, options.keep_rate, options.model)
     if options.json_output:
-        print(json.dumps({"original_tokens": len(token_ids), "kept_tokens": len(kept), "kept_indices": kept,
-                          "scores": [round(s, 8) for s in scores.tolist()]}))
+        print(
+            json.dumps(
+                {
+                    "original_tokens": len(token_ids),
+                    "kept_tokens": len(kept),
+                    "kept_indices": kept,
+                    "scores": [round(s, 8) for s in scores.tolist()],
+                }
+            )
+        )
         return 0
     print(render_kept(worker.tokenizer, token_ids, kept, color=sys.stdout.isatty()))
-    print(f"\nkept {len(kept)} of {len(token_ids)} tokens ({len(kept) / len(token_ids):.1%}; "
-          f"keep rate {options.keep_rate}, chunks of {config.chunk_size})", file=sys.stderr)
+    print(
+        f"\nkept {len(kept)} of {len(token_ids)} tokens ({len(kept) / len(token_ids):.1%}; "
+        f"keep rate {options.keep_rate}, chunks of {config.chunk_size})",
+        file=sys.stderr,
+    )
     return 0
 
 
-def write_html(path: str, tokenizer, token_ids: list[int], scores, config, special: list[int], keep_rate: float,
-               model: str) -> None:
+def write_html(
+    path: str, tokenizer, token_ids: list[int], scores, config, special: list[int], keep_rate: float, model: str
+) -> None:
     """The inspector's page with this prompt's scores and selections inlined (``gateway.inspector``)."""
-    from common.tokenize import token_pieces
     from common.selection import always_kept, select_tokens
+    from common.tokenize import token_pieces
     from gateway.inspector import inspection, page, selections
 
     plans = selections(lambda rate: select_tokens(token_ids, scores, rate, config, special))
-    data = inspection(token_pieces(tokenizer, token_ids), scores, always_kept(token_ids, config, special),
-                      config.chunk_size, round(keep_rate, 2), plans, model=model)
+    data = inspection(
+        token_pieces(tokenizer, token_ids),
+        scores,
+        always_kept(token_ids, config, special),
+        config.chunk_size,
+        round(keep_rate, 2),
+        plans,
+        model=model,
+    )
     with open(path, "w", encoding="utf-8") as f:
         f.write(page(data))
     print(f"wrote {path}", file=sys.stderr)

@@ -21,11 +21,20 @@ class Serve(GatewaySettings):
         _check_draft_layers("serve", settings.draft_model, settings.draft_layers)
         base = f"http://{settings.host}:{settings.port}/v1"
         model = settings.served_model_name or settings.target_model
-        body = json.dumps({"model": model, "messages": [{"role": "user", "content": "What is the capital of France?"}],
-                           "max_tokens": 32}, separators=(",", ":"))
+        body = json.dumps(
+            {
+                "model": model,
+                "messages": [{"role": "user", "content": "What is the capital of France?"}],
+                "max_tokens": 32,
+            },
+            separators=(",", ":"),
+        )
         print(f"SpecPrefill gateway: base URL {base}", flush=True)
-        print(f"  try: curl -s {base}/chat/completions -H 'content-type: application/json' "
-              f"-H 'x-keep-rate: 0.3' -d '{body}'", flush=True)
+        print(
+            f"  try: curl -s {base}/chat/completions -H 'content-type: application/json' "
+            f"-H 'x-keep-rate: 0.3' -d '{body}'",
+            flush=True,
+        )
         run_server(create_app(settings), settings, max_body_bytes=settings.max_request_bytes)
 
     def with_default_models(self) -> GatewaySettings:
@@ -40,9 +49,14 @@ class Serve(GatewaySettings):
         except RealModelError as exc:
             print(f"specprefill serve: error: {exc}", file=sys.stderr)
             raise SystemExit(1) from None
-        return self.model_copy(update={"target_model": root, "draft_model": root,
-                                       "draft_layers": self.draft_layers or DEFAULT_DRAFT_LAYERS,
-                                       "served_model_name": self.served_model_name or REAL_MODEL_NAME})
+        return self.model_copy(
+            update={
+                "target_model": root,
+                "draft_model": root,
+                "draft_layers": self.draft_layers or DEFAULT_DRAFT_LAYERS,
+                "served_model_name": self.served_model_name or REAL_MODEL_NAME,
+            }
+        )
 
 
 class Engine(EngineSettings):

@@ -27,8 +27,13 @@ from aiohttp import web
 AGENT_MODELS = ("claude-opus-5-5", "gpt-6.2-sol")
 FIRST_EVENTS = (b'"content_block_start"', b'"response.output_text.delta"', b'"response.output_item.added"')
 HOP_HEADERS = {"host", "content-length", "transfer-encoding", "connection", "keep-alive"}
-QUESTIONS = ("What does hello.py print?", "What would it print if run twice?", "Is there a bug in it?",
-             "How would you make it print the date too?", "Summarise what we discussed.")
+QUESTIONS = (
+    "What does hello.py print?",
+    "What would it print if run twice?",
+    "Is there a bug in it?",
+    "How would you make it print the date too?",
+    "Summarise what we discussed.",
+)
 
 
 @dataclass
@@ -69,10 +74,15 @@ class TimingProxy:
         body = await request.read()
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
         exchange = Exchange(request.path, time.perf_counter())
-        async with self._session.request(request.method, self.upstream + request.path_qs, data=body,
-                                         headers=headers) as answer:
-            response = web.StreamResponse(status=answer.status, headers={
-                k: v for k, v in answer.headers.items() if k.lower() not in HOP_HEADERS | {"content-encoding"}})
+        async with self._session.request(
+            request.method, self.upstream + request.path_qs, data=body, headers=headers
+        ) as answer:
+            response = web.StreamResponse(
+                status=answer.status,
+                headers={
+                    k: v for k, v in answer.headers.items() if k.lower() not in HOP_HEADERS | {"content-encoding"}
+                },
+            )
             await response.prepare(request)
             seen = b""
             async for chunk in answer.content.iter_any():
@@ -109,13 +119,13 @@ class TimingProxy:
             state["port"] = site._server.sockets[0].getsockname()[1]
             ready.set()
 
-        thread = threading.Thread(target=lambda: (loop.run_until_complete(start()), loop.run_forever()),
-                                  daemon=True)
+        thread = threading.Thread(target=lambda: (loop.run_until_complete(start()), loop.run_forever()), daemon=True)
         thread.start()
         ready.wait(30)
         try:
             yield f"http://127.0.0.1:{state['port']}"
         finally:
+
             async def stop() -> None:
                 await state["runner"].cleanup()
                 await self._session.close()
@@ -136,8 +146,11 @@ def _usage(stream: bytes) -> tuple[int | None, int | None]:
             event = json.loads(line)
         except json.JSONDecodeError:
             continue
-        found = (event.get("usage") or (event.get("message") or {}).get("usage")
-                 or (event.get("response") or {}).get("usage"))
+        found = (
+            event.get("usage")
+            or (event.get("message") or {}).get("usage")
+            or (event.get("response") or {}).get("usage")
+        )
         if found:
             usage.update({k: v for k, v in found.items() if v is not None})
     if "input_tokens" not in usage:
@@ -174,13 +187,18 @@ def agent_env(agent: str, url: str, home: Path) -> dict[str, str]:
     """The environment an agent runs in: its own home, the path's base URL, no traffic elsewhere."""
     env = {"PATH": os.environ["PATH"], "HOME": str(home)}
     if agent == "claude":
-        return env | {"ANTHROPIC_BASE_URL": url, "ANTHROPIC_API_KEY": "unused",
-                      "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1"}
+        return env | {
+            "ANTHROPIC_BASE_URL": url,
+            "ANTHROPIC_API_KEY": "unused",
+            "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+            "DISABLE_AUTOUPDATER": "1",
+        }
     codex_home = home / ".codex"
     codex_home.mkdir(parents=True, exist_ok=True)
     (codex_home / "config.toml").write_text(
         f'model_provider = "specprefill"\n\n[model_providers.specprefill]\nname = "SpecPrefill gateway"\n'
-        f'base_url = "{url}/v1"\nwire_api = "responses"\n')
+        f'base_url = "{url}/v1"\nwire_api = "responses"\n'
+    )
     return env | {"CODEX_HOME": str(codex_home)}
 
 
@@ -188,17 +206,30 @@ class AgentFailed(RuntimeError):
     """An agent's turn ended in an error (its message ends with what the agent printed)."""
 
 
-def agent_turn(agent: str, bin_dir: Path, url: str, work: Path, home: Path, prompt: str, first: bool
-               ) -> tuple[dict, float]:
+def agent_turn(
+    agent: str, bin_dir: Path, url: str, work: Path, home: Path, prompt: str, first: bool
+) -> tuple[dict, float]:
     """One headless turn; the agent's JSON result (Claude Code) or its last lines (Codex), and the wall time."""
     if agent == "claude":
         command = [str(bin_dir / "claude"), *([] if first else ["-c"]), "-p", prompt, "--output-format", "json"]
     else:
-        command = [str(bin_dir / "codex"), "exec", *([] if first else ["resume", "--last"]),
-                   "--skip-git-repo-check", prompt]
+        command = [
+            str(bin_dir / "codex"),
+            "exec",
+            *([] if first else ["resume", "--last"]),
+            "--skip-git-repo-check",
+            prompt,
+        ]
     start = time.perf_counter()
-    out = subprocess.run(command, cwd=work, env=agent_env(agent, url, home), capture_output=True, text=True,
-                         timeout=3600, stdin=subprocess.DEVNULL)
+    out = subprocess.run(
+        command,
+        cwd=work,
+        env=agent_env(agent, url, home),
+        capture_output=True,
+        text=True,
+        timeout=3600,
+        stdin=subprocess.DEVNULL,
+    )
     seconds = time.perf_counter() - start
     if out.returncode != 0:
         raise AgentFailed(f"{agent} exited {out.returncode}: {(out.stdout + out.stderr)[-2000:]}")
@@ -209,8 +240,17 @@ def agent_turn(agent: str, bin_dir: Path, url: str, work: Path, home: Path, prom
     return {"tail": out.stderr[-300:]}, seconds
 
 
-def run_session(agent: str, bin_dir: Path, path: str, url: str, proxy: TimingProxy, root: Path, session: int,
-                turns: int, think_s: float) -> tuple[list[Turn], str | None]:
+def run_session(
+    agent: str,
+    bin_dir: Path,
+    path: str,
+    url: str,
+    proxy: TimingProxy,
+    root: Path,
+    session: int,
+    turns: int,
+    think_s: float,
+) -> tuple[list[Turn], str | None]:
     """One session of ``turns`` turns through ``url`` (the path's proxy), a think time between turns; the turns
     done, and the error that ended the session early, if one did."""
     work, home = root / f"{agent}-{path}-{session}" / "project", root / f"{agent}-{path}-{session}" / "home"
@@ -223,8 +263,9 @@ def run_session(agent: str, bin_dir: Path, path: str, url: str, proxy: TimingPro
             time.sleep(think_s)
         before = len(proxy.exchanges)
         try:
-            reported, seconds = agent_turn(agent, bin_dir, url, work, home, QUESTIONS[number % len(QUESTIONS)],
-                                           first=number == 0)
+            reported, seconds = agent_turn(
+                agent, bin_dir, url, work, home, QUESTIONS[number % len(QUESTIONS)], first=number == 0
+            )
         except AgentFailed as exc:
             return out, f"turn {number + 1}: {exc}"
         out.append(Turn(agent, path, session, number + 1, proxy.exchanges[before:], reported, seconds))
@@ -252,8 +293,9 @@ def summarize_turns(turns: list[Turn]) -> list[dict]:
                 row[path] = {
                     "ttft_s": statistics.median(e.ttft_s for e in firsts if e.ttft_s is not None),
                     "prompt_tokens": statistics.median(e.prompt_tokens or 0 for e in firsts),
-                    "cached_share": statistics.median((e.cached_tokens or 0) / e.prompt_tokens
-                                                      for e in firsts if e.prompt_tokens),
+                    "cached_share": statistics.median(
+                        (e.cached_tokens or 0) / e.prompt_tokens for e in firsts if e.prompt_tokens
+                    ),
                     "plans": [e.plan for e in firsts],
                     "requests": statistics.median(len(t.exchanges) for t in mine),
                     "reported_ms": statistics.median((t.reported.get("duration_api_ms") or 0) for t in mine),
@@ -265,12 +307,16 @@ def summarize_turns(turns: list[Turn]) -> list[dict]:
 
 
 def format_turns(rows: list[dict]) -> str:
-    lines = [f"{'agent':>7} {'turn':>4} {'direct s':>9} {'gateway s':>10} {'ratio':>6} {'prompt':>7} "
-             f"{'cached (direct/gateway)':>24}  plans"]
+    lines = [
+        f"{'agent':>7} {'turn':>4} {'direct s':>9} {'gateway s':>10} {'ratio':>6} {'prompt':>7} "
+        f"{'cached (direct/gateway)':>24}  plans"
+    ]
     for r in rows:
         d, g = r.get("direct", {}), r.get("gateway", {})
-        lines.append(f"{r['agent']:>7} {r['turn']:>4} {d.get('ttft_s', float('nan')):>9.2f} "
-                     f"{g.get('ttft_s', float('nan')):>10.2f} {r.get('ratio', float('nan')):>6.2f} "
-                     f"{int(g.get('prompt_tokens') or d.get('prompt_tokens') or 0):>7} "
-                     f"{d.get('cached_share', 0):>11.0%} / {g.get('cached_share', 0):>9.0%}  {g.get('plans')}")
+        lines.append(
+            f"{r['agent']:>7} {r['turn']:>4} {d.get('ttft_s', float('nan')):>9.2f} "
+            f"{g.get('ttft_s', float('nan')):>10.2f} {r.get('ratio', float('nan')):>6.2f} "
+            f"{int(g.get('prompt_tokens') or d.get('prompt_tokens') or 0):>7} "
+            f"{d.get('cached_share', 0):>11.0%} / {g.get('cached_share', 0):>9.0%}  {g.get('plans')}"
+        )
     return "\n".join(lines)

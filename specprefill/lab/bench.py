@@ -90,9 +90,11 @@ class PromptMaker:
         self._chars_per_token: float | None = None
 
     def count(self, messages: list[dict]) -> int:
-        response = self.client.post(f"{self.gateway}/v1/specprefill/compress",
-                                    json={"model": self.model, "messages": messages},
-                                    headers={"x-keep-rate": "1"})
+        response = self.client.post(
+            f"{self.gateway}/v1/specprefill/compress",
+            json={"model": self.model, "messages": messages},
+            headers={"x-keep-rate": "1"},
+        )
         response.raise_for_status()
         return response.json()["original_tokens"]
 
@@ -128,12 +130,18 @@ class PromptMaker:
         return [{"role": "user", "content": body + question}]
 
 
-ACTIVITY_METRICS = ("specprefill_engine_active_requests", "vllm:num_requests_running", "vllm:num_requests_waiting",
-                    "specprefill_backend_requests_in_flight", "specprefill_warming_pending_contexts")
+ACTIVITY_METRICS = (
+    "specprefill_engine_active_requests",
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "specprefill_backend_requests_in_flight",
+    "specprefill_warming_pending_contexts",
+)
 
 
-async def wait_idle(client: httpx.AsyncClient, urls: list[str], timeout: float = 600.0, *,
-                    report_after: float = 30.0) -> None:
+async def wait_idle(
+    client: httpx.AsyncClient, urls: list[str], timeout: float = 600.0, *, report_after: float = 30.0
+) -> None:
     """Until no engine or gateway in ``urls`` reports a request running, waiting or in flight, or a context
     waiting to be warmed (their /metrics). What keeps them busy is printed once after ``report_after`` seconds,
     and named in the error at ``timeout``."""
@@ -148,8 +156,11 @@ async def wait_idle(client: httpx.AsyncClient, urls: list[str], timeout: float =
                 continue
             if response.status_code != 200:  # nothing to read (behind an API key, say): take it as idle
                 continue
-            busy += [f"{url} {line}" for line in response.text.splitlines()
-                     if line.split("{")[0].split(" ")[0] in ACTIVITY_METRICS and float(line.rsplit(" ", 1)[1])]
+            busy += [
+                f"{url} {line}"
+                for line in response.text.splitlines()
+                if line.split("{")[0].split(" ")[0] in ACTIVITY_METRICS and float(line.rsplit(" ", 1)[1])
+            ]
         if not busy:
             return
         waited = time.monotonic() - start
@@ -164,8 +175,9 @@ async def wait_idle(client: httpx.AsyncClient, urls: list[str], timeout: float =
 FIRST_MESSAGES_EVENTS = ("content_block_start", "content_block_delta", "message_delta")  # after the prefill
 
 
-async def stream_ttft(client: httpx.AsyncClient, url: str, body: dict, headers: dict,
-                      usage: dict | None = None) -> tuple[float, httpx.Headers]:
+async def stream_ttft(
+    client: httpx.AsyncClient, url: str, body: dict, headers: dict, usage: dict | None = None
+) -> tuple[float, httpx.Headers]:
     """Seconds from sending the request to the first streamed event with content. The stream is then dropped, or,
     given ``usage``, read to its end with the answer's usage (the prompt tokens served from the engine's cache:
     ``usage["prompt_tokens_details"]["cached_tokens"]``; an Anthropic stream's ``cache_read_input_tokens``) put into
@@ -180,14 +192,20 @@ async def stream_ttft(client: httpx.AsyncClient, url: str, body: dict, headers: 
             raise RuntimeError(f"{url} answered {response.status_code}: {(await response.aread())[:300]!r}")
         async for line in response.aiter_lines():
             compact = line.replace(" ", "")
-            if ttft is None and line.startswith("data:") and (
-                    any(f'"type":"{kind}"' in compact for kind in FIRST_MESSAGES_EVENTS) if messages
-                    else '"choices":[{' in compact):
+            if (
+                ttft is None
+                and line.startswith("data:")
+                and (
+                    any(f'"type":"{kind}"' in compact for kind in FIRST_MESSAGES_EVENTS)
+                    if messages
+                    else '"choices":[{' in compact
+                )
+            ):
                 ttft = time.perf_counter() - start
                 if usage is None:
                     return ttft, response.headers
             if usage is not None and line.startswith("data: {") and '"usage"' in line:
-                usage.update(json.loads(line[len("data: "):]).get("usage") or {})
+                usage.update(json.loads(line[len("data: ") :]).get("usage") or {})
         if ttft is not None:
             return ttft, response.headers
     raise RuntimeError(f"{url}: the stream ended without an answer")
@@ -207,8 +225,9 @@ class BenchConfig:
     warmup_direct: bool = True  # the warm-up requests also go directly (and the kept tokens' own request)
 
 
-async def run_sweep(config: BenchConfig, prompts: PromptMaker,
-                    idle_urls: list[str] = ()) -> tuple[list[Sample], list[Row]]:
+async def run_sweep(
+    config: BenchConfig, prompts: PromptMaker, idle_urls: list[str] = ()
+) -> tuple[list[Sample], list[Row]]:
     """Each measurement waits until the engines and the gateway in ``idle_urls`` are idle (warming included)."""
     samples: list[Sample] = []
     total = len(config.lengths) * (config.warmup + config.repeats)
@@ -218,8 +237,12 @@ async def run_sweep(config: BenchConfig, prompts: PromptMaker,
             for repeat in range(config.warmup + config.repeats):
                 measured = repeat >= config.warmup
                 messages = prompts.make(length)
-                direct_body = {"model": config.backend_model, "messages": messages, "max_tokens": config.max_tokens,
-                               "temperature": 0}
+                direct_body = {
+                    "model": config.backend_model,
+                    "messages": messages,
+                    "max_tokens": config.max_tokens,
+                    "temperature": 0,
+                }
                 direct = measured or config.warmup_direct
                 if direct:
                     await wait_idle(client, idle_urls)
@@ -229,18 +252,27 @@ async def run_sweep(config: BenchConfig, prompts: PromptMaker,
                 for keep in config.keep_rates:
                     body = {**direct_body, "model": config.model, "messages": prompts.make(length)}
                     await wait_idle(client, idle_urls)
-                    ttft, headers = await stream_ttft(client, f"{config.gateway_url}/v1/chat/completions", body,
-                                                      {"x-keep-rate": f"{keep:g}"})
+                    ttft, headers = await stream_ttft(
+                        client, f"{config.gateway_url}/v1/chat/completions", body, {"x-keep-rate": f"{keep:g}"}
+                    )
                     kept = int(headers.get("x-specprefill-kept-tokens", length))
                     if measured:
-                        samples.append(Sample("gateway", length, keep, ttft, kept,
-                                              parse_server_timing(headers.get("server-timing")),
-                                              headers.get("x-specprefill-status"), headers.get("x-specprefill-reason")))
+                        samples.append(
+                            Sample(
+                                "gateway",
+                                length,
+                                keep,
+                                ttft,
+                                kept,
+                                parse_server_timing(headers.get("server-timing")),
+                                headers.get("x-specprefill-status"),
+                                headers.get("x-specprefill-reason"),
+                            )
+                        )
                     if keep < 1.0 and direct:  # the target reading only the kept tokens, directly
                         kept_body = {**direct_body, "messages": prompts.make(kept)}
                         await wait_idle(client, idle_urls)
-                        ttft, _ = await stream_ttft(client, f"{config.backend_url}/v1/chat/completions", kept_body,
-                                                    {})
+                        ttft, _ = await stream_ttft(client, f"{config.backend_url}/v1/chat/completions", kept_body, {})
                         if measured:
                             samples.append(Sample("direct_kept", length, keep, ttft, kept))
                 progress.update(1)
@@ -256,30 +288,44 @@ def summarize(samples: list[Sample], keep_rates: list[float]) -> list[Row]:
             gateway = [s for s in samples if s.path == "gateway" and s.tokens == length and s.keep_rate == keep]
             if not direct or not gateway:
                 continue
-            kept_direct = [s.ttft_s for s in samples
-                           if s.path == "direct_kept" and s.tokens == length and s.keep_rate == keep]
+            kept_direct = [
+                s.ttft_s for s in samples if s.path == "direct_kept" and s.tokens == length and s.keep_rate == keep
+            ]
             direct_s = statistics.median(direct)
             gateway_s = statistics.median(s.ttft_s for s in gateway)
             draft_s = statistics.median(s.timing_ms.get("draft", 0.0) for s in gateway) / 1e3
             kept_s = statistics.median(kept_direct) if kept_direct else direct_s
             ideal = ideal_speedup(direct_s, draft_s, kept_s) if keep < 1.0 else 1.0
-            breakdown = {name: statistics.median(s.timing_ms.get(name, 0.0) for s in gateway)
-                         for name in ("tokenize", "draft", "select", "backend")}
+            breakdown = {
+                name: statistics.median(s.timing_ms.get(name, 0.0) for s in gateway)
+                for name in ("tokenize", "draft", "select", "backend")
+            }
             breakdown["gateway_overhead"] = max(0.0, gateway_s * 1e3 - sum(breakdown.values()))
             speedup = direct_s / gateway_s
-            rows.append(Row(
-                tokens=length, keep_rate=keep, kept_tokens=int(statistics.median(s.kept_tokens or 0 for s in gateway)),
-                direct_s=direct_s, gateway_s=gateway_s,
-                gateway_spread_s=max(s.ttft_s for s in gateway) - min(s.ttft_s for s in gateway),
-                draft_s=draft_s, direct_kept_s=kept_s, speedup=speedup, ideal=ideal, efficiency=speedup / ideal,
-                breakdown_ms=breakdown,
-            ))
+            rows.append(
+                Row(
+                    tokens=length,
+                    keep_rate=keep,
+                    kept_tokens=int(statistics.median(s.kept_tokens or 0 for s in gateway)),
+                    direct_s=direct_s,
+                    gateway_s=gateway_s,
+                    gateway_spread_s=max(s.ttft_s for s in gateway) - min(s.ttft_s for s in gateway),
+                    draft_s=draft_s,
+                    direct_kept_s=kept_s,
+                    speedup=speedup,
+                    ideal=ideal,
+                    efficiency=speedup / ideal,
+                    breakdown_ms=breakdown,
+                )
+            )
     return rows
 
 
 def format_table(rows: list[Row]) -> str:
-    head = (f"{'tokens':>7} {'keep':>5} {'kept':>6} {'direct s':>9} {'gateway s':>10} {'draft s':>8} "
-            f"{'kept s':>7} {'speedup':>8} {'ideal':>6} {'eff.':>5}  breakdown ms (tokenize/draft/select/backend/other)")
+    head = (
+        f"{'tokens':>7} {'keep':>5} {'kept':>6} {'direct s':>9} {'gateway s':>10} {'draft s':>8} "
+        f"{'kept s':>7} {'speedup':>8} {'ideal':>6} {'eff.':>5}  breakdown ms (tokenize/draft/select/backend/other)"
+    )
     lines = [head]
     for r in rows:
         b = r.breakdown_ms

@@ -60,10 +60,16 @@ from specprefill.lab.demo_models import synthetic_corpus
 from specprefill.lab.launch import CLI
 
 # each fault: the parts it breaks and how (killed, then started again; stopped, then continued; swaps refused)
-BREAKS = {"redis": [("redis", "kill")], "engine": [("engine", "kill")], "draft": [("draft0", "kill")],
-          "stall": [("engine", "stop")], "swap": [("proxy", "refuse")],
-          "together": [("redis", "kill"), ("draft0", "kill"), ("engine", "stop")],
-          "bodies": [("client", "bodies")], "burst": [("client", "burst")]}
+BREAKS = {
+    "redis": [("redis", "kill")],
+    "engine": [("engine", "kill")],
+    "draft": [("draft0", "kill")],
+    "stall": [("engine", "stop")],
+    "swap": [("proxy", "refuse")],
+    "together": [("redis", "kill"), ("draft0", "kill"), ("engine", "stop")],
+    "bodies": [("client", "bodies")],
+    "burst": [("client", "burst")],
+}
 FAULTS = tuple(BREAKS)
 COEFFICIENT = re.compile(r'^specprefill_cost_coefficient\{model="(\w+)",term="(\w+)"\} (\S+)$', re.MULTILINE)
 MAX_CHECKED = 400  # greedy engine answers asked again of an undisturbed engine, at most (evenly spaced)
@@ -83,8 +89,9 @@ class Part:
         self.process: subprocess.Popen | None = None
 
     def start(self) -> None:
-        self.process = subprocess.Popen(self.args, env=quiet_openmp(), stdout=subprocess.DEVNULL,
-                                        stderr=subprocess.DEVNULL)
+        self.process = subprocess.Popen(
+            self.args, env=quiet_openmp(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
         if self.health:
             wait_healthy(self.health, self.process, timeout=300)
 
@@ -122,22 +129,39 @@ class FaultProxy:
         path = scope["path"] + (f"?{scope['query_string'].decode()}" if scope["query_string"] else "")
         parsed = _json(body) if scope["method"] == "POST" else None
         if self.refuse_swaps and parsed and (parsed.get("vllm_xargs") or {}).get(KEPT_KEY) is not None:
-            error = {"error": {"message": "kept token 1 at position 0 differs from the rendered prompt's token 2",
-                               "type": "invalid_request_error", "param": SWAP_PARAM, "code": MISMATCH_CODE}}
+            error = {
+                "error": {
+                    "message": "kept token 1 at position 0 differs from the rendered prompt's token 2",
+                    "type": "invalid_request_error",
+                    "param": SWAP_PARAM,
+                    "code": MISMATCH_CODE,
+                }
+            }
             await _send(send, 400, [(b"content-type", b"application/json")], json.dumps(error).encode())
             return
         headers = [(k, v) for k, v in scope["headers"] if k not in (b"host", b"content-length")]
         try:
-            request = self.client.build_request(scope["method"], self.engine_url + path, content=body,
-                                                headers=[(k.decode(), v.decode()) for k, v in headers])
+            request = self.client.build_request(
+                scope["method"],
+                self.engine_url + path,
+                content=body,
+                headers=[(k.decode(), v.decode()) for k, v in headers],
+            )
             response = await self.client.send(request, stream=True)
         except httpx.HTTPError as exc:
             self._failed(f"connect {type(exc).__name__}")
-            await _send(send, 502, [(b"content-type", b"application/json")],
-                        b'{"error": {"message": "engine unreachable", "type": "api_error"}}')
+            await _send(
+                send,
+                502,
+                [(b"content-type", b"application/json")],
+                b'{"error": {"message": "engine unreachable", "type": "api_error"}}',
+            )
             return
-        out = [(k.encode(), v.encode()) for k, v in response.headers.items()
-               if k.lower() not in ("content-length", "transfer-encoding", "connection")]
+        out = [
+            (k.encode(), v.encode())
+            for k, v in response.headers.items()
+            if k.lower() not in ("content-length", "transfer-encoding", "connection")
+        ]
         await send({"type": "http.response.start", "status": response.status_code, "headers": out})
         chunks = []
         try:
@@ -152,7 +176,6 @@ class FaultProxy:
         if parsed and response.status_code == 200 and not parsed.get("stream") and parsed.get("temperature") == 0:
             if (text := _answer_text(_json(b"".join(chunks)))) is not None:
                 self.answers.append((scope["path"], parsed, text))
-
 
     def _failed(self, what: str) -> None:
         if not self.closing:
@@ -203,22 +226,37 @@ class ChaosReport:
         after = [r for r in self.resources if r[0] >= warm_up_s]
         if len(after) < 2:
             return None
-        return {"rss_mib": [after[0][1], after[-1][1]], "fds": [after[0][2], after[-1][2]],
-                "rss_growth": round(after[-1][1] / after[0][1], 3), "fd_growth": round(after[-1][2] / after[0][2], 3)}
+        return {
+            "rss_mib": [after[0][1], after[-1][1]],
+            "fds": [after[0][2], after[-1][2]],
+            "rss_growth": round(after[-1][1] / after[0][1], 3),
+            "fd_growth": round(after[-1][2] / after[0][2], 3),
+        }
 
     def restart_mispredicted(self) -> int:
         """After the engine came back empty: requests whose plan mispredicted the engine's cache although an
         earlier request on the same context (API and shared document) had been answered since the restart, and
         had told the gateway what the engine holds."""
-        after = sorted((s for s in self.samples if s.phase == "after engine" and s.context
-                        and s.predicted_cached is not None and s.reported_cached is not None),
-                       key=lambda s: s.sent_s)
+        after = sorted(
+            (
+                s
+                for s in self.samples
+                if s.phase == "after engine"
+                and s.context
+                and s.predicted_cached is not None
+                and s.reported_cached is not None
+            ),
+            key=lambda s: s.sent_s,
+        )
         answered: dict[str, float] = {}  # context -> when its first request since the restart was answered
         wrong = 0
         for sample in after:
             context = f"{sample.api} {sample.context}"
-            if context in answered and answered[context] <= sample.sent_s \
-                    and sample.predicted_cached != sample.reported_cached:
+            if (
+                context in answered
+                and answered[context] <= sample.sent_s
+                and sample.predicted_cached != sample.reported_cached
+            ):
                 wrong += 1
             answered.setdefault(context, sample.sent_s + sample.seconds)
         return wrong
@@ -229,48 +267,82 @@ class ChaosReport:
         burst, of every answer admitted (its prediction holds the queue ahead of it)."""
         out = {}
         for phase in ("calm", "burst", *(f"after {fault}" for fault in FAULTS)):
-            timed = [s for s in self.samples if s.phase == phase and s.status == 200
-                     and (phase == "burst" or s.specprefill == "compressed") and s.predicted_ms and s.backend_ms]
+            timed = [
+                s
+                for s in self.samples
+                if s.phase == phase
+                and s.status == 200
+                and (phase == "burst" or s.specprefill == "compressed")
+                and s.predicted_ms
+                and s.backend_ms
+            ]
             if timed:
-                out[phase] = round(sum(1 for s in timed if 0.5 <= s.predicted_ms / s.backend_ms <= 2)
-                                   / len(timed), 2)
+                out[phase] = round(sum(1 for s in timed if 0.5 <= s.predicted_ms / s.backend_ms <= 2) / len(timed), 2)
         return out
 
     def target_prices(self) -> dict[str, list[float]]:
         """The target model's price of each ``PRICED`` shape at the end of each phase, over its price at the end
         of the calm phase before the first fault (1.0: the fault taught the model nothing)."""
+
         def prices(coefficients: dict[str, float]) -> list[float]:
             terms = [v for k, v in coefficients.items() if k.startswith("target.")]
             return [sum(c * f for c, f in zip(terms, target_features(new, cached))) for new, cached in PRICED]
 
         calm = prices(self.coefficients["calm"])
-        return {phase: [round(p / c, 2) for p, c in zip(prices(coefficients), calm)]
-                for phase, coefficients in self.coefficients.items()}
+        return {
+            phase: [round(p / c, 2) for p, c in zip(prices(coefficients), calm)]
+            for phase, coefficients in self.coefficients.items()
+        }
 
     def summary(self) -> dict:
         lost = [s for s in self.samples if s.status is None]
-        errors = Counter(f"{s.phase}: {s.status} {s.cause}" for s in self.samples if s.status and s.status >= 500
-                         and s.cause != "queue_full" and s.phase != "sigterm")  # the drain's: ``sigterm``
+        errors = Counter(
+            f"{s.phase}: {s.status} {s.cause}"
+            for s in self.samples
+            if s.status and s.status >= 500 and s.cause != "queue_full" and s.phase != "sigterm"
+        )  # the drain's: ``sigterm``
         shed = [s for s in self.samples if s.cause == "queue_full"]
-        return {"requests": len(self.samples), "lost": len(lost), "wrong_answers": len(self.wrong_answers),
-                "engine_answers_checked": self.answers_checked,
-                "statuses": dict(Counter(str(s.status) for s in self.samples)),
-                "restart_mispredicted": self.restart_mispredicted(),
-                "predicted_within_2x": self.predicted_within_2x(),
-                "unshaped_errors": sum(1 for s in self.samples if s.status and s.status >= 400 and not s.shaped),
-                "compressed": sum(1 for s in self.samples if s.specprefill == "compressed"),
-                "errors_5xx": dict(errors), "proxy_failures": self.proxy_failures,
-                "shed": {"by_phase": dict(Counter(x.phase for x in shed)),
-                         "without_retry_after": sum(1 for x in shed if not x.retry_after),
-                         "slowest_s": round(max((x.seconds for x in shed), default=0.0), 3)},
-                "health_slowest_s": self.health, "bodies": self.bodies, "faults": self.faults, "sigterm": self.sigterm, "warming": self.warming,
-                "resources": self.resources,  # every sample: the shape of a growth says what it is
-                "coefficients": self.coefficients, "target_prices": self.target_prices()}
+        return {
+            "requests": len(self.samples),
+            "lost": len(lost),
+            "wrong_answers": len(self.wrong_answers),
+            "engine_answers_checked": self.answers_checked,
+            "statuses": dict(Counter(str(s.status) for s in self.samples)),
+            "restart_mispredicted": self.restart_mispredicted(),
+            "predicted_within_2x": self.predicted_within_2x(),
+            "unshaped_errors": sum(1 for s in self.samples if s.status and s.status >= 400 and not s.shaped),
+            "compressed": sum(1 for s in self.samples if s.specprefill == "compressed"),
+            "errors_5xx": dict(errors),
+            "proxy_failures": self.proxy_failures,
+            "shed": {
+                "by_phase": dict(Counter(x.phase for x in shed)),
+                "without_retry_after": sum(1 for x in shed if not x.retry_after),
+                "slowest_s": round(max((x.seconds for x in shed), default=0.0), 3),
+            },
+            "health_slowest_s": self.health,
+            "bodies": self.bodies,
+            "faults": self.faults,
+            "sigterm": self.sigterm,
+            "warming": self.warming,
+            "resources": self.resources,  # every sample: the shape of a growth says what it is
+            "coefficients": self.coefficients,
+            "target_prices": self.target_prices(),
+        }
 
 
-async def run_chaos(root: Path, out: Path, *, fault_s: float = 8.0, calm_s: float = 10.0, rate: float = 2.0,
-                    tokens: int = 1500, seed: int = 0, faults: tuple[str, ...] = FAULTS,
-                    sample_s: float = 10.0, max_queue_wait: float | None = 4.0) -> ChaosReport:
+async def run_chaos(
+    root: Path,
+    out: Path,
+    *,
+    fault_s: float = 8.0,
+    calm_s: float = 10.0,
+    rate: float = 2.0,
+    tokens: int = 1500,
+    seed: int = 0,
+    faults: tuple[str, ...] = FAULTS,
+    sample_s: float = 10.0,
+    max_queue_wait: float | None = 4.0,
+) -> ChaosReport:
     """The whole run; the demo pair at ``root``. ``fault_s``: how long each part stays broken; ``calm_s``: the
     steady load before the first fault and after each recovery; ``rate``: requests per second;
     ``max_queue_wait``: the gateway's ``--max-queue-wait``. Without ``faults``, a soak: ``calm_s`` of steady
@@ -282,21 +354,73 @@ async def run_chaos(root: Path, out: Path, *, fault_s: float = 8.0, calm_s: floa
     url = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
     model = ["--device", "cpu"]
     parts = {
-        "redis": Part("redis", [redis_server, "--port", str(ports["redis"]), "--save", "", "--appendonly", "no"],
-                      None),
-        "engine": Part("engine", CLI + ["engine", "--port", str(ports["engine"]), "--model", str(root / "target"),
-                                        "--log-level", "warning", *model], url["engine"]),
-        **{f"draft{i}": Part(f"draft{i}", CLI + ["draft-worker", "--port", str(ports[f"draft{i}"]), "--model",
-                                                 str(root / "draft"), "--log-level", "warning", *model],
-                             url[f"draft{i}"]) for i in range(2)},
+        "redis": Part("redis", [redis_server, "--port", str(ports["redis"]), "--save", "", "--appendonly", "no"], None),
+        "engine": Part(
+            "engine",
+            CLI
+            + [
+                "engine",
+                "--port",
+                str(ports["engine"]),
+                "--model",
+                str(root / "target"),
+                "--log-level",
+                "warning",
+                *model,
+            ],
+            url["engine"],
+        ),
+        **{
+            f"draft{i}": Part(
+                f"draft{i}",
+                CLI
+                + [
+                    "draft-worker",
+                    "--port",
+                    str(ports[f"draft{i}"]),
+                    "--model",
+                    str(root / "draft"),
+                    "--log-level",
+                    "warning",
+                    *model,
+                ],
+                url[f"draft{i}"],
+            )
+            for i in range(2)
+        },
     }
-    gateway = Part("gateway", CLI + [
-        "serve", "--port", str(ports["gateway"]), "--backend-url", url["proxy"], "--backend-kind", "reference",
-        "--target-model", str(root / "target"), "--draft-model", str(root / "draft"), "--draft-worker-url",
-        f"{url['draft0']},{url['draft1']}", "--redis-url", f"redis://127.0.0.1:{ports['redis']}/0",
-        "--served-model-name", "chaos", "--min-prompt-tokens", "512", "--log-level", "warning",
-        "--drain-timeout", str(DRAIN_S), *model,
-        *(["--max-queue-wait", str(max_queue_wait)] if max_queue_wait else [])], None)
+    gateway = Part(
+        "gateway",
+        CLI
+        + [
+            "serve",
+            "--port",
+            str(ports["gateway"]),
+            "--backend-url",
+            url["proxy"],
+            "--backend-kind",
+            "reference",
+            "--target-model",
+            str(root / "target"),
+            "--draft-model",
+            str(root / "draft"),
+            "--draft-worker-url",
+            f"{url['draft0']},{url['draft1']}",
+            "--redis-url",
+            f"redis://127.0.0.1:{ports['redis']}/0",
+            "--served-model-name",
+            "chaos",
+            "--min-prompt-tokens",
+            "512",
+            "--log-level",
+            "warning",
+            "--drain-timeout",
+            str(DRAIN_S),
+            *model,
+            *(["--max-queue-wait", str(max_queue_wait)] if max_queue_wait else []),
+        ],
+        None,
+    )
     proxy = FaultProxy(url["engine"])
     import uvicorn
 
@@ -326,8 +450,16 @@ async def run_chaos(root: Path, out: Path, *, fault_s: float = 8.0, calm_s: floa
                 while time.perf_counter() < until:
                     number = len(samples)
                     api, stream, long, body, context = load(number)
-                    sample = ChaosSample(number, phase, api, stream, long, time.perf_counter() - start,
-                                         user=f"chaos-{number}", context=context)
+                    sample = ChaosSample(
+                        number,
+                        phase,
+                        api,
+                        stream,
+                        long,
+                        time.perf_counter() - start,
+                        user=f"chaos-{number}",
+                        context=context,
+                    )
                     samples.append(sample)
                     tasks.append(asyncio.ensure_future(_request(client, url["gateway"], sample, body)))
                     await asyncio.sleep(rng.expovariate(rate * speed))
@@ -350,8 +482,9 @@ async def run_chaos(root: Path, out: Path, *, fault_s: float = 8.0, calm_s: floa
                 broken_at = time.perf_counter() - start
                 await asyncio.to_thread(_fault, fault, parts, proxy, on=True)
                 if fault == "bodies":
-                    sender = asyncio.ensure_future(asyncio.to_thread(_big_bodies, url["gateway"],
-                                                                     gateway.process.pid, fault_s))
+                    sender = asyncio.ensure_future(
+                        asyncio.to_thread(_big_bodies, url["gateway"], gateway.process.pid, fault_s)
+                    )
                 await hold(fault, fault_s)
                 if fault == "bodies":
                     bodies = await sender
@@ -362,19 +495,31 @@ async def run_chaos(root: Path, out: Path, *, fault_s: float = 8.0, calm_s: floa
             await asyncio.gather(*tasks)
             watcher.cancel()
             coefficients["end"] = await _coefficients(client, url["gateway"])
-            warming = {outcome: int(float(n)) for outcome, n in
-                       WARMING.findall((await client.get(f"{url['gateway']}/metrics")).text)}
+            warming = {
+                outcome: int(float(n))
+                for outcome, n in WARMING.findall((await client.get(f"{url['gateway']}/metrics")).text)
+            }
             # a SIGTERM while requests are in flight: the short ones finish, the long ones are cut off at the
             # drain's limit in their shape, later ones get 503, nothing is lost
             phase = "sigterm"
-            terms = [ChaosSample(len(samples) + i, "sigterm", *load(len(samples) + i)[:3],
-                                 time.perf_counter() - start, user=f"chaos-{len(samples) + i}") for i in range(8)]
+            terms = [
+                ChaosSample(
+                    len(samples) + i,
+                    "sigterm",
+                    *load(len(samples) + i)[:3],
+                    time.perf_counter() - start,
+                    user=f"chaos-{len(samples) + i}",
+                )
+                for i in range(8)
+            ]
             samples.extend(terms)
             bodies_at_signal = [load(s.number)[3] for s in terms]
             for sample, body in list(zip(terms, bodies_at_signal))[1::2]:
                 sample.api, bodies_at_signal[sample.number - terms[0].number] = _long(sample.api, body)
-            in_flight = [asyncio.ensure_future(_request(client, url["gateway"], s, body))
-                         for s, body in zip(terms, bodies_at_signal)]
+            in_flight = [
+                asyncio.ensure_future(_request(client, url["gateway"], s, body))
+                for s, body in zip(terms, bodies_at_signal)
+            ]
             await asyncio.sleep(0.3)
             gateway.signal(signal.SIGTERM)
             await asyncio.sleep(0.3)
@@ -397,18 +542,40 @@ async def run_chaos(root: Path, out: Path, *, fault_s: float = 8.0, calm_s: floa
         fault["compressing_again_after_s"] = round(min(back) - fault["returned_s"], 2) if back else None
     phase_at = sorted(((s.sent_s + start, s.phase) for s in samples if s.number >= 0), key=lambda x: x[0])
     failures = Counter(f"{_phase_at(phase_at, when)}: {what}" for when, what in proxy.failures)
-    report = ChaosReport(samples, broken, coefficients, resources=resources, warming=warming,
-                         health=health.slowest, bodies=bodies, proxy_failures=dict(failures),
-                         sigterm={"sent_around_the_signal": len(finished),
-                                  "statuses": dict(Counter(str(s.status) for s in finished)),
-                                  "cut_off": [{"api": s.api, "stream": s.stream, "status": s.status, "cause": s.cause,
-                                               "shaped": s.shaped, "retry_after": s.retry_after, "done": s.done}
-                                              for s in finished if s.status != 200],
-                                  "sent_after_the_signal": refused.status, "exit_status": exit_status})
+    report = ChaosReport(
+        samples,
+        broken,
+        coefficients,
+        resources=resources,
+        warming=warming,
+        health=health.slowest,
+        bodies=bodies,
+        proxy_failures=dict(failures),
+        sigterm={
+            "sent_around_the_signal": len(finished),
+            "statuses": dict(Counter(str(s.status) for s in finished)),
+            "cut_off": [
+                {
+                    "api": s.api,
+                    "stream": s.stream,
+                    "status": s.status,
+                    "cause": s.cause,
+                    "shaped": s.shaped,
+                    "retry_after": s.retry_after,
+                    "done": s.done,
+                }
+                for s in finished
+                if s.status != 200
+            ],
+            "sent_after_the_signal": refused.status,
+            "exit_status": exit_status,
+        },
+    )
     await _check_answers(report, proxy, root, ports["oracle"])
     out.mkdir(parents=True, exist_ok=True)
-    (out / "chaos.json").write_text(json.dumps({"summary": report.summary(),
-                                                "samples": [asdict(s) for s in samples]}, indent=1))
+    (out / "chaos.json").write_text(
+        json.dumps({"summary": report.summary(), "samples": [asdict(s) for s in samples]}, indent=1)
+    )
     return report
 
 
@@ -445,8 +612,10 @@ async def _request(client: httpx.AsyncClient, gateway: str, sample: ChaosSample,
                             event = json.loads(line[6:])
                             if "error" in event:
                                 error = event
-                            text += "".join((c.get("delta") or {}).get("content") or c.get("text") or ""
-                                            for c in event.get("choices") or [])
+                            text += "".join(
+                                (c.get("delta") or {}).get("content") or c.get("text") or ""
+                                for c in event.get("choices") or []
+                            )
             sample.status = 500 if error and status == 200 else status
         else:
             response = await client.post(gateway + path, json=body)
@@ -479,16 +648,21 @@ async def _request(client: httpx.AsyncClient, gateway: str, sample: ChaosSample,
 async def _check_answers(report: ChaosReport, proxy: FaultProxy, root: Path, port: int) -> None:
     """Every greedy answer the engine gave under chaos, asked again of a fresh engine; and what each client got
     against what the engine gave."""
-    oracle = Part("oracle", CLI + ["engine", "--port", str(port), "--model", str(root / "target"), "--log-level",
-                                   "warning", "--device", "cpu"], f"http://127.0.0.1:{port}")
+    oracle = Part(
+        "oracle",
+        CLI
+        + ["engine", "--port", str(port), "--model", str(root / "target"), "--log-level", "warning", "--device", "cpu"],
+        f"http://127.0.0.1:{port}",
+    )
     await asyncio.to_thread(oracle.start)
     by_user = {s.user: s for s in report.samples}
     try:
         async with httpx.AsyncClient(timeout=httpx.Timeout(120.0)) as client:
             step = max(1, len(proxy.answers) // MAX_CHECKED)  # a soak's thousands: an even sample of them
             for path, body, text in proxy.answers[::step]:
-                expected = _answer_text((await client.post(oracle.health.removesuffix("/health") + path,
-                                                           json=body)).json())
+                expected = _answer_text(
+                    (await client.post(oracle.health.removesuffix("/health") + path, json=body)).json()
+                )
                 report.answers_checked += 1
                 user = body.get("user")
                 got = by_user[user].answer if user in by_user else text
@@ -520,12 +694,15 @@ class HealthWatch(threading.Thread):
 def _big_bodies(gateway: str, pid: int, seconds: float) -> dict:
     """Bodies that cannot fit, one after another for ``seconds`` (``BIG_BODIES`` in turn): each one's status and
     time, and the gateway's resident memory before the first and a second after the last."""
-    text = ("the quick brown fox jumps over a lazy dog " * (max(size for size, _ in BIG_BODIES) // 40))
+    text = "the quick brown fox jumps over a lazy dog " * (max(size for size, _ in BIG_BODIES) // 40)
     payloads = {}
     for size, path in BIG_BODIES:
         content = text[:size]
-        body = {"model": "chaos", "prompt": content} if path == "/v1/completions" else {
-            "model": "chaos", "max_tokens": 4, "messages": [{"role": "user", "content": content}]}
+        body = (
+            {"model": "chaos", "prompt": content}
+            if path == "/v1/completions"
+            else {"model": "chaos", "max_tokens": 4, "messages": [{"role": "user", "content": content}]}
+        )
         payloads[(size, path)] = json.dumps(body).encode()
     before, statuses, slowest, end = rss_mib(pid), Counter(), 0.0, time.perf_counter() + seconds
     with httpx.Client(timeout=60, headers={"content-type": "application/json"}) as client:
@@ -629,17 +806,20 @@ async def _send(send, status: int, headers: list, body: bytes) -> None:
 
 
 def format_chaos(summary: dict) -> str:
-    lines = [f"chaos: {summary['requests']} requests, {summary['lost']} lost, {summary['unshaped_errors']} errors "
-             f"not in OpenAI's shape, {summary['compressed']} compressed; {summary['wrong_answers']} wrong answers of "
-             f"{summary['engine_answers_checked']} greedy engine answers asked again of an undisturbed engine",
-             f"statuses: {summary['statuses']}; after the engine's restart, plans that mispredicted its cache past "
-             f"each shared document's first request: {summary['restart_mispredicted']}",
-             f"{'fault':>9} {'compressing again after':>24}"]
+    lines = [
+        f"chaos: {summary['requests']} requests, {summary['lost']} lost, {summary['unshaped_errors']} errors "
+        f"not in OpenAI's shape, {summary['compressed']} compressed; {summary['wrong_answers']} wrong answers of "
+        f"{summary['engine_answers_checked']} greedy engine answers asked again of an undisturbed engine",
+        f"statuses: {summary['statuses']}; after the engine's restart, plans that mispredicted its cache past "
+        f"each shared document's first request: {summary['restart_mispredicted']}",
+        f"{'fault':>9} {'compressing again after':>24}",
+    ]
     for fault in summary["faults"]:
         again = fault["compressing_again_after_s"]
         lines.append(f"{fault['fault']:>9} {'never' if again is None else f'{again:.1f} s':>24}")
-    lines.append("5xx by phase and cause: " + (", ".join(f"{k} x{v}" for k, v in summary["errors_5xx"].items())
-                                               or "none"))
+    lines.append(
+        "5xx by phase and cause: " + (", ".join(f"{k} x{v}" for k, v in summary["errors_5xx"].items()) or "none")
+    )
     lines.append(f"proxy's own failures to reach the engine, by phase: {summary['proxy_failures'] or 'none'}")
     lines.append(f"shed (503 queue_full): {summary['shed']}")
     lines.append(f"slowest /health by phase (s): {summary['health_slowest_s']}")
@@ -647,7 +827,9 @@ def format_chaos(summary: dict) -> str:
     lines.append(f"SIGTERM: {summary['sigterm']}")
     lines.append(f"warming over the run, by outcome: {summary['warming']}")
     lines.append(f"compressed answers predicted within 2x, by phase: {summary['predicted_within_2x']}")
-    lines.append(f"the target's price of (new, cached) tokens {', '.join(map(str, PRICED))} at each phase's end, "
-                 f"over the calm phase's: " + "; ".join(f"{phase} {'/'.join(map(str, prices))}"
-                                                        for phase, prices in summary["target_prices"].items()))
+    lines.append(
+        f"the target's price of (new, cached) tokens {', '.join(map(str, PRICED))} at each phase's end, "
+        f"over the calm phase's: "
+        + "; ".join(f"{phase} {'/'.join(map(str, prices))}" for phase, prices in summary["target_prices"].items())
+    )
     return "\n".join(lines)

@@ -88,12 +88,21 @@ def load_dataset(path: Path, default_metric: str = "substring") -> list[DatasetR
     return rows
 
 
-def evaluate_dataset(rows: list[DatasetRow], base_url: str, model: str, keep_rates: list[float], *,
-                     direct_url: str | None = None, direct_model: str | None = None, max_tokens: int = 64,
-                     api_key: str | None = None) -> dict:
+def evaluate_dataset(
+    rows: list[DatasetRow],
+    base_url: str,
+    model: str,
+    keep_rates: list[float],
+    *,
+    direct_url: str | None = None,
+    direct_model: str | None = None,
+    max_tokens: int = 64,
+    api_key: str | None = None,
+) -> dict:
     headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
-    variants = [("direct", direct_url or base_url, direct_model or model,
-                 {} if direct_url else {"x-specprefill": "off"})]
+    variants = [
+        ("direct", direct_url or base_url, direct_model or model, {} if direct_url else {"x-specprefill": "off"})
+    ]
     variants += [(f"keep {k:g}", base_url, model, {"x-keep-rate": f"{k:g}"}) for k in keep_rates]
     scores = {name: [] for name, *_ in variants}
     kept = {name: [] for name, *_ in variants}
@@ -101,14 +110,20 @@ def evaluate_dataset(rows: list[DatasetRow], base_url: str, model: str, keep_rat
         for row in tqdm(rows, desc="dataset eval", unit="row"):
             messages = row.messages or [{"role": "user", "content": row.prompt}]
             for name, url, model_name, extra in variants:
-                response = client.post(f"{url}/v1/chat/completions", headers=extra, json={
-                    "model": model_name, "messages": messages, "max_tokens": max_tokens, "temperature": 0})
+                response = client.post(
+                    f"{url}/v1/chat/completions",
+                    headers=extra,
+                    json={"model": model_name, "messages": messages, "max_tokens": max_tokens, "temperature": 0},
+                )
                 response.raise_for_status()
                 text = response.json()["choices"][0]["message"]["content"] or ""
                 scores[name].append(METRICS[row.metric](text, row.answers))
                 if "x-specprefill-kept-tokens" in response.headers:
-                    kept[name].append(int(response.headers["x-specprefill-kept-tokens"])
-                                      / int(response.headers["x-specprefill-original-tokens"]))
-    return {name: {"score": sum(v) / len(v), "kept_fraction": (sum(kept[name]) / len(kept[name])
-                                                               if kept[name] else None)}
-            for name, v in scores.items()}
+                    kept[name].append(
+                        int(response.headers["x-specprefill-kept-tokens"])
+                        / int(response.headers["x-specprefill-original-tokens"])
+                    )
+    return {
+        name: {"score": sum(v) / len(v), "kept_fraction": (sum(kept[name]) / len(kept[name]) if kept[name] else None)}
+        for name, v in scores.items()
+    }

@@ -36,7 +36,7 @@ CHAT_TEMPLATE = (
     "{% set system = messages[0]['content'] | trim %}{% set rest = messages[1:] %}{% endif %}"
     "{% if tools %}"
     "{{ '<|start_header_id|>system<|end_header_id|>\n\n' }}{% if system %}{{ system + '\n\n' }}{% endif %}"
-    "{{ 'To call a function, answer with {\"name\": function name, \"parameters\": arguments}. Functions:\n' }}"
+    '{{ \'To call a function, answer with {"name": function name, "parameters": arguments}. Functions:\n\' }}'
     "{% for tool in tools %}{{ tool | tojson }}{{ '\n' }}{% endfor %}{{ '<|eot_id|>' }}"
     "{% endif %}"
     "{% for message in rest %}"
@@ -180,13 +180,22 @@ def write_model(
 
 def write_demo_models(out_dir: str | Path, seed: int = 0) -> Path:
     """Writes ``out_dir/draft`` and ``out_dir/target``. Deterministic for a given seed."""
-    return write_shaped_pair(out_dir, "demo-draft", "demo-target", seed=seed, dtype=torch.float32,
-                             max_positions=DEMO_POSITIONS)
+    return write_shaped_pair(
+        out_dir, "demo-draft", "demo-target", seed=seed, dtype=torch.float32, max_positions=DEMO_POSITIONS
+    )
 
 
-def write_shaped_pair(out_dir: str | Path, draft: str, target: str, *, seed: int = 0,
-                      device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16,
-                      max_positions: int = 65536, weights: bool = True) -> Path:
+def write_shaped_pair(
+    out_dir: str | Path,
+    draft: str,
+    target: str,
+    *,
+    seed: int = 0,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.bfloat16,
+    max_positions: int = 65536,
+    weights: bool = True,
+) -> Path:
     """``out_dir/draft`` and ``out_dir/target`` at the named ``SHAPES`` with random weights and the demo
     tokenizer (the demo pair itself, or real models' compute and memory without their weights: for timing,
     never for answers). Without ``weights`` the weights are made at each load instead (``RANDOM_WEIGHTS``)."""
@@ -194,12 +203,29 @@ def write_shaped_pair(out_dir: str | Path, draft: str, target: str, *, seed: int
     tokenizer = train_tokenizer(seed=seed)
     tokenizer.model_max_length = max_positions
     for name, shape, offset in (("draft", draft, 1), ("target", target, 2)):
-        write_model(out_dir / name, SHAPES[shape], tokenizer, seed=seed + offset, max_positions=max_positions,
-                    device=device, dtype=dtype, weights=weights)
-    (out_dir / "demo.json").write_text(json.dumps({"version": DEMO_VERSION, "seed": seed, "draft": draft,
-                                                   "target": target, "dtype": str(dtype).removeprefix("torch."),
-                                                   "max_positions": max_positions,
-                                                   "weights": "saved" if weights else "made at load"}))
+        write_model(
+            out_dir / name,
+            SHAPES[shape],
+            tokenizer,
+            seed=seed + offset,
+            max_positions=max_positions,
+            device=device,
+            dtype=dtype,
+            weights=weights,
+        )
+    (out_dir / "demo.json").write_text(
+        json.dumps(
+            {
+                "version": DEMO_VERSION,
+                "seed": seed,
+                "draft": draft,
+                "target": target,
+                "dtype": str(dtype).removeprefix("torch."),
+                "max_positions": max_positions,
+                "weights": "saved" if weights else "made at load",
+            }
+        )
+    )
     return out_dir
 
 

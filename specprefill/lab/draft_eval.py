@@ -33,29 +33,49 @@ class DraftAccuracy:
     draft_ms: float = 0.0  # median draft time per prompt (score cache misses)
 
 
-def evaluate_drafts(target: Path, drafts: list[Path], *, samples: int, words: int, keep_rates: list[float],
-                    seed: int = 1234) -> list[DraftAccuracy]:
+def evaluate_drafts(
+    target: Path, drafts: list[Path], *, samples: int, words: int, keep_rates: list[float], seed: int = 1234
+) -> list[DraftAccuracy]:
     rng = random.Random(seed)
     prompts = [make_sample(rng, words, 37) for _ in range(samples)]
     results = []
     for draft in drafts:
-        args = ["--target-model", str(target), "--draft-model", str(draft), "--served-model-name", "retrieval",
-                "--planner", "fresh", "--min-prompt-tokens", "64", "--memory-cache-mb", "0", "--device", "cpu"]
-        with launched_gateway(args) as url, openai.OpenAI(base_url=f"{url}/v1", api_key="unused",
-                                                           max_retries=0) as client:
+        args = [
+            "--target-model",
+            str(target),
+            "--draft-model",
+            str(draft),
+            "--served-model-name",
+            "retrieval",
+            "--planner",
+            "fresh",
+            "--min-prompt-tokens",
+            "64",
+            "--memory-cache-mb",
+            "0",
+            "--device",
+            "cpu",
+        ]
+        with (
+            launched_gateway(args) as url,
+            openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as client,
+        ):
             mode = httpx.get(f"{url}/health").json()["draft"]["tokenizer"]
             result = DraftAccuracy(str(draft), mode)
-            variants = [("full", {"x-specprefill": "off"})] + [(f"{k:g}", {"x-keep-rate": f"{k:g}"})
-                                                               for k in keep_rates]
+            variants = [("full", {"x-specprefill": "off"})] + [
+                (f"{k:g}", {"x-keep-rate": f"{k:g}"}) for k in keep_rates
+            ]
             draft_ms = []
             for name, headers in variants:
                 correct, kept = 0, 0.0
                 for sample in tqdm(prompts, desc=f"{draft.name} {name}", unit="prompt", leave=False):
                     raw = client.completions.with_raw_response.create(
-                        model="retrieval", prompt=sample.text, max_tokens=1, temperature=0, extra_headers=headers)
+                        model="retrieval", prompt=sample.text, max_tokens=1, temperature=0, extra_headers=headers
+                    )
                     correct += raw.parse().choices[0].text.strip() == sample.answer
                     kept += int(raw.headers["x-specprefill-kept-tokens"]) / int(
-                        raw.headers["x-specprefill-original-tokens"])
+                        raw.headers["x-specprefill-original-tokens"]
+                    )
                     if raw.headers["x-specprefill-status"] == "compressed":
                         draft_ms.append(float(raw.headers["x-specprefill-draft-ms"]))
                 result.accuracy[name] = correct / len(prompts)
@@ -69,8 +89,11 @@ def format_drafts(results: list[DraftAccuracy]) -> str:
     names = list(results[0].accuracy)
     lines = [f"{'draft':>12} {'tokenizer':>9} " + " ".join(f"{n:>7}" for n in names) + f" {'draft ms':>9}"]
     for r in results:
-        lines.append(f"{Path(r.draft).name:>12} {r.tokenizer:>9} "
-                     + " ".join(f"{r.accuracy[n]:>7.1%}" for n in names) + f" {r.draft_ms:>9.1f}")
+        lines.append(
+            f"{Path(r.draft).name:>12} {r.tokenizer:>9} "
+            + " ".join(f"{r.accuracy[n]:>7.1%}" for n in names)
+            + f" {r.draft_ms:>9.1f}"
+        )
     lines.append(f"{'(kept)':>22} " + " ".join(f"{results[0].kept_fraction[n]:>7.1%}" for n in names))
     return "\n".join(lines)
 
@@ -102,5 +125,10 @@ def mapping_cost(target: Path, draft: Path, *, tokens: int = 4096, repeats: int 
         map_s.append(middle - start + time.perf_counter() - end)
         score_s.append(end - middle)
     mapped_ms, scored_ms = statistics.median(map_s) * 1e3, statistics.median(score_s) * 1e3
-    return {"target_tokens": len(ids), "draft_tokens": len(mapped.draft_ids), "mapping_ms": mapped_ms,
-            "draft_ms": scored_ms, "ratio": mapped_ms / scored_ms}
+    return {
+        "target_tokens": len(ids),
+        "draft_tokens": len(mapped.draft_ids),
+        "mapping_ms": mapped_ms,
+        "draft_ms": scored_ms,
+        "ratio": mapped_ms / scored_ms,
+    }

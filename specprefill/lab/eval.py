@@ -28,8 +28,15 @@ METHODS = ("specprefill", "random", "head", "tail")
 
 # --- selection baselines: the same chunk budget and protection as SpecPrefill ---
 
-def baseline_indices(method: str, token_ids: Sequence[int], keep_rate: float, config: ScoringConfig,
-                     rng: random.Random, special_ids: Collection[int] = ()) -> list[int]:
+
+def baseline_indices(
+    method: str,
+    token_ids: Sequence[int],
+    keep_rate: float,
+    config: ScoringConfig,
+    rng: random.Random,
+    special_ids: Collection[int] = (),
+) -> list[int]:
     """Kept indices for a baseline: SpecPrefill's own selection rule on the baseline's scores."""
     return select_tokens(token_ids, baseline_scores(method, len(token_ids), rng), keep_rate, config, special_ids)
 
@@ -44,8 +51,15 @@ class RetrievalResult:
 
 
 @torch.inference_mode()
-def evaluate_retrieval(pair_dir: Path, *, samples: int = 100, words: int = 1500, keep_rates=(0.1, 0.3, 0.5, 1.0),
-                       seed: int = 1234, config: ScoringConfig | None = None) -> RetrievalResult:
+def evaluate_retrieval(
+    pair_dir: Path,
+    *,
+    samples: int = 100,
+    words: int = 1500,
+    keep_rates=(0.1, 0.3, 0.5, 1.0),
+    seed: int = 1234,
+    config: ScoringConfig | None = None,
+) -> RetrievalResult:
     config = config or ScoringConfig()
     tokenizer = load_tokenizer(pair_dir / "target")
     target = load_causal_lm(pair_dir / "target", device="cpu", dtype="float32")
@@ -76,7 +90,9 @@ def evaluate_retrieval(pair_dir: Path, *, samples: int = 100, words: int = 1500,
                 chosen = baseline_indices(method, ids, keep, config, baseline_rng, special) if keep < 1 else kept
                 correct[method][keep] += answer(ids, chosen) == gold
     return RetrievalResult(
-        samples=samples, tokens_mean=token_total / samples, full_accuracy=full_correct / samples,
+        samples=samples,
+        tokens_mean=token_total / samples,
+        full_accuracy=full_correct / samples,
         accuracy={m: {k: c / samples for k, c in by_keep.items()} for m, by_keep in correct.items()},
         kept_fraction={k: v / samples for k, v in kept_total.items()},
     )
@@ -84,10 +100,12 @@ def evaluate_retrieval(pair_dir: Path, *, samples: int = 100, words: int = 1500,
 
 def format_retrieval(result: RetrievalResult) -> str:
     keeps = sorted(result.kept_fraction)
-    lines = [f"retrieval eval: {result.samples} samples, {result.tokens_mean:.0f} tokens on average; "
-             f"full prompt accuracy {result.full_accuracy:.1%}",
-             f"{'method':>12} " + " ".join(f"{'keep ' + format(k, 'g'):>10}" for k in keeps),
-             f"{'(kept)':>12} " + " ".join(f"{result.kept_fraction[k]:>10.1%}" for k in keeps)]
+    lines = [
+        f"retrieval eval: {result.samples} samples, {result.tokens_mean:.0f} tokens on average; "
+        f"full prompt accuracy {result.full_accuracy:.1%}",
+        f"{'method':>12} " + " ".join(f"{'keep ' + format(k, 'g'):>10}" for k in keeps),
+        f"{'(kept)':>12} " + " ".join(f"{result.kept_fraction[k]:>10.1%}" for k in keeps),
+    ]
     for method, by_keep in result.accuracy.items():
         lines.append(f"{method:>12} " + " ".join(f"{by_keep[k]:>10.1%}" for k in keeps))
     return "\n".join(lines)
@@ -104,8 +122,12 @@ def plot_retrieval(result: RetrievalResult, path: Path) -> Path:
     for method, by_keep in result.accuracy.items():
         ax.plot(keeps, [by_keep[k] for k in keeps], "-o", label=method, lw=2.5 if method == "specprefill" else 1.2)
     ax.axhline(result.full_accuracy, color="k", ls="--", lw=1, label="full prompt")
-    ax.set(xlabel="keep rate", ylabel="accuracy", ylim=(0, 1.05),
-           title=f"Retrieval over ~{result.tokens_mean:.0f} tokens: accuracy vs keep rate")
+    ax.set(
+        xlabel="keep rate",
+        ylabel="accuracy",
+        ylim=(0, 1.05),
+        title=f"Retrieval over ~{result.tokens_mean:.0f} tokens: accuracy vs keep rate",
+    )
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -25,10 +25,58 @@ from specprefill.lab.prose import paragraphs
 
 TASKS = ("passkey", "fact", "two-fact")
 RULE_TASK = "rule"
-SYLLABLES = ("ba", "ka", "lo", "mi", "ru", "te", "vo", "zan", "dor", "qui", "sel", "tar", "wen", "fi", "gu",
-             "ho", "ne", "pra", "sto", "vel", "yor", "kel", "mun", "ri", "tha", "bo", "dre", "lin")
-FIRST_NAMES = ("Elena", "Marcus", "Priya", "Tomas", "Ingrid", "Kofi", "Yuki", "Rafael", "Amara", "Lukas", "Noor",
-               "Mateo", "Saoirse", "Dmitri", "Leila", "Oskar", "Wen", "Hana", "Jonas", "Esme")
+SYLLABLES = (
+    "ba",
+    "ka",
+    "lo",
+    "mi",
+    "ru",
+    "te",
+    "vo",
+    "zan",
+    "dor",
+    "qui",
+    "sel",
+    "tar",
+    "wen",
+    "fi",
+    "gu",
+    "ho",
+    "ne",
+    "pra",
+    "sto",
+    "vel",
+    "yor",
+    "kel",
+    "mun",
+    "ri",
+    "tha",
+    "bo",
+    "dre",
+    "lin",
+)
+FIRST_NAMES = (
+    "Elena",
+    "Marcus",
+    "Priya",
+    "Tomas",
+    "Ingrid",
+    "Kofi",
+    "Yuki",
+    "Rafael",
+    "Amara",
+    "Lukas",
+    "Noor",
+    "Mateo",
+    "Saoirse",
+    "Dmitri",
+    "Leila",
+    "Oskar",
+    "Wen",
+    "Hana",
+    "Jonas",
+    "Esme",
+)
 ORGANISATIONS = ("Institute", "Foundation", "Observatory", "Workshop", "Archive", "Conservatory", "Laboratory")
 FRENCH = frozenset("le la les un une est et de du des il elle dans ville née né".split())
 RULE_SYSTEM = "You are a helpful assistant. Always answer in French."
@@ -66,15 +114,22 @@ def _planted(task: str, rng: random.Random) -> tuple[list[str], str, str]:
         key = str(rng.randrange(10_000, 100_000))
         return [f"The pass key is {key}. Remember it. {key} is the pass key."], "What is the pass key?", key
     if task in ("fact", RULE_TASK):
-        return ([f"Remember this: {person} was born in the town of {town}. {person} was born in {town}."],
-                f"In which town was {person} born?", town)
+        return (
+            [f"Remember this: {person} was born in the town of {town}. {person} was born in {town}."],
+            f"In which town was {person} born?",
+            town,
+        )
     organisation = f"{invented_word(rng, 2)} {rng.choice(ORGANISATIONS)}"
-    return ([f"{person} works at the {organisation}.", f"The {organisation} is in the town of {town}."],
-            f"In which town does {person} work?", town)
+    return (
+        [f"{person} works at the {organisation}.", f"The {organisation} is in the town of {town}."],
+        f"In which town does {person} work?",
+        town,
+    )
 
 
-def make_haystack(tokens: int, rng: random.Random, count_tokens, tasks: tuple[str, ...] = TASKS
-                  ) -> list[HaystackSample]:
+def make_haystack(
+    tokens: int, rng: random.Random, count_tokens, tasks: tuple[str, ...] = TASKS
+) -> list[HaystackSample]:
     """One haystack of about ``tokens`` tokens with every task's paragraphs planted at random depths, and one
     chat per task asking its question at the end. ``count_tokens(messages)`` counts a chat as the target's
     template renders it. The ``rule`` task adds its system prompt."""
@@ -105,5 +160,7 @@ def make_haystack(tokens: int, rng: random.Random, count_tokens, tasks: tuple[st
     body = list(chosen)
     for depth, sentence in sorted(placed, key=lambda pair: -pair[0]):  # the deepest first: indices stay valid
         body.insert(round(depth * len(chosen)), sentence)
-    return [HaystackSample(task, chat(body, question), answer, depths[task])
-            for task, (_, question, answer) in planted.items()]
+    return [
+        HaystackSample(task, chat(body, question), answer, depths[task])
+        for task, (_, question, answer) in planted.items()
+    ]

@@ -35,8 +35,14 @@ README_VLLM_ARGS = ("--enable-prompt-tokens-details", "--enable-auto-tool-choice
 def kv_events_config() -> str:
     """vLLM's ``--kv-events-config`` (the reference engine takes the same JSON), as the README starts vLLM: events
     and their replay on free ports, bound on every interface (the gateway finds them: ``/kv_event_sources``)."""
-    return json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{free_port()}",
-                       "replay_endpoint": f"tcp://*:{free_port()}"})
+    return json.dumps(
+        {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{free_port()}",
+            "replay_endpoint": f"tcp://*:{free_port()}",
+        }
+    )
 
 
 class Engine:
@@ -49,8 +55,9 @@ class Engine:
         self.process = self._start()
 
     def _start(self) -> subprocess.Popen:
-        return subprocess.Popen(CLI + ["engine", "--port", str(self.port), "--log-level", "warning", *self.args],
-                                env=quiet_openmp())
+        return subprocess.Popen(
+            CLI + ["engine", "--port", str(self.port), "--log-level", "warning", *self.args], env=quiet_openmp()
+        )
 
     def wait(self) -> None:
         wait_healthy(self.url, self.process)
@@ -69,11 +76,23 @@ class Engine:
 
 
 @contextlib.contextmanager
-def launched(engines: int, gateway_args: list[str], vllm_python: str | None, out: Path,
-             pair: Path | None = None, vllm_args: tuple[str, ...] = (), *, kv_events: bool = False,
-             cache_tokens: int | None = None, replicas: int = 1, router: str = "round-robin",
-             target: Path | None = None, draft: str | None = None, max_model_len: int | None = None,
-             engine_args: tuple[str, ...] = ()) -> Iterator[Stack]:
+def launched(
+    engines: int,
+    gateway_args: list[str],
+    vllm_python: str | None,
+    out: Path,
+    pair: Path | None = None,
+    vllm_args: tuple[str, ...] = (),
+    *,
+    kv_events: bool = False,
+    cache_tokens: int | None = None,
+    replicas: int = 1,
+    router: str = "round-robin",
+    target: Path | None = None,
+    draft: str | None = None,
+    max_model_len: int | None = None,
+    engine_args: tuple[str, ...] = (),
+) -> Iterator[Stack]:
     """The pair's target (``pair/target``; default: the demo pair) on ``engines`` engines (reference engines, or
     vLLM: the gateway's with the plugin, the direct one stock, both with ``vllm_args``) and a gateway in front
     of the first with ``pair/draft``, as local processes. With two, the direct path has its own engine, so
@@ -97,10 +116,18 @@ def launched(engines: int, gateway_args: list[str], vllm_python: str | None, out
             events = ("--kv-events-config", kv_events_config()) if gateways and kv_events else ()
             if vllm_python:
                 assert cache_tokens is None, "vLLM's cache is sized in GiB here (VLLM_CPU_KVCACHE_SPACE)"
-                servers.append(VLLMServer(vllm_python, target, out / f"vllm-{index}.log", plugin=gateways,
-                                          served_name="specprefill-demo", max_model_len=max_len,
-                                          kv_cache_gib=4 if replicas == 1 else 2,
-                                          extra_args=(*README_VLLM_ARGS, *vllm_args, *events)))
+                servers.append(
+                    VLLMServer(
+                        vllm_python,
+                        target,
+                        out / f"vllm-{index}.log",
+                        plugin=gateways,
+                        served_name="specprefill-demo",
+                        max_model_len=max_len,
+                        kv_cache_gib=4 if replicas == 1 else 2,
+                        extra_args=(*README_VLLM_ARGS, *vllm_args, *events),
+                    )
+                )
             else:
                 size = ("--kv-cache-tokens", str(cache_tokens)) if cache_tokens else ()
                 servers.append(Engine(["--model", str(target), *events, *size, *engine_args]))
@@ -111,14 +138,33 @@ def launched(engines: int, gateway_args: list[str], vllm_python: str | None, out
         mine, direct = urls[:replicas], urls[-replicas:]
         backends = [arg for url in mine for arg in ("--backend-url", url)]
         with contextlib.ExitStack() as stack:
-            gateway_url = stack.enter_context(launched_gateway([
-                *backends, "--backend-kind", "vllm" if vllm_python else "reference", "--target-model",
-                str(target), "--draft-model", draft, "--served-model-name", "specprefill-demo",
-                *gateway_extra, *gateway_args]))
+            gateway_url = stack.enter_context(
+                launched_gateway(
+                    [
+                        *backends,
+                        "--backend-kind",
+                        "vllm" if vllm_python else "reference",
+                        "--target-model",
+                        str(target),
+                        "--draft-model",
+                        draft,
+                        "--served-model-name",
+                        "specprefill-demo",
+                        *gateway_extra,
+                        *gateway_args,
+                    ]
+                )
+            )
             direct_url = direct[0] if replicas == 1 else stack.enter_context(launched_router(direct, router))
-            yield Stack(gateway_url, direct_url, [gateway_url, *urls], mine[0] if engines > 1 else None,
-                        restart=lambda url: by_url[url].restart(), kill=lambda url: by_url[url].kill(),
-                        replicas={"gateway": mine, "direct": direct} if replicas > 1 else None)
+            yield Stack(
+                gateway_url,
+                direct_url,
+                [gateway_url, *urls],
+                mine[0] if engines > 1 else None,
+                restart=lambda url: by_url[url].restart(),
+                kill=lambda url: by_url[url].kill(),
+                replicas={"gateway": mine, "direct": direct} if replicas > 1 else None,
+            )
     finally:
         for server in servers:
             server.stop()
@@ -129,8 +175,9 @@ def launched_router(urls: list[str], policy: str) -> Iterator[str]:
     """``specprefill.lab.router`` over ``urls`` on a free port; its base URL once it answers."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    process = subprocess.Popen([sys.executable, "-m", "specprefill.lab.router", "--policy", policy, "--port",
-                                str(port), *urls])
+    process = subprocess.Popen(
+        [sys.executable, "-m", "specprefill.lab.router", "--policy", policy, "--port", str(port), *urls]
+    )
     try:
         wait_healthy(url, process)
         yield url

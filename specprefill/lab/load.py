@@ -37,8 +37,15 @@ def max_rate_meeting(results: list[dict], slo_s: float) -> float | None:
     return max(passing) if passing else None
 
 
-async def run_load(url: str, bodies: list[dict], headers: dict, rates: list[float], duration: float,
-                   seed: int = 0, idle_urls: list[str] = ()) -> list[dict]:
+async def run_load(
+    url: str,
+    bodies: list[dict],
+    headers: dict,
+    rates: list[float],
+    duration: float,
+    seed: int = 0,
+    idle_urls: list[str] = (),
+) -> list[dict]:
     """Poisson arrivals at each rate for ``duration`` seconds; request i sends ``bodies[i % len(bodies)]``. Each
     rate starts once everything in ``idle_urls`` is idle (no earlier rate's backlog or background work)."""
     results = []
@@ -57,6 +64,13 @@ async def run_load(url: str, bodies: list[dict], headers: dict, rates: list[floa
 
             ttfts = await asyncio.gather(*(one(i, at) for i, at in enumerate(arrivals)))
             ok = [t for t in ttfts if t is not None]
-            results.append({"rate": rate, "requests": len(ttfts), "errors": len(ttfts) - len(ok),
-                            "p50_s": percentile(ok, 0.5), "p99_s": percentile(ok, 0.99)})
+            results.append(
+                {
+                    "rate": rate,
+                    "requests": len(ttfts),
+                    "errors": len(ttfts) - len(ok),
+                    "p50_s": percentile(ok, 0.5),
+                    "p99_s": percentile(ok, 0.99),
+                }
+            )
     return results

@@ -39,6 +39,11 @@ def paragraphs(min_chars: int = 200) -> tuple[str, ...]:
 
 
 def _prose(text: str) -> bool:
-    return (">>>" not in text and "::" not in text and "$" not in text
-            and sum(c.isalpha() or c == " " for c in text) >= 0.9 * len(text)
-            and text[0].isupper() and text.rstrip()[-1] in ".!?")
+    return (
+        ">>>" not in text
+        and "::" not in text
+        and "$" not in text
+        and sum(c.isalpha() or c == " " for c in text) >= 0.9 * len(text)
+        and text[0].isupper()
+        and text.rstrip()[-1] in ".!?"
+    )

@@ -87,19 +87,41 @@ def _done(path: Path) -> dict[str, dict]:
 
 def _ask(client: openai.OpenAI, item: Item, variant: str, keep: float, headers: dict) -> dict:
     raw = client.chat.completions.with_raw_response.create(
-        model=REAL_MODEL_NAME, messages=item.sample.messages, max_tokens=MAX_TOKENS, temperature=0,
-        extra_headers=headers)
+        model=REAL_MODEL_NAME,
+        messages=item.sample.messages,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        extra_headers=headers,
+    )
     text = raw.parse().choices[0].message.content or ""
-    return {"length": item.length, "index": item.index, "task": item.sample.task, "variant": variant, "keep": keep,
-            "tokens": int(raw.headers["x-specprefill-original-tokens"]),
-            "kept": int(raw.headers["x-specprefill-kept-tokens"]), "status": raw.headers["x-specprefill-status"],
-            "answer": text, "expected": item.sample.answer, "correct": item.sample.correct(text),
-            "obeys": item.sample.obeys(text), "depths": item.sample.depths}
+    return {
+        "length": item.length,
+        "index": item.index,
+        "task": item.sample.task,
+        "variant": variant,
+        "keep": keep,
+        "tokens": int(raw.headers["x-specprefill-original-tokens"]),
+        "kept": int(raw.headers["x-specprefill-kept-tokens"]),
+        "status": raw.headers["x-specprefill-status"],
+        "answer": text,
+        "expected": item.sample.answer,
+        "correct": item.sample.correct(text),
+        "obeys": item.sample.obeys(text),
+        "depths": item.sample.depths,
+    }
 
 
-def run_real_eval(real: Path, out: Path, *, lengths=LENGTHS, samples: int = 50, keep_rates=KEEP_RATES,
-                  self_layers=SELF_LAYERS, names: list[str] | None = None, rule_length: int | None = 2000
-                  ) -> list[dict]:
+def run_real_eval(
+    real: Path,
+    out: Path,
+    *,
+    lengths=LENGTHS,
+    samples: int = 50,
+    keep_rates=KEEP_RATES,
+    self_layers=SELF_LAYERS,
+    names: list[str] | None = None,
+    rule_length: int | None = 2000,
+) -> list[dict]:
     """Every answer (resumed from ``out/answers.jsonl``), lengths in order, each length's drafts one after the
     other."""
     out.mkdir(parents=True, exist_ok=True)
@@ -108,18 +130,36 @@ def run_real_eval(real: Path, out: Path, *, lengths=LENGTHS, samples: int = 50, 
     drafts = variants(real, self_layers)
     drafts = {name: args for name, args in drafts.items() if names is None or name in names}
     everything = items(real, lengths, samples, rule_length)
-    common = ["--target-model", str(real), "--served-model-name", REAL_MODEL_NAME, "--planner", "fresh",
-              "--min-prompt-tokens", "64", "--device", "cpu", "--log-level", "warning"]
+    common = [
+        "--target-model",
+        str(real),
+        "--served-model-name",
+        REAL_MODEL_NAME,
+        "--planner",
+        "fresh",
+        "--min-prompt-tokens",
+        "64",
+        "--device",
+        "cpu",
+        "--log-level",
+        "warning",
+    ]
     with answers.open("a") as sink:
         for length in sorted({i.length for i in everything}):
             mine = [i for i in everything if i.length == length]
             for name, args in drafts.items():
-                todo = [(i, keep) for i in mine for keep in (1.0, *keep_rates)
-                        if _key(length, i.index, i.sample.task, "full" if keep == 1 else name, keep) not in done]
+                todo = [
+                    (i, keep)
+                    for i in mine
+                    for keep in (1.0, *keep_rates)
+                    if _key(length, i.index, i.sample.task, "full" if keep == 1 else name, keep) not in done
+                ]
                 if not todo:
                     continue
-                with launched_gateway([*common, *args]) as url, \
-                        openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600) as client:
+                with (
+                    launched_gateway([*common, *args]) as url,
+                    openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600) as client,
+                ):
                     for item, keep in tqdm(todo, desc=f"real eval: {length} tokens, {name}", unit="answer"):
                         variant = "full" if keep == 1 else name
                         headers = {"x-specprefill": "off"} if keep == 1 else {"x-keep-rate": f"{keep:g}"}
@@ -147,14 +187,23 @@ def summarize(rows: list[dict]) -> list[dict]:
     for r in rows:
         cells.setdefault((r["task"], r["length"], r["variant"], r["keep"]), []).append(r)
     out = []
-    for (task, length, variant, keep), group in sorted(cells.items(), key=lambda c: (c[0][0], c[0][1], -c[0][3],
-                                                                                    c[0][2])):
+    for (task, length, variant, keep), group in sorted(
+        cells.items(), key=lambda c: (c[0][0], c[0][1], -c[0][3], c[0][2])
+    ):
         right = sum(r["correct"] for r in group)
         low, high = wilson(right, len(group))
-        cell = {"task": task, "length": length, "variant": variant, "keep": keep, "samples": len(group),
-                "accuracy": right / len(group), "low": low, "high": high,
-                "tokens": sum(r["tokens"] for r in group) / len(group),
-                "kept": sum(r["kept"] for r in group) / len(group)}
+        cell = {
+            "task": task,
+            "length": length,
+            "variant": variant,
+            "keep": keep,
+            "samples": len(group),
+            "accuracy": right / len(group),
+            "low": low,
+            "high": high,
+            "tokens": sum(r["tokens"] for r in group) / len(group),
+            "kept": sum(r["kept"] for r in group) / len(group),
+        }
         if task == RULE_TASK:
             cell["obeyed"] = sum(bool(r["obeys"]) for r in group) / len(group)
         out.append(cell)
@@ -171,15 +220,21 @@ def format_summary(cells: list[dict]) -> Iterator[str]:
             mine = [c for c in cells if c["task"] == task and c["length"] == length]
             full = next((c for c in mine if c["variant"] == "full"), None)
             head = f"{task}, {length} tokens (about {mine[0]['tokens']:.0f}): "
-            yield head + (f"full prompt {full['accuracy']:.0%} [{full['low']:.0%}, {full['high']:.0%}] of "
-                          f"{full['samples']}" if full else "full prompt not asked")
+            yield head + (
+                f"full prompt {full['accuracy']:.0%} [{full['low']:.0%}, {full['high']:.0%}] of {full['samples']}"
+                if full
+                else "full prompt not asked"
+            )
             keeps = sorted({c["keep"] for c in mine if c["variant"] != "full"}, reverse=True)
             yield f"{'':>10} " + " ".join(f"{'keep ' + format(k, 'g'):>18}" for k in keeps)
             for variant in dict.fromkeys(c["variant"] for c in mine if c["variant"] != "full"):
                 row = {c["keep"]: c for c in mine if c["variant"] == variant}
                 yield f"{variant:>10} " + " ".join(
                     f"{row[k]['accuracy']:>6.0%} [{row[k]['low']:.0%}-{row[k]['high']:.0%}]".rjust(18)
-                    if k in row else " " * 18 for k in keeps)
+                    if k in row
+                    else " " * 18
+                    for k in keeps
+                )
             yield ""
 
 
@@ -197,13 +252,26 @@ def frontier(cells: list[dict], speeds: dict[str, Path]) -> list[dict]:
     for draft, folder in speeds.items():
         rows = json.loads((Path(folder) / "bench.json").read_text())["rows"]
         for row in rows:
-            mine = [c for c in cells if c["variant"] == draft and c["keep"] == row["keep_rate"]
-                    and c["task"] in FRONTIER_TASKS and c["length"] == row["tokens"] and c["of_full"] is not None]
+            mine = [
+                c
+                for c in cells
+                if c["variant"] == draft
+                and c["keep"] == row["keep_rate"]
+                and c["task"] in FRONTIER_TASKS
+                and c["length"] == row["tokens"]
+                and c["of_full"] is not None
+            ]
             if not mine:
                 continue
-            points.append({"draft": draft, "keep": row["keep_rate"], "length": row["tokens"],
-                           "ttft_of_direct": row["gateway_s"] / row["direct_s"],
-                           "accuracy_of_full": sum(c["of_full"] for c in mine) / len(mine)})
+            points.append(
+                {
+                    "draft": draft,
+                    "keep": row["keep_rate"],
+                    "length": row["tokens"],
+                    "ttft_of_direct": row["gateway_s"] / row["direct_s"],
+                    "accuracy_of_full": sum(c["of_full"] for c in mine) / len(mine),
+                }
+            )
     return points
 
 
@@ -218,8 +286,13 @@ def plot_frontier(points: list[dict], path: Path) -> None:
         mine = sorted((p for p in points if p["draft"] == draft), key=lambda p: (p["length"], p["keep"]))
         ax.plot([p["ttft_of_direct"] for p in mine], [p["accuracy_of_full"] for p in mine], "o", label=draft)
         for p in mine:
-            ax.annotate(f"{p['keep']:g} @{p['length'] // 1000}k", (p["ttft_of_direct"], p["accuracy_of_full"]),
-                        fontsize=7, xytext=(3, 3), textcoords="offset points")
+            ax.annotate(
+                f"{p['keep']:g} @{p['length'] // 1000}k",
+                (p["ttft_of_direct"], p["accuracy_of_full"]),
+                fontsize=7,
+                xytext=(3, 3),
+                textcoords="offset points",
+            )
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
     ax.axvline(1.0, color="grey", lw=0.8, ls="--")
     ax.set_xlabel("cold TTFT through the gateway / direct (lower is faster)")
@@ -251,8 +324,10 @@ def markdown_summary(cells: list[dict]) -> Iterator[str]:
                 text = f"{c['accuracy']:.0%} [{c['low']:.0%}–{c['high']:.0%}]"
                 return text + (f", obeyed {c['obeyed']:.0%}" if "obeyed" in c else "")
 
-            yield f"**{task}**, {length} tokens ({mine[0]['samples']} samples a cell; full prompt: "\
-                  f"{cell(full) if full else 'not asked'})"
+            yield (
+                f"**{task}**, {length} tokens ({mine[0]['samples']} samples a cell; full prompt: "
+                f"{cell(full) if full else 'not asked'})"
+            )
             yield ""
             yield "| draft | " + " | ".join(f"keep {k:g}" for k in keeps) + " |"
             yield "| --- | " + " | ".join("---" for _ in keeps) + " |"

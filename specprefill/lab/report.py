@@ -46,11 +46,17 @@ def plot(out_dir: Path, rows: list[Row], load: dict | None) -> list[Path]:
             ax1.plot([r.tokens for r in sel], [r.gateway_s for r in sel], "-o", label=f"gateway, keep {keep:g}")
             if keep < 1.0:
                 ax2.plot([r.tokens for r in sel], [r.speedup for r in sel], "-o", label=f"measured, keep {keep:g}")
-                ax2.plot([r.tokens for r in sel], [r.ideal for r in sel], "--", color=ax2.lines[-1].get_color(),
-                         label=f"ideal, keep {keep:g}")
+                ax2.plot(
+                    [r.tokens for r in sel],
+                    [r.ideal for r in sel],
+                    "--",
+                    color=ax2.lines[-1].get_color(),
+                    label=f"ideal, keep {keep:g}",
+                )
         ax1.set(xlabel="prompt tokens", ylabel="TTFT (s)", title="Time to first token", xscale="log", yscale="log")
-        ax2.set(xlabel="prompt tokens", ylabel="speedup over direct", title="TTFT speedup: measured vs ideal",
-                xscale="log")
+        ax2.set(
+            xlabel="prompt tokens", ylabel="speedup over direct", title="TTFT speedup: measured vs ideal", xscale="log"
+        )
         ax1.legend(fontsize=8)
         ax2.legend(fontsize=7)
         fig.tight_layout()
@@ -72,8 +78,9 @@ def plot(out_dir: Path, rows: list[Row], load: dict | None) -> list[Path]:
     return written
 
 
-def write_workloads(out_dir: Path, modes: dict[str, list[dict]], samples: list, sessions: dict | None,
-                    meta: dict) -> list[Path]:
+def write_workloads(
+    out_dir: Path, modes: dict[str, list[dict]], samples: list, sessions: dict | None, meta: dict
+) -> list[Path]:
     """``workloads.json`` and the plots: per arrival mode and workload, both paths' TTFT request by request
     (``workloads.png``); with Poisson sessions, TTFT p50 and p90 against the rate (``sessions.png``)."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -99,8 +106,11 @@ def write_workloads(out_dir: Path, modes: dict[str, list[dict]], samples: list, 
                 ax.set(title=f"{row['workload']} ({mode})", xlabel="request", yscale="log", xticks=index)
             line[0].set(ylabel="TTFT (s)")
         axes[0][0].legend(fontsize=8)
-        fig.suptitle(f"Time to first token, request by request ({meta.get('engine', '')}, "
-                     f"{meta.get('workload_tokens', '')} tokens, keep {meta.get('keep_rate', '')})", fontsize=10)
+        fig.suptitle(
+            f"Time to first token, request by request ({meta.get('engine', '')}, "
+            f"{meta.get('workload_tokens', '')} tokens, keep {meta.get('keep_rate', '')})",
+            fontsize=10,
+        )
         fig.tight_layout()
         written.append(out_dir / "workloads.png")
         fig.savefig(written[-1], dpi=110)
@@ -115,8 +125,12 @@ def write_workloads(out_dir: Path, modes: dict[str, list[dict]], samples: list, 
             ax.plot(rates, [e["paths"][name]["p90_s"] for e in entries], "--o", color=color, label=f"{name} p90")
         if "objective_s" in summary:
             ax.axhline(summary["objective_s"], color="grey", lw=0.8, label="objective (2x direct p90, lowest rate)")
-        ax.set(xlabel="sessions started per second", ylabel="TTFT (s)", yscale="log",
-               title=f"Mixed sessions, Poisson arrivals ({meta.get('engine', '')})")
+        ax.set(
+            xlabel="sessions started per second",
+            ylabel="TTFT (s)",
+            yscale="log",
+            title=f"Mixed sessions, Poisson arrivals ({meta.get('engine', '')})",
+        )
         ax.legend(fontsize=8)
         fig.tight_layout()
         written.append(out_dir / "sessions.png")

@@ -41,8 +41,13 @@ def make_tokenizer(words: list[str] | None = None, model_max_length: int = 8192)
     tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<bos>", eos_token="<eos>",
-                                   pad_token="<pad>", model_max_length=model_max_length)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token="<bos>",
+        eos_token="<eos>",
+        pad_token="<pad>",
+        model_max_length=model_max_length,
+    )
 
 
 def make_bpe_tokenizer(seed: int = 0) -> PreTrainedTokenizerFast:
@@ -56,11 +61,18 @@ def make_bpe_tokenizer(seed: int = 0) -> PreTrainedTokenizerFast:
     tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
     tokenizer.decoder = decoders.Metaspace()
-    tokenizer.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=1024, special_tokens=BPE_SPECIALS,
-                                                             show_progress=False))
+    tokenizer.train_from_iterator(
+        texts, trainers.BpeTrainer(vocab_size=1024, special_tokens=BPE_SPECIALS, show_progress=False)
+    )
     tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>",
-                                   unk_token="<unk>", pad_token="<unk>", model_max_length=16384)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<unk>",
+        model_max_length=16384,
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +116,7 @@ def question(key: str) -> str:
 def make_session(rng: random.Random, n_words: int, n_records: int, n_questions: int) -> Session:
     """One document asked several of its records, in a random order (as successive turns or requests)."""
     words = make_sample(rng, n_words, n_records).text.split()[:-QUESTION_LEN]
-    records = [(words[i + 3], words[i + 4]) for i in range(len(words) - 4)
-               if words[i : i + 3] == ["the", "code", "for"]]
+    records = [
+        (words[i + 3], words[i + 4]) for i in range(len(words) - 4) if words[i : i + 3] == ["the", "code", "for"]
+    ]
     return Session(" ".join(words), rng.sample(records, min(n_questions, len(records))))

@@ -50,12 +50,19 @@ class Round:
         return percentile(self.ttfts, q) * 1e3
 
     def summary(self) -> dict:
-        return {"path": self.path, "requests": self.requests, "errors": self.errors, "rps": round(self.rps, 1),
-                "p50_ms": round(self.ms(0.5), 2), "p99_ms": round(self.ms(0.99), 2),
-                "mean_ms": round(statistics.fmean(self.ttfts) * 1e3, 2) if self.ttfts else None,
-                "cpu_ms": {k: round(v, 3) for k, v in self.cpu_ms.items()}, "steal": round(self.steal, 3),
-                "gateway_rss_mib": round(self.gateway_rss_mib, 1),
-                "error_reasons": self.error_reasons}
+        return {
+            "path": self.path,
+            "requests": self.requests,
+            "errors": self.errors,
+            "rps": round(self.rps, 1),
+            "p50_ms": round(self.ms(0.5), 2),
+            "p99_ms": round(self.ms(0.99), 2),
+            "mean_ms": round(statistics.fmean(self.ttfts) * 1e3, 2) if self.ttfts else None,
+            "cpu_ms": {k: round(v, 3) for k, v in self.cpu_ms.items()},
+            "steal": round(self.steal, 3),
+            "gateway_rss_mib": round(self.gateway_rss_mib, 1),
+            "error_reasons": self.error_reasons,
+        }
 
 
 @dataclass
@@ -70,10 +77,23 @@ def instant_stack(pin: bool = False) -> Iterator[InstantStack]:
     """The demo gateway in front of the instant backend. ``pin``: the gateway on one core, this process (the
     client) and the backend on the others."""
     root = ensure_demo_models()
-    with launched_instant_backend() as (backend_url, backend), \
-            launched_gateway_process(["--backend-url", backend_url, "--backend-model", "fast",
-                                      "--target-model", str(root / "target"), "--draft-model", str(root / "draft"),
-                                      "--served-model-name", "demo"]) as (gateway_url, gateway):
+    with (
+        launched_instant_backend() as (backend_url, backend),
+        launched_gateway_process(
+            [
+                "--backend-url",
+                backend_url,
+                "--backend-model",
+                "fast",
+                "--target-model",
+                str(root / "target"),
+                "--draft-model",
+                str(root / "draft"),
+                "--served-model-name",
+                "demo",
+            ]
+        ) as (gateway_url, gateway),
+    ):
         if pin:
             cores = sorted(os.sched_getaffinity(0))
             os.sched_setaffinity(gateway.pid, cores[:1])
@@ -106,6 +126,7 @@ async def closed_loop(url: str, model: str, concurrency: int, duration: float, p
     stop_at = time.monotonic() + duration
     connector = aiohttp.TCPConnector(limit=concurrency * 2)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60)) as session:
+
         async def user() -> None:
             nonlocal errors
             while time.monotonic() < stop_at:
@@ -155,8 +176,15 @@ def measured_round(stack: InstantStack, path: str, concurrency: int, duration: f
     return result
 
 
-def rounds(stack: InstantStack, count: int, concurrency: int, duration: float, pause: float,
-           paths: tuple[str, ...] = ("direct", "gateway"), slice_s: float | None = None) -> list[Round]:
+def rounds(
+    stack: InstantStack,
+    count: int,
+    concurrency: int,
+    duration: float,
+    pause: float,
+    paths: tuple[str, ...] = ("direct", "gateway"),
+    slice_s: float | None = None,
+) -> list[Round]:
     """``count`` rounds of ``duration`` seconds on each path against the same processes, ``pause`` seconds between
     rounds. ``slice_s``: the paths take turns every ``slice_s`` seconds within a round, so both see the machine
     at the same speed (on a shared VM a fixed loop's 20-second means move 1.5x); otherwise one after the other."""
@@ -182,8 +210,17 @@ def merged(parts: list[Round]) -> Round:
     reasons: Counter[str] = Counter()
     for r in parts:
         reasons.update(r.error_reasons)
-    return Round(parts[0].path, requests, sum(r.errors for r in parts), seconds, [t for r in parts for t in r.ttfts],
-                 dict(reasons), cpu, sum(r.steal * r.seconds for r in parts) / seconds, parts[-1].gateway_rss_mib)
+    return Round(
+        parts[0].path,
+        requests,
+        sum(r.errors for r in parts),
+        seconds,
+        [t for r in parts for t in r.ttfts],
+        dict(reasons),
+        cpu,
+        sum(r.steal * r.seconds for r in parts) / seconds,
+        parts[-1].gateway_rss_mib,
+    )
 
 
 def spread(values: list[float]) -> float:

@@ -10,7 +10,8 @@ Policies:
 
 A replica that refuses the connection is skipped for the next one (as nginx's ``proxy_next_upstream error``);
 one that fails after it took the request answers the client 502. Only what the bench needs: OpenAI's POST
-endpoints passed through (streams as they come), ``/v1/models`` and ``/health`` from the first replica. Run: ``python -m specprefill.lab.router --policy prefix --port P URL URL``.
+endpoints passed through (streams as they come), ``/v1/models`` and ``/health`` from the first replica.
+Run: ``python -m specprefill.lab.router --policy prefix --port P URL URL``.
 """
 
 from __future__ import annotations
@@ -103,19 +104,25 @@ def create_app(urls: list[str], policy: str) -> Starlette:
 
         headers = {"x-replica": str(index)}
         if body.get("stream"):
-            return StreamingResponse(relay(), status_code=response.status, headers=headers,
-                                     media_type=response.headers.get("content-type"))
+            return StreamingResponse(
+                relay(), status_code=response.status, headers=headers, media_type=response.headers.get("content-type")
+            )
         try:
-            return Response(await response.read(), status_code=response.status, headers=headers,
-                            media_type=response.headers.get("content-type"))
+            return Response(
+                await response.read(),
+                status_code=response.status,
+                headers=headers,
+                media_type=response.headers.get("content-type"),
+            )
         finally:
             response.release()
             router._in_flight[index] -= 1
 
     async def first(request: Request) -> Response:
         async with client().get(router.urls[0] + request.url.path) as response:
-            return Response(await response.read(), status_code=response.status,
-                            media_type=response.headers.get("content-type"))
+            return Response(
+                await response.read(), status_code=response.status, media_type=response.headers.get("content-type")
+            )
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -123,8 +130,14 @@ def create_app(urls: list[str], policy: str) -> Starlette:
         if "s" in session:
             await session["s"].close()
 
-    return Starlette(routes=[Route("/v1/{path:path}", forward, methods=["POST"]),
-                             Route("/v1/models", first), Route("/health", first)], lifespan=lifespan)
+    return Starlette(
+        routes=[
+            Route("/v1/{path:path}", forward, methods=["POST"]),
+            Route("/v1/models", first),
+            Route("/health", first),
+        ],
+        lifespan=lifespan,
+    )
 
 
 def main() -> None:

@@ -70,14 +70,27 @@ class FullPrompt:
         return self.tokenizer.convert_ids_to_tokens(int(logits.argmax()))
 
 
-def evaluate_sessions(pair: Path, *, samples: int = 30, words: int = 1500, questions: int = 4,
-                      keep_rate: float = 0.1, seed: int = 99) -> list[SessionResult]:
+def evaluate_sessions(
+    pair: Path, *, samples: int = 30, words: int = 1500, questions: int = 4, keep_rate: float = 0.1, seed: int = 99
+) -> list[SessionResult]:
     full = FullPrompt(pair)
     results = []
     for warming in (True, False):
-        args = ["--target-model", str(pair / "target"), "--draft-model", str(pair / "draft"),
-                "--served-model-name", "retrieval", "--device", "cpu", "--min-prompt-tokens", "512",
-                "--cost-coefficients", json.dumps(REALISTIC_COSTS), *([] if warming else ["--no-warming"])]
+        args = [
+            "--target-model",
+            str(pair / "target"),
+            "--draft-model",
+            str(pair / "draft"),
+            "--served-model-name",
+            "retrieval",
+            "--device",
+            "cpu",
+            "--min-prompt-tokens",
+            "512",
+            "--cost-coefficients",
+            json.dumps(REALISTIC_COSTS),
+            *([] if warming else ["--no-warming"]),
+        ]
         for form in FORMS:  # each in a gateway of its own: its engine's cache starts empty
             with launched_gateway(args) as url:
                 result = SessionResult(form, warming)
@@ -89,39 +102,49 @@ def evaluate_sessions(pair: Path, *, samples: int = 30, words: int = 1500, quest
     return results
 
 
-async def _run_sessions(url: str, sessions: list, form: str, keep_rate: float, full: FullPrompt,
-                        result: SessionResult, label: str) -> None:
+async def _run_sessions(
+    url: str, sessions: list, form: str, keep_rate: float, full: FullPrompt, result: SessionResult, label: str
+) -> None:
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
         for session in tqdm(sessions, desc=label):
             await _run_session(client, url, session, form, keep_rate, full, result)
 
 
-async def _run_session(client: httpx.AsyncClient, url: str, session, form: str, keep_rate: float, full: FullPrompt,
-                       result: SessionResult) -> None:
+async def _run_session(
+    client: httpx.AsyncClient, url: str, session, form: str, keep_rate: float, full: FullPrompt, result: SessionResult
+) -> None:
     transcript = session.context
     for turn, (key, value) in enumerate(session.questions):
         prompt = f"{transcript if form == 'turns' else session.context} {question(key)}"
         await wait_idle(client, [url])  # a user's think time: the warm of the previous request, if any, is done
-        response = await client.post("/v1/completions", headers={"x-keep-rate": f"{keep_rate:g}"},
-                                     json={"model": "retrieval", "prompt": prompt, "max_tokens": 1, "temperature": 0})
+        response = await client.post(
+            "/v1/completions",
+            headers={"x-keep-rate": f"{keep_rate:g}"},
+            json={"model": "retrieval", "prompt": prompt, "max_tokens": 1, "temperature": 0},
+        )
         response.raise_for_status()
         answer = response.json()["choices"][0]["text"].strip()
-        kept = int(response.headers["x-specprefill-kept-tokens"]) / int(response.headers["x-specprefill-original-tokens"])
-        result.record(turn, answer == value, full.answer(prompt) == value, response.headers["x-specprefill-plan"],
-                      kept)
+        kept = int(response.headers["x-specprefill-kept-tokens"]) / int(
+            response.headers["x-specprefill-original-tokens"]
+        )
+        result.record(turn, answer == value, full.answer(prompt) == value, response.headers["x-specprefill-plan"], kept)
         transcript = f"{prompt} {answer} <eos>"
 
 
 def format_sessions(results: list[SessionResult]) -> str:
     turns = max(len(r.asked) for r in results)
-    lines = [f"{'form':>9} {'warming':>7}  " + "  ".join(f"{'turn ' + str(t + 1):>22}" for t in range(turns)),
-             f"{'':>9} {'':>7}  " + "  ".join(f"{'keep0.1 / full (ratio)':>22}" for _ in range(turns))]
+    lines = [
+        f"{'form':>9} {'warming':>7}  " + "  ".join(f"{'turn ' + str(t + 1):>22}" for t in range(turns)),
+        f"{'':>9} {'':>7}  " + "  ".join(f"{'keep0.1 / full (ratio)':>22}" for _ in range(turns)),
+    ]
     for r in results:
         cells = []
         for t in range(len(r.asked)):
             ratio = r.correct[t] / r.full_correct[t] if r.full_correct[t] else float("nan")
             cells.append(f"{r.correct[t] / r.asked[t]:>6.0%} / {r.full_correct[t] / r.asked[t]:>4.0%} ({ratio:.2f})")
         lines.append(f"{r.form:>9} {'on' if r.warming else 'off':>7}  " + "  ".join(f"{c:>22}" for c in cells))
-        lines.append(f"{'':>9} {'plans':>7}  " + "  ".join(
-            f"{', '.join(f'{k} {v}' for k, v in sorted(p.items())):>22}" for p in r.plans))
+        lines.append(
+            f"{'':>9} {'plans':>7}  "
+            + "  ".join(f"{', '.join(f'{k} {v}' for k, v in sorted(p.items())):>22}" for p in r.plans)
+        )
     return "\n".join(lines)

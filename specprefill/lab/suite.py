@@ -127,12 +127,14 @@ def _variables(rng: random.Random, n_words: int, n_questions: int, hops: int = 3
     rng.shuffle(statements)
     words = _scatter(rng, n_words, statements)
     asked = rng.sample(chains, min(n_questions, n_chains))
-    return TaskSample("variables", words,
-                      [(["question", ":", "the", "value", "of", chain[0]], chain[1:]) for chain in asked])
+    return TaskSample(
+        "variables", words, [(["question", ":", "the", "value", "of", chain[0]], chain[1:]) for chain in asked]
+    )
 
 
-def _aggregation(rng: random.Random, n_words: int, n_questions: int, candidates: int = 8,
-                 share: float = 0.22) -> TaskSample:
+def _aggregation(
+    rng: random.Random, n_words: int, n_questions: int, candidates: int = 8, share: float = 0.22
+) -> TaskSample:
     """~one mention per 3 sentences; the most common value takes ``share`` of them, the others split the rest
     as evenly as counts allow (so the winner leads by about 2x)."""
     n_sentences = max(candidates * 4, n_words // 8)
@@ -155,7 +157,10 @@ def _aggregation(rng: random.Random, n_words: int, n_questions: int, candidates:
 
 
 GENERATORS: dict[str, Callable[[random.Random, int, int], TaskSample]] = {
-    "single": _single, "multivalue": _multivalue, "multiquery": _multiquery, "variables": _variables,
+    "single": _single,
+    "multivalue": _multivalue,
+    "multiquery": _multiquery,
+    "variables": _variables,
     "aggregation": _aggregation,
 }
 

@@ -28,9 +28,12 @@ from specprefill.lab.suite import FAMILIES, TaskSample, evidence_kept, samples
 KEEP_RATES = (0.05, 0.1, 0.3, 0.5, 1.0)
 METHODS = ("specprefill", "random", "head", "tail", "upper")
 ABLATIONS = {
-    "look-ahead 1": ["--look-ahead", "1"], "look-ahead 4": ["--look-ahead", "4"],
+    "look-ahead 1": ["--look-ahead", "1"],
+    "look-ahead 4": ["--look-ahead", "4"],
     "pool 1": ["--pool-kernel", "1"],
-    "chunk 1": ["--chunk-size", "1"], "chunk 8": ["--chunk-size", "8"], "chunk 64": ["--chunk-size", "64"],
+    "chunk 1": ["--chunk-size", "1"],
+    "chunk 8": ["--chunk-size", "8"],
+    "chunk 64": ["--chunk-size", "64"],
     "no protection": ["--protect-first", "0", "--protect-last", "0"],
 }
 DEFAULTS = "defaults (8, 13, 32, protected)"
@@ -56,16 +59,29 @@ class SuiteResult:
 
 def _gateway_args(pair: Path, draft: str, extra: list[str]) -> list[str]:
     """The score cache stays on: the dry run that follows each request reads that request's scores."""
-    return ["--target-model", str(pair / "target"), "--draft-model", draft, "--served-model-name", "suite",
-            "--planner", "fresh", "--min-prompt-tokens", "64", "--device", "cpu", *extra]
+    return [
+        "--target-model",
+        str(pair / "target"),
+        "--draft-model",
+        draft,
+        "--served-model-name",
+        "suite",
+        "--planner",
+        "fresh",
+        "--min-prompt-tokens",
+        "64",
+        "--device",
+        "cpu",
+        *extra,
+    ]
 
 
 def _ask(client: openai.OpenAI, sample: TaskSample, headers: dict[str, str]) -> tuple[bool, float]:
     """Whether the answer is right, and the fraction of the prompt the target read."""
     expected = sample.answer.split()
-    raw = client.completions.with_raw_response.create(model="suite", prompt=sample.prompt,
-                                                      max_tokens=len(expected) + 1, temperature=0,
-                                                      extra_headers=headers)
+    raw = client.completions.with_raw_response.create(
+        model="suite", prompt=sample.prompt, max_tokens=len(expected) + 1, temperature=0, extra_headers=headers
+    )
     words = raw.parse().choices[0].text.split()
     kept = int(raw.headers["x-specprefill-kept-tokens"]) / int(raw.headers["x-specprefill-original-tokens"])
     return words[: len(expected)] == expected, kept
@@ -74,8 +90,11 @@ def _ask(client: openai.OpenAI, sample: TaskSample, headers: dict[str, str]) -> 
 def _evidence(client: openai.OpenAI, sample: TaskSample, keep: float) -> bool:
     """Whether the selection keeps what the answer is read from (``evidence_kept``), from the gateway's own
     dry run of the same request (``/v1/specprefill/compress``: the same plan)."""
-    plan = client.post("/specprefill/compress", cast_to=httpx.Response,
-                       body={"model": "suite", "prompt": sample.prompt, "specprefill": {"keep_rate": keep}}).json()
+    plan = client.post(
+        "/specprefill/compress",
+        cast_to=httpx.Response,
+        body={"model": "suite", "prompt": sample.prompt, "specprefill": {"keep_rate": keep}},
+    ).json()
     return evidence_kept(sample.family, sample.prompt, {p - 1 for p in plan["position_ids"]})  # BOS comes first
 
 
@@ -86,8 +105,7 @@ def _run_variant(url: str, name: str, data: dict[str, list[TaskSample]], keep_ra
             result.accuracy[family], result.kept_fraction[family], result.evidence[family] = {}, {}, {}
             for keep in keep_rates:
                 correct, kept, evidence = 0, 0.0, 0
-                for sample in tqdm(family_samples, desc=f"{name}: {family} keep {keep:g}", unit="prompt",
-                                   leave=False):
+                for sample in tqdm(family_samples, desc=f"{name}: {family} keep {keep:g}", unit="prompt", leave=False):
                     ok, fraction = _ask(client, sample, {"x-keep-rate": f"{keep:g}"})
                     correct, kept = correct + ok, kept + fraction
                     evidence += _evidence(client, sample, keep)
@@ -97,13 +115,26 @@ def _run_variant(url: str, name: str, data: dict[str, list[TaskSample]], keep_ra
     return result
 
 
-def evaluate_suite(pair: Path, *, families: list[str] = list(FAMILIES), samples_per_family: int = 50,
-                   words: int = 1024, keep_rates: list[float] = list(KEEP_RATES), seed: int = 1234,
-                   methods: list[str] = list(METHODS), ablations: bool = False) -> SuiteResult:
+def evaluate_suite(
+    pair: Path,
+    *,
+    families: list[str] = list(FAMILIES),
+    samples_per_family: int = 50,
+    words: int = 1024,
+    keep_rates: list[float] = list(KEEP_RATES),
+    seed: int = 1234,
+    methods: list[str] = list(METHODS),
+    ablations: bool = False,
+) -> SuiteResult:
     data = {family: samples(family, samples_per_family, words, seed) for family in families}
     compressed = [k for k in keep_rates if k < 1]
-    drafts = {"specprefill": str(pair / "draft"), "upper": str(pair / "target"), "random": "baseline:random",
-              "head": "baseline:head", "tail": "baseline:tail"}
+    drafts = {
+        "specprefill": str(pair / "draft"),
+        "upper": str(pair / "target"),
+        "random": "baseline:random",
+        "head": "baseline:head",
+        "tail": "baseline:tail",
+    }
     full: dict[str, float] = {}
     tokens: dict[str, float] = {}
     results = []
@@ -112,8 +143,10 @@ def evaluate_suite(pair: Path, *, families: list[str] = list(FAMILIES), samples_
             if not full:
                 with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as client:
                     for family, family_samples in data.items():
-                        asked = [_ask(client, s, {"x-specprefill": "off"})[0]
-                                 for s in tqdm(family_samples, desc=f"full prompt: {family}", leave=False)]
+                        asked = [
+                            _ask(client, s, {"x-specprefill": "off"})[0]
+                            for s in tqdm(family_samples, desc=f"full prompt: {family}", leave=False)
+                        ]
                         full[family] = sum(asked) / len(asked)
                         tokens[family] = sum(len(s.prompt.split()) + 1 for s in family_samples) / len(family_samples)
             results.append(_run_variant(url, method, data, compressed))
@@ -134,8 +167,7 @@ def format_suite(result: SuiteResult) -> str:
     keeps = sorted({k for r in result.methods + result.ablations for f in r.accuracy.values() for k in f}, key=float)
     lines = [f"suite: {result.samples} samples per family, ~{result.words} words of context"]
     for family in result.full:
-        lines.append(f"\n{family} (~{result.tokens_mean[family]:.0f} tokens): full prompt "
-                     f"{result.full[family]:.0%}")
+        lines.append(f"\n{family} (~{result.tokens_mean[family]:.0f} tokens): full prompt {result.full[family]:.0%}")
         lines.append(f"{'':>32} " + " ".join(f"{'keep ' + k:>9}" for k in keeps))
         for title, rows in (("", result.methods), ("ablation: ", result.ablations)):
             for r in rows:
@@ -155,16 +187,24 @@ def plot_suite(result: SuiteResult, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     families = list(result.full)
-    fig, axes = plt.subplots(2, len(families), figsize=(3.2 * len(families), 6.2), sharey=True, sharex=True,
-                             squeeze=False)
+    fig, axes = plt.subplots(
+        2, len(families), figsize=(3.2 * len(families), 6.2), sharey=True, sharex=True, squeeze=False
+    )
     for column, family in enumerate(families):
         for row, metric in enumerate(("accuracy", "evidence")):
             ax = axes[row][column]
             for r in result.methods:
                 values = getattr(r, metric)[family]
                 keeps = sorted(values, key=float)
-                ax.plot([float(k) for k in keeps], [values[k] for k in keeps], marker="o", ms=3, label=r.variant,
-                        lw=2.5 if r.variant == "specprefill" else 1.2, ls=":" if r.variant == "upper" else "-")
+                ax.plot(
+                    [float(k) for k in keeps],
+                    [values[k] for k in keeps],
+                    marker="o",
+                    ms=3,
+                    label=r.variant,
+                    lw=2.5 if r.variant == "specprefill" else 1.2,
+                    ls=":" if r.variant == "upper" else "-",
+                )
             if metric == "accuracy":
                 ax.axhline(result.full[family], color="k", ls="--", lw=1, label="full prompt")
                 ax.set_title(family)

@@ -46,8 +46,13 @@ STAGES = {
 QUESTIONS = 4  # asked in a row about one context (aggregation asks one)
 
 
-def suite_batch(rng: random.Random, tokenizer, tokens_per_batch: int, n_words: int,
-                family_weights: tuple[int, ...] = (1,) * len(FAMILIES)) -> Batch:
+def suite_batch(
+    rng: random.Random,
+    tokenizer,
+    tokens_per_batch: int,
+    n_words: int,
+    family_weights: tuple[int, ...] = (1,) * len(FAMILIES),
+) -> Batch:
     """Rows of random families; each row is a context, then its questions, each answer followed by EOS."""
     rows, answers, ends = [], [], []
     for _ in range(max(2, tokens_per_batch // n_words)):
@@ -67,8 +72,10 @@ def suite_batch(rng: random.Random, tokenizer, tokens_per_batch: int, n_words: i
         ids[row, : len(r)] = torch.tensor(r)
 
     def flat(per_row: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        return (torch.tensor([row for row, positions in enumerate(per_row) for _ in positions]),
-                torch.tensor([p for positions in per_row for p in positions]))
+        return (
+            torch.tensor([row for row, positions in enumerate(per_row) for _ in positions]),
+            torch.tensor([p for positions in per_row for p in positions]),
+        )
 
     return Batch(ids, *flat(answers), *flat(ends))
 
@@ -81,8 +88,9 @@ def starting_point(model_dir: Path, tokenizer, seed: int):
     return model
 
 
-def train_suite_model(name: str, out_dir: Path, *, seed: int = 0, start: Path = SHIPPED_PAIR,
-                      stages: tuple[Stage, ...] | None = None) -> float:
+def train_suite_model(
+    name: str, out_dir: Path, *, seed: int = 0, start: Path = SHIPPED_PAIR, stages: tuple[Stage, ...] | None = None
+) -> float:
     """Trains the suite's ``name`` ("draft" or "target") from the retrieval pair's through its ``STAGES``, writes
     ``out_dir/name``; returns the seconds it took."""
     tokenizer = make_tokenizer()
@@ -90,20 +98,31 @@ def train_suite_model(name: str, out_dir: Path, *, seed: int = 0, start: Path = 
     began = time.perf_counter()
     model = starting_point(start / name, tokenizer, seed + offset)
     for index, stage in enumerate(stages or STAGES[name]):
-        print(f"training the suite {name}, stage {index + 1}: {stage} ({torch.get_num_threads()} threads)",
-              flush=True)
-        model = train(None, tokenizer, steps=stage.steps, seed=seed + offset + 10 * index, lr=stage.lr,
-                      schedule=stage.schedule, init=model,
-                      batch_fn=functools.partial(suite_batch, family_weights=stage.family_weights))
+        print(f"training the suite {name}, stage {index + 1}: {stage} ({torch.get_num_threads()} threads)", flush=True)
+        model = train(
+            None,
+            tokenizer,
+            steps=stage.steps,
+            seed=seed + offset + 10 * index,
+            lr=stage.lr,
+            schedule=stage.schedule,
+            init=model,
+            batch_fn=functools.partial(suite_batch, family_weights=stage.family_weights),
+        )
         save(model, tokenizer, out_dir / name)
     return time.perf_counter() - began
 
 
 def write_provenance(out_dir: Path, seconds: dict[str, float], *, seed: int = 0, start: Path = SHIPPED_PAIR) -> None:
-    provenance = {"version": SUITE_VERSION, "seed": seed, "families": FAMILIES, "questions_per_context": QUESTIONS,
-                  "start": "retrieval-pair " + json.loads((start / "retrieval.json").read_text())["version"],
-                  "seconds": {name: round(s) for name, s in seconds.items()},
-                  "stages": {name: [asdict(stage) for stage in stages] for name, stages in STAGES.items()}}
+    provenance = {
+        "version": SUITE_VERSION,
+        "seed": seed,
+        "families": FAMILIES,
+        "questions_per_context": QUESTIONS,
+        "start": "retrieval-pair " + json.loads((start / "retrieval.json").read_text())["version"],
+        "seconds": {name: round(s) for name, s in seconds.items()},
+        "stages": {name: [asdict(stage) for stage in stages] for name, stages in STAGES.items()},
+    }
     (out_dir / "suite.json").write_text(json.dumps(provenance, indent=2))
 
 

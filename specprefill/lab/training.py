@@ -41,10 +41,17 @@ SCHEDULE = ((0.3, 96), (0.15, 256), (0.2, 640), (0.35, 1536))  # (fraction of th
 
 def _config(shape: PairShape, tokenizer) -> LlamaConfig:
     return LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=shape.hidden, intermediate_size=shape.hidden * 3,
-        num_hidden_layers=shape.layers, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
-        max_position_embeddings=8192, rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        vocab_size=len(tokenizer),
+        hidden_size=shape.hidden,
+        intermediate_size=shape.hidden * 3,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        max_position_embeddings=8192,
+        rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=True,
     )
 
@@ -62,8 +69,11 @@ def _training_batch(rng: random.Random, tokenizer, batch: int, n_words: int, n_q
     for _ in range(batch):
         sample = make_sample(rng, n_words, rng.randint(2, max(2, n_words // 40)))
         words = sample.text.split()[:-QUESTION_LEN]
-        records = [(words[i + 3], words[i + 4]) for i in range(len(words) - 4)
-                   if words[i] == "the" and words[i + 1] == "code" and words[i + 2] == "for"]
+        records = [
+            (words[i + 3], words[i + 4])
+            for i in range(len(words) - 4)
+            if words[i] == "the" and words[i + 1] == "code" and words[i + 2] == "for"
+        ]
         answer_word_pos = []
         for key, value in rng.sample(records, min(len(records), n_questions)):
             words += ["question", ":", "the", "code", "for", key]
@@ -110,8 +120,9 @@ def _prepare_for_training(config: LlamaConfig) -> None:
     config._attn_implementation = TRAIN_ATTENTION
 
 
-def circuit_losses(previous_attn: torch.Tensor, induction_attn: torch.Tensor,
-                   ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def circuit_losses(
+    previous_attn: torch.Tensor, induction_attn: torch.Tensor, ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Auxiliary losses that seed the two generic circuits language-model pre-training forms at scale.
 
     ``previous_attn`` and ``induction_attn`` are head 0's attention probabilities [B, T, T] in layers 0 and 1.
@@ -134,8 +145,7 @@ def circuit_losses(previous_attn: torch.Tensor, induction_attn: torch.Tensor,
 
 def retrieval_batch(rng: random.Random, tokenizer, tokens_per_batch: int, n_words: int) -> Batch:
     """The retrieval task's training batch: several questions per sequence, each answer followed by EOS."""
-    ids, rows, answer_pos = _training_batch(rng, tokenizer, max(2, tokens_per_batch // n_words), n_words,
-                                            n_questions=8)
+    ids, rows, answer_pos = _training_batch(rng, tokenizer, max(2, tokens_per_batch // n_words), n_words, n_questions=8)
     return Batch(ids, rows, answer_pos, rows, answer_pos + 1)
 
 
@@ -148,9 +158,20 @@ class Batch:
     eos_pos: torch.Tensor
 
 
-def train(shape: PairShape, tokenizer, *, steps: int, seed: int, log_every: int = 100,
-          schedule: tuple[tuple[float, int], ...] = SCHEDULE, tokens_per_batch: int = 4096, lr: float = 1e-3,
-          circuit_weight: float = 1.0, batch_fn=retrieval_batch, init: LlamaForCausalLM | None = None):
+def train(
+    shape: PairShape,
+    tokenizer,
+    *,
+    steps: int,
+    seed: int,
+    log_every: int = 100,
+    schedule: tuple[tuple[float, int], ...] = SCHEDULE,
+    tokens_per_batch: int = 4096,
+    lr: float = 1e-3,
+    circuit_weight: float = 1.0,
+    batch_fn=retrieval_batch,
+    init: LlamaForCausalLM | None = None,
+):
     """Several questions per sequence, loss on the answers (and the EOS after each) plus ``circuit_losses``,
     and a length curriculum (fraction of the steps, words of context).
 
@@ -195,44 +216,57 @@ def train(shape: PairShape, tokenizer, *, steps: int, seed: int, log_every: int 
         eos_logits = model.lm_head(hidden[batch.eos_rows, batch.eos_pos - 1])  # and after the answer, EOS
         previous, induction = circuit_losses(head_zero[0], head_zero[1], ids)
         answer_loss = F.cross_entropy(logits, answers)
-        loss = (answer_loss + F.cross_entropy(eos_logits, ids[batch.eos_rows, batch.eos_pos])
-                + circuit_weight * (previous + induction))
+        loss = (
+            answer_loss
+            + F.cross_entropy(eos_logits, ids[batch.eos_rows, batch.eos_pos])
+            + circuit_weight * (previous + induction)
+        )
         optimizer.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         scheduler.step()
-        window = (window + [(logits.argmax(-1) == answers).float().mean().item()])[-log_every or 1:]
+        window = (window + [(logits.argmax(-1) == answers).float().mean().item()])[-log_every or 1 :]
         if log_every and (step % log_every == 0 or step == steps - 1):
-            print(f"  step {step:>5} words {n_words:>4} answer loss {answer_loss.item():.3f} "
-                  f"accuracy {sum(window) / len(window):.2f} previous-token {previous.item():.3f} "
-                  f"induction {induction.item():.3f} ({time.perf_counter() - start:.0f} s)", flush=True)
+            print(
+                f"  step {step:>5} words {n_words:>4} answer loss {answer_loss.item():.3f} "
+                f"accuracy {sum(window) / len(window):.2f} previous-token {previous.item():.3f} "
+                f"induction {induction.item():.3f} ({time.perf_counter() - start:.0f} s)",
+                flush=True,
+            )
     model.config._attn_implementation = "sdpa"
     return model.eval()
 
 
 def save(model: LlamaForCausalLM, tokenizer, out_dir: Path) -> None:
-    model.generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id,
-                                               eos_token_id=tokenizer.eos_token_id,
-                                               pad_token_id=tokenizer.pad_token_id)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    )
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
 
 
 def provenance(seed: int, draft_steps: int, target_steps: int) -> dict:
     """What ``retrieval.json`` records about how a pair was trained."""
-    return {"version": TASK_VERSION, "seed": seed, "schedule": SCHEDULE,
-            "draft": {"shape": asdict(DRAFT), "steps": draft_steps, "lr": DRAFT_LR},
-            "target": {"shape": asdict(TARGET), "steps": target_steps, "lr": TARGET_LR}}
+    return {
+        "version": TASK_VERSION,
+        "seed": seed,
+        "schedule": SCHEDULE,
+        "draft": {"shape": asdict(DRAFT), "steps": draft_steps, "lr": DRAFT_LR},
+        "target": {"shape": asdict(TARGET), "steps": target_steps, "lr": TARGET_LR},
+    }
 
 
-def train_pair(out_dir: Path, *, draft_steps: int = DRAFT_STEPS, target_steps: int = TARGET_STEPS,
-               seed: int = 0) -> Path:
+def train_pair(
+    out_dir: Path, *, draft_steps: int = DRAFT_STEPS, target_steps: int = TARGET_STEPS, seed: int = 0
+) -> Path:
     """Trains and writes ``out_dir/draft`` and ``out_dir/target`` (one tokenizer), deterministically."""
     torch.set_num_threads(max(1, torch.get_num_threads()))
     tokenizer = make_tokenizer()
-    for name, shape, steps, model_seed, lr in (("draft", DRAFT, draft_steps, seed + 1, DRAFT_LR),
-                                               ("target", TARGET, target_steps, seed + 2, TARGET_LR)):
+    for name, shape, steps, model_seed, lr in (
+        ("draft", DRAFT, draft_steps, seed + 1, DRAFT_LR),
+        ("target", TARGET, target_steps, seed + 2, TARGET_LR),
+    ):
         print(f"training the {name} ({shape}) for {steps} steps", flush=True)
         model = train(shape, tokenizer, steps=steps, seed=model_seed, lr=lr)
         save(model, tokenizer, out_dir / name)

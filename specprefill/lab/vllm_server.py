@@ -10,9 +10,19 @@ from common.process import free_port, quiet_openmp, wait_healthy
 
 
 class VLLMServer:
-    def __init__(self, python: str, model: Path | str, log: Path, *, plugin: bool, served_name: str = "target",
-                 max_model_len: int = 4096, kv_cache_gib: int = 1, extra_args: tuple[str, ...] = (),
-                 pinned: bool = True) -> None:
+    def __init__(
+        self,
+        python: str,
+        model: Path | str,
+        log: Path,
+        *,
+        plugin: bool,
+        served_name: str = "target",
+        max_model_len: int = 4096,
+        kv_cache_gib: int = 1,
+        extra_args: tuple[str, ...] = (),
+        pinned: bool = True,
+    ) -> None:
         """``pinned`` (the default) is vLLM's own CPU setup: its OpenMP thread pinned to a core, a core left to
         its server process. Timings are then steady (on 2 cores, the same cached request took 279-289 ms, where
         two unpinned threads took 150-300 ms). ``pinned=False`` (``nobind``) is for servers that run requests
@@ -20,16 +30,36 @@ class VLLMServer:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
-        env = {**quiet_openmp(), "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
-               "VLLM_CACHE_ROOT": str(Path(python).parents[1] / "compile-cache")}
+        env = {
+            **quiet_openmp(),
+            "VLLM_TARGET_DEVICE": "cpu",
+            "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
+            "VLLM_CACHE_ROOT": str(Path(python).parents[1] / "compile-cache"),
+        }
         if not pinned:
             env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
         if not plugin:
             env["VLLM_PLUGINS"] = ""  # an allowlist naming no plugin: stock vLLM
         self._log_file = log.open("w")
-        self._command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port",
-                         str(self.port), "--served-model-name", served_name, "--max-model-len", str(max_model_len),
-                         "--dtype", "float32", "--max-num-seqs", "8", "--enable-prefix-caching", *extra_args]
+        self._command = [
+            python,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model),
+            "--port",
+            str(self.port),
+            "--served-model-name",
+            served_name,
+            "--max-model-len",
+            str(max_model_len),
+            "--dtype",
+            "float32",
+            "--max-num-seqs",
+            "8",
+            "--enable-prefix-caching",
+            *extra_args,
+        ]
         self._env = env
         self.process = self._start()
 

@@ -48,10 +48,16 @@ WORKLOADS = ("fresh", "document", "chat", "agent", "system", "agent-messages")
 EXTRA_WORKLOADS = ("foreign", "restart", "kill")  # not among the defaults: they disturb the engine on purpose
 ACTIONS = ("foreign", "restart", "kill")  # what happens at a path's engine before a request (``Workload.before``)
 AGENT_TOOLS = [
-    {"name": "read_file", "description": "Read a file of the repository.",
-     "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}},
-    {"name": "run_tests", "description": "Run the test suite and return its output.",
-     "input_schema": {"type": "object", "properties": {"selector": {"type": "string"}}}},
+    {
+        "name": "read_file",
+        "description": "Read a file of the repository.",
+        "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]},
+    },
+    {
+        "name": "run_tests",
+        "description": "Run the test suite and return its output.",
+        "input_schema": {"type": "object", "properties": {"selector": {"type": "string"}}},
+    },
 ]
 
 
@@ -63,27 +69,38 @@ class Workload:
     before: dict[int, str] = field(default_factory=dict)  # request index -> an action at the engine first
 
 
-def build_workloads(prompts: PromptMaker, names: list[str], n_requests: int, tokens: int,
-                    step_tokens: int) -> list[Workload]:
+def build_workloads(
+    prompts: PromptMaker, names: list[str], n_requests: int, tokens: int, step_tokens: int
+) -> list[Workload]:
     """The named workloads, each of ``n_requests`` requests whose prompts hold ``tokens`` tokens or more."""
-    questions = [f"\n\nQuestion {i + 1}: which number appears in sentence {3 * i + 2} of the text above?"
-                 for i in range(n_requests)]
+    questions = [
+        f"\n\nQuestion {i + 1}: which number appears in sentence {3 * i + 2} of the text above?"
+        for i in range(n_requests)
+    ]
     builders = {
         "fresh": lambda: [[{"role": "user", "content": prompts.text(tokens) + q}] for q in questions],
         "document": lambda: _one_document(prompts.text(tokens), questions),
         "chat": lambda: _chat(prompts.text(tokens), questions),
         "agent": lambda: _agent(prompts, tokens, step_tokens, n_requests),
-        "system": lambda: [[{"role": "system", "content": system}, {"role": "user", "content": q.strip()}]
-                           for system in [prompts.text(tokens)] for q in questions],
+        "system": lambda: [
+            [{"role": "system", "content": system}, {"role": "user", "content": q.strip()}]
+            for system in [prompts.text(tokens)]
+            for q in questions
+        ],
         "agent-messages": lambda: _agent_messages(prompts, tokens, step_tokens, n_requests),
         "foreign": lambda: _chat(prompts.text(tokens), questions),
         "restart": lambda: _chat(prompts.text(tokens), questions),
         "kill": lambda: _chat(prompts.text(tokens), questions),
     }
-    before = {"foreign": {i: "foreign" for i in range(1, n_requests)}, "restart": {n_requests // 2: "restart"},
-              "kill": {n_requests // 2: "kill"}}
-    return [Workload(name, builders[name](), "messages" if name == "agent-messages" else "chat",
-                     before.get(name, {})) for name in names]
+    before = {
+        "foreign": {i: "foreign" for i in range(1, n_requests)},
+        "restart": {n_requests // 2: "restart"},
+        "kill": {n_requests // 2: "kill"},
+    }
+    return [
+        Workload(name, builders[name](), "messages" if name == "agent-messages" else "chat", before.get(name, {}))
+        for name in names
+    ]
 
 
 def _one_document(document: str, questions: list[str]) -> list[list[dict]]:
@@ -94,20 +111,26 @@ def _chat(document: str, questions: list[str]) -> list[list[dict]]:
     turns, messages = [], [{"role": "user", "content": document + questions[0]}]
     for i, question in enumerate(questions):
         if i:
-            messages = messages + [{"role": "assistant", "content": f"The number in sentence {3 * i - 1} is {i * 7}."},
-                                   {"role": "user", "content": question.strip()}]
+            messages = messages + [
+                {"role": "assistant", "content": f"The number in sentence {3 * i - 1} is {i * 7}."},
+                {"role": "user", "content": question.strip()},
+            ]
         turns.append(messages)
     return turns
 
 
 def _agent(prompts: PromptMaker, tokens: int, step_tokens: int, n_requests: int) -> list[list[dict]]:
-    messages = [{"role": "system", "content": "You are an agent. Call a tool, read its output, then decide."},
-                {"role": "user", "content": "Task: summarise these files.\n\n" + prompts.text(tokens)}]
+    messages = [
+        {"role": "system", "content": "You are an agent. Call a tool, read its output, then decide."},
+        {"role": "user", "content": "Task: summarise these files.\n\n" + prompts.text(tokens)},
+    ]
     steps = []
     for i in range(n_requests):
         if i:
-            messages = messages + [{"role": "assistant", "content": f'{{"tool": "read_file", "args": {{"n": {i}}}}}'},
-                                   {"role": "tool", "content": prompts.text(step_tokens)}]
+            messages = messages + [
+                {"role": "assistant", "content": f'{{"tool": "read_file", "args": {{"n": {i}}}}}'},
+                {"role": "tool", "content": prompts.text(step_tokens)},
+            ]
         steps.append(messages)
     return steps
 
@@ -115,17 +138,28 @@ def _agent(prompts: PromptMaker, tokens: int, step_tokens: int, n_requests: int)
 def _agent_messages(prompts: PromptMaker, tokens: int, step_tokens: int, n_requests: int) -> list[dict]:
     """Claude Code's shape: instructions in a long system prompt (half the tokens) with the tools, the task with
     its context (the other half), then one ``tool_use`` and its ``tool_result`` more every step."""
-    system = [{"type": "text", "text": "You are a coding agent. Use the tools, read their output, then decide.\n\n"
-               + prompts.text(tokens // 2), "cache_control": {"type": "ephemeral"}}]
+    system = [
+        {
+            "type": "text",
+            "text": "You are a coding agent. Use the tools, read their output, then decide.\n\n"
+            + prompts.text(tokens // 2),
+            "cache_control": {"type": "ephemeral"},
+        }
+    ]
     messages: list[dict] = [{"role": "user", "content": "Task: fix the failing test.\n\n" + prompts.text(tokens // 2)}]
     steps = []
     for i in range(n_requests):
         if i:
             call = {"type": "tool_use", "id": f"toolu_{i:02d}", "name": "read_file", "input": {"path": f"src/m{i}.py"}}
-            result = {"type": "tool_result", "tool_use_id": call["id"],
-                      "content": [{"type": "text", "text": prompts.text(step_tokens)}]}
-            messages = messages + [{"role": "assistant", "content": [{"type": "text", "text": "Reading it."}, call]},
-                                   {"role": "user", "content": [result]}]
+            result = {
+                "type": "tool_result",
+                "tool_use_id": call["id"],
+                "content": [{"type": "text", "text": prompts.text(step_tokens)}],
+            }
+            messages = messages + [
+                {"role": "assistant", "content": [{"type": "text", "text": "Reading it."}, call]},
+                {"role": "user", "content": [result]},
+            ]
         steps.append({"system": system, "tools": AGENT_TOOLS, "messages": messages})
     return steps
 
@@ -162,11 +196,17 @@ class PathTarget:
     engine_url: str | None = None
 
 
-async def run_workloads(mode: str, workloads: dict[str, list[Workload]], paths: list[PathTarget],
-                        idle_urls: list[str], *, think_s: float = 1.0, max_tokens: int = 1,
-                        first: str = "gateway",
-                        act: Callable[[str, PathTarget, WorkloadSample | None], Awaitable[None]] | None = None
-                        ) -> list[WorkloadSample]:
+async def run_workloads(
+    mode: str,
+    workloads: dict[str, list[Workload]],
+    paths: list[PathTarget],
+    idle_urls: list[str],
+    *,
+    think_s: float = 1.0,
+    max_tokens: int = 1,
+    first: str = "gateway",
+    act: Callable[[str, PathTarget, WorkloadSample | None], Awaitable[None]] | None = None,
+) -> list[WorkloadSample]:
     """Every workload through each path in arrival ``mode``; ``workloads[path.name]`` are that path's (the
     direct path may get the same workloads over other documents, when both share one engine). ``act(action,
     path, last)`` does a workload's actions at the path's engine (``Workload.before``; ``last``: the path's
@@ -176,11 +216,14 @@ async def run_workloads(mode: str, workloads: dict[str, list[Workload]], paths: 
     async def send(path: PathTarget, workload: Workload, index: int, at_s: float) -> WorkloadSample:
         if index in workload.before:
             if act is None:
-                raise ValueError(f"workload {workload.name!r} needs its engine {workload.before[index]} here, "
-                                 "which only a launched stack can do")
+                raise ValueError(
+                    f"workload {workload.name!r} needs its engine {workload.before[index]} here, "
+                    "which only a launched stack can do"
+                )
             await act(workload.before[index], path, last.get(path.name))
-        sample = last[path.name] = await _send(client, path, queues[path.name], workload, index,
-                                               workload.requests[index], mode, max_tokens, at_s)
+        sample = last[path.name] = await _send(
+            client, path, queues[path.name], workload, index, workload.requests[index], mode, max_tokens, at_s
+        )
         return sample
 
     if mode not in MODES:
@@ -213,8 +256,17 @@ async def run_workloads(mode: str, workloads: dict[str, list[Workload]], paths: 
     return samples
 
 
-async def _send(client: httpx.AsyncClient, path: PathTarget, queue: EngineQueue, workload: Workload, index: int,
-                request, mode: str, max_tokens: int, at_s: float) -> WorkloadSample:
+async def _send(
+    client: httpx.AsyncClient,
+    path: PathTarget,
+    queue: EngineQueue,
+    workload: Workload,
+    index: int,
+    request,
+    mode: str,
+    max_tokens: int,
+    at_s: float,
+) -> WorkloadSample:
     usage: dict = {}
     if workload.api == "messages":
         body = {"model": path.model, **request, "max_tokens": max_tokens, "temperature": 0}
@@ -231,8 +283,9 @@ async def _send(client: httpx.AsyncClient, path: PathTarget, queue: EngineQueue,
     return sample
 
 
-async def compare_engines(urls: dict[str, str], model: str, messages: list[dict], idle_urls: list[str],
-                          rounds: int = 8, max_tokens: int = 1) -> dict:
+async def compare_engines(
+    urls: dict[str, str], model: str, messages: list[dict], idle_urls: list[str], rounds: int = 8, max_tokens: int = 1
+) -> dict:
     """The same requests sent directly to each path's engine, the order alternating: how far apart the two
     instances are on them. Their histories differ (the gateway's engine has also read the probe, compressed
     selections and warms), so on a request both hold whole, this is the part of the workloads' ratio that is
@@ -245,8 +298,7 @@ async def compare_engines(urls: dict[str, str], model: str, messages: list[dict]
             for name, url in order if i % 2 == 0 else order[::-1]:
                 await wait_idle(client, idle_urls)
                 tail = {**messages[-1], "content": f"{messages[-1]['content']}\nCheck {i}: answer in one word."}
-                body = {"model": model, "messages": [*messages[:-1], tail], "max_tokens": max_tokens,
-                        "temperature": 0}
+                body = {"model": model, "messages": [*messages[:-1], tail], "max_tokens": max_tokens, "temperature": 0}
                 ttft, _ = await stream_ttft(client, f"{url}/v1/chat/completions", body, {}, usage={})
                 seconds[name].append(ttft)
     medians = {name: statistics.median(values) for name, values in seconds.items()}
@@ -268,11 +320,19 @@ def _sample(workload: str, index: int, path: str, ttft: float, headers: httpx.He
         return int(headers[name]) if name in headers else None
 
     replica = re.search(r'replica;desc="(\d+)"', headers.get("server-timing") or "")
-    return WorkloadSample(workload, index, path, ttft, number("x-specprefill-original-tokens"),
-                          number("x-specprefill-kept-tokens"), headers.get("x-specprefill-status"),
-                          headers.get("x-specprefill-plan"), headers.get("x-specprefill-reason"),
-                          parse_server_timing(headers.get("server-timing")),
-                          replica=int(replica.group(1)) if replica else number("x-replica"))
+    return WorkloadSample(
+        workload,
+        index,
+        path,
+        ttft,
+        number("x-specprefill-original-tokens"),
+        number("x-specprefill-kept-tokens"),
+        headers.get("x-specprefill-status"),
+        headers.get("x-specprefill-plan"),
+        headers.get("x-specprefill-reason"),
+        parse_server_timing(headers.get("server-timing")),
+        replica=int(replica.group(1)) if replica else number("x-replica"),
+    )
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -309,20 +369,39 @@ def summarize_workloads(samples: list[WorkloadSample]) -> list[dict]:
         for index, pair in sorted(pairs.items()):
             gateway, direct = pair["gateway"], pair["direct"]
             timing = gateway.timing_ms
-            requests.append({"index": index, "tokens": gateway.prompt_tokens, "kept": gateway.kept_tokens,
-                             "direct_s": direct.ttft_s, "gateway_s": gateway.ttft_s,
-                             "ratio": gateway.ttft_s / direct.ttft_s, "status": gateway.status,
-                             "plan": gateway.plan or gateway.reason, "timing_ms": timing,
-                             "predicted_within_2x": within_2x(timing.get("predicted"), timing.get("backend")),
-                             "behind_background_ms": timing.get("background"),
-                             "queue_s": {"gateway": gateway.queue_s, "direct": direct.queue_s},
-                             "cached": {"gateway": gateway.cached_tokens, "direct": direct.cached_tokens,
-                                        "predicted": gateway.predicted_cached},
-                             "replica": {"gateway": gateway.replica, "direct": direct.replica}})
+            requests.append(
+                {
+                    "index": index,
+                    "tokens": gateway.prompt_tokens,
+                    "kept": gateway.kept_tokens,
+                    "direct_s": direct.ttft_s,
+                    "gateway_s": gateway.ttft_s,
+                    "ratio": gateway.ttft_s / direct.ttft_s,
+                    "status": gateway.status,
+                    "plan": gateway.plan or gateway.reason,
+                    "timing_ms": timing,
+                    "predicted_within_2x": within_2x(timing.get("predicted"), timing.get("backend")),
+                    "behind_background_ms": timing.get("background"),
+                    "queue_s": {"gateway": gateway.queue_s, "direct": direct.queue_s},
+                    "cached": {
+                        "gateway": gateway.cached_tokens,
+                        "direct": direct.cached_tokens,
+                        "predicted": gateway.predicted_cached,
+                    },
+                    "replica": {"gateway": gateway.replica, "direct": direct.replica},
+                }
+            )
         later = [r["ratio"] for r in requests[1:]] or [requests[0]["ratio"]]
-        rows.append({"workload": name, "requests": requests, "first_ratio": requests[0]["ratio"],
-                     "later_median_ratio": statistics.median(later), "later_p90_ratio": percentile(later, 0.9),
-                     "later_max_ratio": max(later)})
+        rows.append(
+            {
+                "workload": name,
+                "requests": requests,
+                "first_ratio": requests[0]["ratio"],
+                "later_median_ratio": statistics.median(later),
+                "later_p90_ratio": percentile(later, 0.9),
+                "later_max_ratio": max(later),
+            }
+        )
     return rows
 
 
@@ -334,8 +413,12 @@ def prediction_share(rows: list[dict]) -> float | None:
 
 def cache_prediction_share(rows: list[dict]) -> float | None:
     """The share of the gateway's requests whose predicted engine cache hit was the one the engine reported."""
-    checks = [r["cached"]["predicted"] == r["cached"]["gateway"] for row in rows for r in row["requests"]
-              if r["cached"].get("predicted") is not None and r["cached"].get("gateway") is not None]
+    checks = [
+        r["cached"]["predicted"] == r["cached"]["gateway"]
+        for row in rows
+        for r in row["requests"]
+        if r["cached"].get("predicted") is not None and r["cached"].get("gateway") is not None
+    ]
     return sum(checks) / len(checks) if checks else None
 
 
@@ -344,22 +427,28 @@ def _count(value: int | float | None, digits: int = 0) -> str:
 
 
 def format_workloads(rows: list[dict]) -> str:
-    lines = [f"{'workload':>9} {'req':>3} {'tokens':>7} {'kept':>6} {'direct s':>9} {'gateway s':>10} "
-             f"{'gw/direct':>9} {'cached gw':>9} {'direct':>6} {'pred ms':>8} {'backend':>8} {'behind':>7} "
-             f"{'queue gw':>8} {'direct':>6} {'replica':>7}  plan"]
+    lines = [
+        f"{'workload':>9} {'req':>3} {'tokens':>7} {'kept':>6} {'direct s':>9} {'gateway s':>10} "
+        f"{'gw/direct':>9} {'cached gw':>9} {'direct':>6} {'pred ms':>8} {'backend':>8} {'behind':>7} "
+        f"{'queue gw':>8} {'direct':>6} {'replica':>7}  plan"
+    ]
     for row in rows:
         for r in row["requests"]:
             cached, timing, queue = r.get("cached") or {}, r.get("timing_ms") or {}, r.get("queue_s") or {}
             replica = "/".join("-" if x is None else str(x) for x in (r.get("replica") or {}).values())
-            lines.append(f"{row['workload']:>9} {r['index'] + 1:>3} {r['tokens'] or 0:>7} {r['kept'] or 0:>6} "
-                         f"{r['direct_s']:>9.3f} {r['gateway_s']:>10.3f} {r['ratio']:>9.2f} "
-                         f"{_count(cached.get('gateway')):>9} {_count(cached.get('direct')):>6} "
-                         f"{_count(timing.get('predicted')):>8} {_count(timing.get('backend')):>8} "
-                         f"{_count(timing.get('background')):>7} {_count(queue.get('gateway'), 3):>8} "
-                         f"{_count(queue.get('direct'), 3):>6} {replica or '':>7}  {r['plan'] or ''}")
-        lines.append(f"{row['workload']:>9}   first {row['first_ratio']:.2f}, later: median "
-                     f"{row['later_median_ratio']:.2f}, p90 {row['later_p90_ratio']:.2f}, "
-                     f"max {row['later_max_ratio']:.2f}")
+            lines.append(
+                f"{row['workload']:>9} {r['index'] + 1:>3} {r['tokens'] or 0:>7} {r['kept'] or 0:>6} "
+                f"{r['direct_s']:>9.3f} {r['gateway_s']:>10.3f} {r['ratio']:>9.2f} "
+                f"{_count(cached.get('gateway')):>9} {_count(cached.get('direct')):>6} "
+                f"{_count(timing.get('predicted')):>8} {_count(timing.get('backend')):>8} "
+                f"{_count(timing.get('background')):>7} {_count(queue.get('gateway'), 3):>8} "
+                f"{_count(queue.get('direct'), 3):>6} {replica or '':>7}  {r['plan'] or ''}"
+            )
+        lines.append(
+            f"{row['workload']:>9}   first {row['first_ratio']:.2f}, later: median "
+            f"{row['later_median_ratio']:.2f}, p90 {row['later_p90_ratio']:.2f}, "
+            f"max {row['later_max_ratio']:.2f}"
+        )
     share = prediction_share(rows)
     if share is not None:
         lines.append(f"predicted backend time within 2x of the measured: {share:.0%} of the gateway's requests")

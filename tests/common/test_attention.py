@@ -2,7 +2,6 @@ import copy
 
 import pytest
 import torch
-
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
 from common import attention
@@ -18,8 +17,7 @@ from engine.runner import prefill
 from tests.helpers import reference_logits, tiny_llama
 
 
-def test_grouped_query_attention_by_the_kernel_matches_the_oracle_on_a_cached_prefix_at_gapped_positions(
-        monkeypatch):
+def test_grouped_query_attention_by_the_kernel_matches_the_oracle_on_a_cached_prefix_at_gapped_positions(monkeypatch):
     model = tiny_llama(heads=4, kv_heads=2)
     use_gqa_sdpa(model)
     assert model.config._attn_implementation == GQA_SDPA
@@ -37,7 +35,7 @@ def test_grouped_query_attention_by_the_kernel_matches_the_oracle_on_a_cached_pr
     _, cache = prefill(model, torch.tensor([ids[:40]]), torch.tensor([positions[:40]]))
     logits, _ = prefill(model, torch.tensor([ids[40:]]), torch.tensor([positions[40:]]), cache)
     # the second chunk has a mask (a cached prefix before it): the kernel's own GQA, no copies of the cache
-    assert grouped[-model.config.num_hidden_layers:] == [True] * model.config.num_hidden_layers
+    assert grouped[-model.config.num_hidden_layers :] == [True] * model.config.num_hidden_layers
     eager = copy.deepcopy(model)
     eager.set_attn_implementation("eager")
     torch.testing.assert_close(logits, reference_logits(eager, ids, positions), atol=1e-4, rtol=1e-4)
@@ -85,9 +83,17 @@ def test_float_logits_on_cuda_are_the_upcast_products(dtype):
 
 
 def _mask_arguments(q_length: int, kv_length: int, padding: torch.Tensor | None, device: str) -> dict:
-    return {"batch_size": 1, "q_length": q_length, "kv_length": kv_length, "q_offset": kv_length - q_length,
-            "kv_offset": 0, "attention_mask": padding, "allow_is_causal_skip": True, "device": device,
-            "dtype": torch.float32}
+    return {
+        "batch_size": 1,
+        "q_length": q_length,
+        "kv_length": kv_length,
+        "q_offset": kv_length - q_length,
+        "kv_offset": 0,
+        "attention_mask": padding,
+        "allow_is_causal_skip": True,
+        "device": device,
+        "dtype": torch.float32,
+    }
 
 
 def test_a_chunk_at_the_end_of_its_cache_gets_no_mask_on_cuda_only(monkeypatch):
@@ -107,9 +113,12 @@ def test_a_chunk_at_the_end_of_its_cache_gets_no_mask_on_cuda_only(monkeypatch):
     assert made == []
     padded = ones.clone()
     padded[0, 5] = 0
-    cases = [_mask_arguments(100, 300, padded, "cuda"), _mask_arguments(100, 300, ones, "cpu"),
-             {**_mask_arguments(100, 300, ones, "cuda"), "q_offset": 0},  # not at the end: a static cache's room
-             {**_mask_arguments(100, 300, ones, "cuda"), "local_size": 64}]
+    cases = [
+        _mask_arguments(100, 300, padded, "cuda"),
+        _mask_arguments(100, 300, ones, "cpu"),
+        {**_mask_arguments(100, 300, ones, "cuda"), "q_offset": 0},  # not at the end: a static cache's room
+        {**_mask_arguments(100, 300, ones, "cuda"), "local_size": 64},
+    ]
     for arguments in cases:
         mask = end_aligned_causal_mask(**arguments)
         assert mask is not None and mask.shape[-2:] == (100, 300)
@@ -149,10 +158,12 @@ def test_chunked_prefill_on_cuda_runs_the_flash_kernel_and_matches_the_oracle(mo
     ids = torch.randint(2, 256, (1500,), generator=generator).tolist()
     positions = sorted(torch.randperm(6000, generator=generator)[:1500].tolist())
     _, cache = prefill(model, torch.tensor([ids[:600]], device="cuda"), torch.tensor([positions[:600]], device="cuda"))
-    prefill(model, torch.tensor([ids[600:1200]], device="cuda"), torch.tensor([positions[600:1200]], device="cuda"),
-            cache)
-    logits, _ = prefill(model, torch.tensor([ids[1200:]], device="cuda"),
-                        torch.tensor([positions[1200:]], device="cuda"), cache)
+    prefill(
+        model, torch.tensor([ids[600:1200]], device="cuda"), torch.tensor([positions[600:1200]], device="cuda"), cache
+    )
+    logits, _ = prefill(
+        model, torch.tensor([ids[1200:]], device="cuda"), torch.tensor([positions[1200:]], device="cuda"), cache
+    )
     assert flash == [True] * 2 * model.config.num_hidden_layers, flash
     eager = copy.deepcopy(model).float()
     eager.set_attn_implementation("eager")

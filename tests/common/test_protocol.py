@@ -38,9 +38,17 @@ def test_prompt_token_ids(tokenizer):
 
 
 def test_unsupported_features_and_completion_params():
-    chat = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], n=2, presence_penalty=1,
-                                 tools=[{"type": "function"}], response_format={"type": "json_object"},
-                                 max_completion_tokens=5, logprobs=True, top_logprobs=3)
+    chat = ChatCompletionRequest(
+        model="m",
+        messages=[{"role": "user", "content": "x"}],
+        n=2,
+        presence_penalty=1,
+        tools=[{"type": "function"}],
+        response_format={"type": "json_object"},
+        max_completion_tokens=5,
+        logprobs=True,
+        top_logprobs=3,
+    )
     assert chat.unsupported_features() == ["n", "penalties", "response_format", "tools"]
     assert chat.completion_params()["max_tokens"] == 5 and chat.completion_params()["logprobs"] == 3
     completion = CompletionRequest(model="m", prompt="x", echo=True, suffix="s", best_of=2, logit_bias={"1": 1})

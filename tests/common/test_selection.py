@@ -45,10 +45,10 @@ def test_protected_tokens_do_not_take_their_chunks():
 def test_without_protection_the_top_chunks_exactly():
     """Against the paper's rule written plainly: chunk means, the top ceil(n_chunks × keep) of them."""
     scores = torch.rand(1000, generator=torch.Generator().manual_seed(0))  # 32 chunks, the last one short
-    chunks = [scores[start:start + 32] for start in range(0, 1000, 32)]
+    chunks = [scores[start : start + 32] for start in range(0, 1000, 32)]
     means = [chunk.mean().item() for chunk in chunks]
     for rate in (0.05, 0.1, 0.3, 0.7):
-        top = sorted(sorted(range(len(chunks)), key=lambda c: -means[c])[:math.ceil(len(chunks) * rate)])
+        top = sorted(sorted(range(len(chunks)), key=lambda c: -means[c])[: math.ceil(len(chunks) * rate)])
         expected = [i for c in top for i in range(32 * c, min(32 * c + 32, 1000))]
         assert select_chunks(scores, rate, 32).tolist() == expected
         assert select_chunks(scores, rate, 32, torch.zeros(1000, dtype=torch.bool)).tolist() == expected

@@ -33,8 +33,10 @@ def test_longest_prefix_matches_a_full_comparison_of_every_candidate():
     head = rng.integers(0, 50, 3000)
     for trial in range(200):
         query = np.concatenate([head[: rng.integers(0, 3000)], rng.integers(0, 50, rng.integers(0, 40))])
-        candidates = [(i, np.concatenate([head[: rng.integers(0, 3000)], rng.integers(0, 50, rng.integers(0, 40))]))
-                      for i in range(int(rng.integers(0, 8)))]
+        candidates = [
+            (i, np.concatenate([head[: rng.integers(0, 3000)], rng.integers(0, 50, rng.integers(0, 40))]))
+            for i in range(int(rng.integers(0, 8)))
+        ]
         lengths = [reference(query, c) for _, c in candidates]
         expected = max(lengths, default=0)
         key = lengths.index(expected) if expected else None

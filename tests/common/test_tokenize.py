@@ -66,8 +66,20 @@ def test_tokens_in_a_span_are_those_that_start_inside_it(tokenizer):
         assert rendered.token_mask(span).nonzero()[0].tolist() == expected
 
 
-@pytest.mark.parametrize("suffix", ["\n\nWhat is the third number?", "ber and more", " ", "  \n  ", "日本語 🙂 x",
-                                    "?", "0123456789", "-" * 40, "\t\tword"])
+@pytest.mark.parametrize(
+    "suffix",
+    [
+        "\n\nWhat is the third number?",
+        "ber and more",
+        " ",
+        "  \n  ",
+        "日本語 🙂 x",
+        "?",
+        "0123456789",
+        "-" * 40,
+        "\t\tword",
+    ],
+)
 def test_a_long_piece_that_begins_with_an_earlier_one_tokenizes_exactly_as_a_whole(tokenizer, suffix):
     """A document, then the document and a question: only the tail is tokenized again, the result identical
     to a plain tokenization (whatever the suffix does at the boundary: continue a word, add whitespace)."""
@@ -79,7 +91,6 @@ def test_a_long_piece_that_begins_with_an_earlier_one_tokenizes_exactly_as_a_who
         plain = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         assert ids == plain.input_ids and offsets.tolist() == [list(o) for o in plain.offset_mapping]
     assert cache.extended >= 1
-
 
 
 def test_the_same_document_with_another_question_reuses_the_documents_tokens(tokenizer):
@@ -111,8 +122,9 @@ def test_a_long_new_piece_tokenized_in_segments_is_exactly_the_plain_tokenizatio
     text = {
         "prose": lambda: " ".join(rng.choice(words) for _ in range(9000)),
         "double spaces": lambda: "  ".join(rng.choice(words) for _ in range(9000)),
-        "mixed scripts": lambda: "".join(rng.choice(["日本語", "🙂", " x", "\n", "0123", "--", "ab", "é"])
-                                         for _ in range(20000)),
+        "mixed scripts": lambda: "".join(
+            rng.choice(["日本語", "🙂", " x", "\n", "0123", "--", "ab", "é"]) for _ in range(20000)
+        ),
         "one long run": lambda: "-" * 30000 + " " + " ".join(rng.choice(words) for _ in range(3000)),
         "digits": lambda: "".join(rng.choice("0123456789 ,.") for _ in range(40000)),
     }[kind]()
@@ -152,12 +164,25 @@ def test_a_seam_needs_overlap_tokens_in_agreement_not_one_shared_boundary():
 def test_developer_messages_render_as_vllm_renders_them_for_a_template_without_the_role(tokenizer):
     """vLLM turns ``developer`` into ``system`` where the template does not name it, and merges system messages
     that then stand anywhere but first (its ``_consolidate_system_messages``): Codex CLI's prompts."""
-    messages = [ChatMessage(role="system", content="Be brief."), ChatMessage(role="developer", content="Sandbox."),
-                ChatMessage(role="user", content="Hi?"), ChatMessage(role="developer", content="Approvals.")]
+    messages = [
+        ChatMessage(role="system", content="Be brief."),
+        ChatMessage(role="developer", content="Sandbox."),
+        ChatMessage(role="user", content="Hi?"),
+        ChatMessage(role="developer", content="Approvals."),
+    ]
     rendered = render_chat(tokenizer, messages).text
-    expected = render_chat(tokenizer, [ChatMessage(role="system", content="Be brief.\n\nSandbox.\n\nApprovals."),
-                                       ChatMessage(role="user", content="Hi?")]).text
+    expected = render_chat(
+        tokenizer,
+        [
+            ChatMessage(role="system", content="Be brief.\n\nSandbox.\n\nApprovals."),
+            ChatMessage(role="user", content="Hi?"),
+        ],
+    ).text
     assert rendered == expected and "developer" not in rendered
     first = [ChatMessage(role="developer", content="Sandbox."), ChatMessage(role="user", content="Hi?")]
-    assert render_chat(tokenizer, first).text == render_chat(
-        tokenizer, [ChatMessage(role="system", content="Sandbox."), ChatMessage(role="user", content="Hi?")]).text
+    assert (
+        render_chat(tokenizer, first).text
+        == render_chat(
+            tokenizer, [ChatMessage(role="system", content="Sandbox."), ChatMessage(role="user", content="Hi?")]
+        ).text
+    )

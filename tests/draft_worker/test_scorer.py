@@ -8,10 +8,10 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv
 
+from common.selection import select_chunks
 from draft_worker.capture import enable_query_capture
 from draft_worker.config import ScoringConfig
 from draft_worker.scorer import score_prompts
-from common.selection import select_chunks
 from tests.helpers import tiny_llama
 
 
@@ -95,8 +95,9 @@ def test_queries_after_generated_eos_are_dropped():
     model = tiny_llama(seed=3)
     prompt = _prompt(200, seed=5)
     # make the 3rd greedy token an EOS: queries 0..2 count, the EOS token's query and later ones do not
-    greedy = model.generate(torch.tensor([prompt]), max_new_tokens=3, do_sample=False, eos_token_id=None,
-                            pad_token_id=0)[0, len(prompt):].tolist()
+    greedy = model.generate(
+        torch.tensor([prompt]), max_new_tokens=3, do_sample=False, eos_token_id=None, pad_token_id=0
+    )[0, len(prompt) :].tolist()
     assert len(set(greedy)) == 3, "pick another seed: the first greedy tokens repeat"
     model.generation_config.eos_token_id = [greedy[2]]
     enable_query_capture(model)

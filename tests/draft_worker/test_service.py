@@ -46,8 +46,9 @@ def test_a_worker_scores_like_the_local_draft(model_pair, two_workers):
 
 
 def test_killing_a_worker_mid_run_fails_no_request(model_pair, engine_backend, two_workers):
-    settings = gateway_settings(model_pair, backend_url=engine_backend[0], memory_cache_mb=0,
-                                draft_worker_url=[url for _, url in two_workers])
+    settings = gateway_settings(
+        model_pair, backend_url=engine_backend[0], memory_cache_mb=0, draft_worker_url=[url for _, url in two_workers]
+    )
     with serve(create_app(settings)) as gw:
         statuses = []
         for i in range(8):
@@ -59,8 +60,12 @@ def test_killing_a_worker_mid_run_fails_no_request(model_pair, engine_backend, t
             statuses.append(response.headers["x-specprefill-status"])
         assert statuses == ["compressed"] * 8  # the surviving worker took over
         two_workers[1][0].kill()
-        response = httpx.post(f"{gw}/v1/chat/completions", timeout=60, headers={"x-keep-rate": "0.3"},
-                              json={"model": "tiny", "messages": _messages("none left?"), "max_tokens": 1})
+        response = httpx.post(
+            f"{gw}/v1/chat/completions",
+            timeout=60,
+            headers={"x-keep-rate": "0.3"},
+            json={"model": "tiny", "messages": _messages("none left?"), "max_tokens": 1},
+        )
         assert response.status_code == 200
         assert response.headers["x-specprefill-reason"] == "draft_error"  # full prompt, no error
 
@@ -68,8 +73,10 @@ def test_killing_a_worker_mid_run_fails_no_request(model_pair, engine_backend, t
 async def test_concurrent_requests_share_batches_and_score_as_alone(model_pair):
     worker = DraftWorker.from_pretrained(model_pair / "draft", device="cpu", prefix_cache_bytes=0)
     batcher = ScoreBatcher(worker, max_batch_size=8, max_wait_s=0.02)
-    prompts = [torch.randint(5, 1000, (n,), generator=torch.Generator().manual_seed(n)).tolist()
-               for n in (100, 250, 90, 400, 120, 300, 64, 200)]
+    prompts = [
+        torch.randint(5, 1000, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+        for n in (100, 250, 90, 400, 120, 300, 64, 200)
+    ]
     results = await asyncio.gather(*(batcher.score(p) for p in prompts))
     assert batcher.batches < len(prompts)
     for prompt, scores in zip(prompts, results):

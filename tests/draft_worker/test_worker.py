@@ -67,6 +67,15 @@ def test_a_self_draft_is_the_model_cut_after_its_first_layers(model_pair, capsys
     with pytest.raises(ValueError, match="has 2 decoder layers; use 1 to 2"):
         DraftWorker.from_pretrained(model_pair / "target", device="cpu", layers=3)
     with pytest.raises(SystemExit) as exited:
-        main(["serve", "--target-model", str(model_pair / "target"), "--draft-model", str(model_pair / "target"),
-              "--draft-layers", "3"])
+        main(
+            [
+                "serve",
+                "--target-model",
+                str(model_pair / "target"),
+                "--draft-model",
+                str(model_pair / "target"),
+                "--draft-layers",
+                "3",
+            ]
+        )
     assert exited.value.code == 2 and "--draft-layers 3" in capsys.readouterr().err

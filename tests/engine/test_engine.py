@@ -52,8 +52,9 @@ def test_first_token_logprobs_match_a_plain_forward_at_the_same_positions(engine
 
     tokenizer = AutoTokenizer.from_pretrained(model_pair / "target")
     ids, positions = _gapped()
-    answer = _complete(engine_url, prompt=ids, position_ids=positions, max_tokens=1, temperature=0, logprobs=20,
-                       return_token_ids=True)
+    answer = _complete(
+        engine_url, prompt=ids, position_ids=positions, max_tokens=1, temperature=0, logprobs=20, return_token_ids=True
+    )
     choice = answer["choices"][0]
     expected = torch.log_softmax(reference_logits(target, ids, positions), -1)
     assert choice["token_ids"] == [int(expected.argmax())]
@@ -72,10 +73,17 @@ def test_first_token_logprobs_match_a_plain_forward_at_the_same_positions(engine
 
 def test_vllm_xargs_positions_are_read_too(engine_url):
     ids, positions = _gapped(seed=1)
-    top_level = _complete(engine_url, prompt=ids, position_ids=positions, max_tokens=4, temperature=0,
-                          return_token_ids=True)
-    xargs = _complete(engine_url, prompt=ids, vllm_xargs={"position_ids": positions}, max_tokens=4, temperature=0,
-                      return_token_ids=True)
+    top_level = _complete(
+        engine_url, prompt=ids, position_ids=positions, max_tokens=4, temperature=0, return_token_ids=True
+    )
+    xargs = _complete(
+        engine_url,
+        prompt=ids,
+        vllm_xargs={"position_ids": positions},
+        max_tokens=4,
+        temperature=0,
+        return_token_ids=True,
+    )
     assert top_level["choices"][0]["token_ids"] == xargs["choices"][0]["token_ids"]
 
 
@@ -85,10 +93,17 @@ def test_the_swap_equals_sending_the_kept_tokens(engine_url, model_pair):
     ids = load_tokenizer(model_pair / "target")(text).input_ids  # with BOS, as the engine adds it
     positions = list(range(5)) + list(range(40, len(ids)))
     kept = [ids[p] for p in positions]
-    swapped = _complete(engine_url, prompt=text, max_tokens=4, temperature=0, return_token_ids=True,
-                        vllm_xargs={"kept_token_ids": kept, "position_ids": positions})
-    direct = _complete(engine_url, prompt=kept, position_ids=positions, max_tokens=4, temperature=0,
-                       return_token_ids=True)
+    swapped = _complete(
+        engine_url,
+        prompt=text,
+        max_tokens=4,
+        temperature=0,
+        return_token_ids=True,
+        vllm_xargs={"kept_token_ids": kept, "position_ids": positions},
+    )
+    direct = _complete(
+        engine_url, prompt=kept, position_ids=positions, max_tokens=4, temperature=0, return_token_ids=True
+    )
     whole = _complete(engine_url, prompt=text, max_tokens=4, temperature=0, return_token_ids=True)
     assert swapped["choices"][0]["token_ids"] == direct["choices"][0]["token_ids"]
     assert swapped["usage"]["prompt_tokens"] == len(kept) < whole["usage"]["prompt_tokens"] == len(ids)
@@ -109,8 +124,9 @@ def test_n_penalties_and_logit_bias(engine_url):
 def test_greedy_generation_continues_after_the_last_kept_position(engine_url, target):
     ids, positions = _gapped(seed=2)
     n_new = 12
-    answer = _complete(engine_url, prompt=ids, position_ids=positions, max_tokens=n_new, temperature=0,
-                       return_token_ids=True)
+    answer = _complete(
+        engine_url, prompt=ids, position_ids=positions, max_tokens=n_new, temperature=0, return_token_ids=True
+    )
     generated: list[int] = []
     next_position = positions[-1] + 1
     eos = set(target.generation_config.eos_token_id)
@@ -126,18 +142,27 @@ def test_greedy_generation_continues_after_the_last_kept_position(engine_url, ta
 def test_without_positions_greedy_equals_generate(engine_url, target):
     ids = _prompt(120, seed=3)
     answer = _complete(engine_url, prompt=ids, max_tokens=10, temperature=0, return_token_ids=True)
-    expected = target.generate(torch.tensor([ids]), max_new_tokens=10, do_sample=False)[0, len(ids):].tolist()
+    expected = target.generate(torch.tensor([ids]), max_new_tokens=10, do_sample=False)[0, len(ids) :].tolist()
     eos = set(target.generation_config.eos_token_id)
     expected = expected[: next((i + 1 for i, t in enumerate(expected) if t in eos), len(expected))]
     assert answer["choices"][0]["token_ids"] == expected
-    assert answer["usage"] == {"prompt_tokens": 120, "completion_tokens": len(expected),
-                               "prompt_tokens_details": {"cached_tokens": 0},
-                               "total_tokens": 120 + len(expected)}
+    assert answer["usage"] == {
+        "prompt_tokens": 120,
+        "completion_tokens": len(expected),
+        "prompt_tokens_details": {"cached_tokens": 0},
+        "total_tokens": 120 + len(expected),
+    }
 
 
 def test_text_prompt_stream_usage_and_logprobs(engine_url):
-    body = {"prompt": "Bafu anbe zadubu", "max_tokens": 6, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}, "logprobs": 2}
+    body = {
+        "prompt": "Bafu anbe zadubu",
+        "max_tokens": 6,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "logprobs": 2,
+    }
     with httpx.stream("POST", f"{engine_url}/v1/completions", json=body, timeout=60) as response:
         assert response.status_code == 200
         events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
@@ -181,12 +206,15 @@ BAD_REQUESTS = [
     ({"prompt": [5, 6], "suffix": "x"}, "suffix"),
     ({"prompt": [5, 6], "logit_bias": {"999999": 1}}, "logit_bias"),
     ({"prompt": [5, 6], "response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
-    ({"prompt": [5, 6, 7], "vllm_xargs": {"kept_token_ids": [5, 8], "position_ids": [0, 2]}},
-     "vllm_xargs.kept_token_ids"),
-    ({"prompt": [5, 6, 7], "vllm_xargs": {"kept_token_ids": [5, 6], "position_ids": [0, 1]}},
-     "vllm_xargs.kept_token_ids"),
-    ({"prompt": [5, 6, 7], "vllm_xargs": {"kept_token_ids": [5, 7], "position_ids": [0]}},
-     "vllm_xargs.kept_token_ids"),
+    (
+        {"prompt": [5, 6, 7], "vllm_xargs": {"kept_token_ids": [5, 8], "position_ids": [0, 2]}},
+        "vllm_xargs.kept_token_ids",
+    ),
+    (
+        {"prompt": [5, 6, 7], "vllm_xargs": {"kept_token_ids": [5, 6], "position_ids": [0, 1]}},
+        "vllm_xargs.kept_token_ids",
+    ),
+    ({"prompt": [5, 6, 7], "vllm_xargs": {"kept_token_ids": [5, 7], "position_ids": [0]}}, "vllm_xargs.kept_token_ids"),
     ({"prompt": [[5, 6], [7]]}, "prompt"),
     ({"prompt": [5, 6], "model": "nope"}, "model"),
     ({}, "prompt"),
@@ -195,8 +223,9 @@ BAD_REQUESTS = [
 
 def test_max_tokens_past_the_positions_is_lowered_to_what_fits(engine_url):
     """As vLLM does: coding agents ask for 32,000-128,000 tokens whatever the context left."""
-    answer = _complete(engine_url, prompt=[5, 6, 7], position_ids=[0, 1, 4090], max_tokens=100, ignore_eos=True,
-                       return_token_ids=True)
+    answer = _complete(
+        engine_url, prompt=[5, 6, 7], position_ids=[0, 1, 4090], max_tokens=100, ignore_eos=True, return_token_ids=True
+    )
     assert answer["choices"][0]["finish_reason"] == "length" and answer["usage"]["completion_tokens"] == 5
 
 
@@ -211,19 +240,29 @@ def test_bad_input_is_a_4xx_in_openai_shape_and_the_engine_keeps_serving(engine_
 
 
 def test_malformed_json_is_a_400(engine_url):
-    response = httpx.post(f"{engine_url}/v1/completions", content=b"{not json", timeout=30,
-                          headers={"content-type": "application/json"})
+    response = httpx.post(
+        f"{engine_url}/v1/completions", content=b"{not json", timeout=30, headers={"content-type": "application/json"}
+    )
     assert response.status_code == 400 and "JSON" in response.json()["error"]["message"]
 
 
 async def test_concurrent_requests_do_not_corrupt_each_other(engine_url):
     prompts = [_gapped(seed=s) for s in range(6)]
     async with httpx.AsyncClient(timeout=120) as client:
+
         async def one(ids, positions):
-            r = await client.post(f"{engine_url}/v1/completions", json={
-                "prompt": ids, "position_ids": positions, "max_tokens": 8, "temperature": 0,
-                "return_token_ids": True})
+            r = await client.post(
+                f"{engine_url}/v1/completions",
+                json={
+                    "prompt": ids,
+                    "position_ids": positions,
+                    "max_tokens": 8,
+                    "temperature": 0,
+                    "return_token_ids": True,
+                },
+            )
             return r.json()["choices"][0]["token_ids"]
+
         together = await asyncio.gather(*(one(*p) for p in prompts))
         alone = [await one(*p) for p in prompts]
     assert together == alone
@@ -253,8 +292,7 @@ async def test_a_full_queue_answers_503_with_retry_after(model_pair):
 
 
 def test_ignore_eos_generates_exactly_max_tokens(engine_url):
-    answer = _complete(engine_url, prompt=_prompt(30, seed=9), max_tokens=40, temperature=1.0, seed=1,
-                       ignore_eos=True)
+    answer = _complete(engine_url, prompt=_prompt(30, seed=9), max_tokens=40, temperature=1.0, seed=1, ignore_eos=True)
     assert answer["usage"]["completion_tokens"] == 40 and answer["choices"][0]["finish_reason"] == "length"
 
 
@@ -263,8 +301,9 @@ async def test_chunked_prefill_equals_one_prefill(model_pair, target):
     results = []
     for chunk in (7, 4096):
         engine = ReferenceEngine(target, load_tokenizer(model_pair / "target"), prefill_chunk=chunk)
-        steps = [s async for s in engine.generate(ids, positions, SamplingParams(max_tokens=6, temperature=0,
-                                                                                 logprobs=0))]
+        steps = [
+            s async for s in engine.generate(ids, positions, SamplingParams(max_tokens=6, temperature=0, logprobs=0))
+        ]
         engine.close()
         results.append(([s.token_id for s in steps], [s.logprob for s in steps]))
     assert results[0][0] == results[1][0]
@@ -285,8 +324,9 @@ async def test_background_requests_prefill_in_small_chunks(model_pair, target, m
 
     monkeypatch.setattr(engine_module, "prefill", counting)
     ids, positions = _gapped(seed=12)
-    engine = ReferenceEngine(target, load_tokenizer(model_pair / "target"), prefill_chunk=4096,
-                             background_prefill_chunk=64)
+    engine = ReferenceEngine(
+        target, load_tokenizer(model_pair / "target"), prefill_chunk=4096, background_prefill_chunk=64
+    )
     answers = {}
     for priority in (0, 1):
         chunks.clear()
@@ -334,8 +374,9 @@ async def test_a_background_chunk_yields_to_a_new_request_between_layers(model_p
 
     params = SamplingParams(max_tokens=3, temperature=0, logprobs=0)
     background, foreground = _gapped(seed=14), _gapped(seed=15)
-    engine = ReferenceEngine(target, load_tokenizer(model_pair / "target"), prefill_chunk=4096,
-                             background_prefill_chunk=4096)
+    engine = ReferenceEngine(
+        target, load_tokenizer(model_pair / "target"), prefill_chunk=4096, background_prefill_chunk=4096
+    )
     alone = [[(s.token_id, s.logprob) async for s in engine.generate(*p, params)] for p in (background, foreground)]
     monkeypatch.setattr(engine_module, "prefill", waits_for_a_request)
     yields, order = [], []
@@ -366,6 +407,7 @@ async def test_a_prefix_cache_that_cannot_keep_the_blocks_stops_nothing(model_pa
 
     monkeypatch.setattr(engine.prefix_cache, "store", out_of_memory)
     params = SamplingParams(max_tokens=2, temperature=0)
+
     async def answer(seed: int) -> list:
         return [s async for s in engine.generate(*_gapped(seed=seed), params)]
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.models import load_causal_lm, load_tokenizer, with_cache
 from common.blocks import block_hashes, reusable_blocks
+from common.models import load_causal_lm, load_tokenizer, with_cache
 from engine.engine import ReferenceEngine
 from engine.prefix_cache import PrefixCache
 from engine.sampling import SamplingParams
@@ -31,7 +31,12 @@ def target_tokenizer(model_pair):
 async def _run(engine: ReferenceEngine, ids: list[int], positions: list[int], n: int = 8):
     params = SamplingParams(max_tokens=n, temperature=0, logprobs=5, ignore_eos=True)
     steps = [s async for s in engine.generate(ids, positions, params)]
-    return [s.token_id for s in steps], [s.logprob for s in steps], [s.top_logprobs for s in steps], steps[-1].cached_tokens
+    return (
+        [s.token_id for s in steps],
+        [s.logprob for s in steps],
+        [s.top_logprobs for s in steps],
+        steps[-1].cached_tokens,
+    )
 
 
 def _close(a: list[dict[int, float]], b: list[dict[int, float]], tol: float = 1e-5) -> bool:

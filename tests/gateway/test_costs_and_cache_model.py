@@ -68,7 +68,7 @@ async def test_the_memory_model_predicts_reusable_full_blocks_and_evicts_tails_f
     await model.record(first, None)  # 3 full blocks
     assert await model.cached_tokens(first, None) == 48
     assert await model.cached_tokens(first[:48], None) == 32  # the last token is always computed
-    assert await model.cached_tokens(first, list(range(49)) ) == 48  # default positions are default positions
+    assert await model.cached_tokens(first, list(range(49))) == 48  # default positions are default positions
     assert await model.cached_tokens(first, [p + 1 for p in range(49)]) == 0  # other positions, other blocks
     await model.record(second, None)  # 2 more: the first chain's tail goes
     assert await model.cached_tokens(first, None) == 32 and await model.cached_tokens(second, None) == 32
@@ -134,8 +134,16 @@ def test_the_block_hasher_reuses_chains_and_gives_exactly_the_block_hashes(monke
     base = [rng.randrange(1000) for _ in range(1000)]
     gapped = sorted(rng.sample(range(5000), 1000))
     hasher = BlockHasher(16, capacity=4)
-    cases = [(base, None), (base + [1, 2, 3] * 20, None), (base[:500], None), (base, gapped), (base[:900], gapped),
-             (base[:300] + [7] * 700, None), (base, [p + 1 for p in range(1000)]), ([5] * 10, None)]
+    cases = [
+        (base, None),
+        (base + [1, 2, 3] * 20, None),
+        (base[:500], None),
+        (base, gapped),
+        (base[:900], gapped),
+        (base[:300] + [7] * 700, None),
+        (base, [p + 1 for p in range(1000)]),
+        ([5] * 10, None),
+    ]
     for tokens, positions in cases * 2:
         assert hasher(tokens, positions) == block_hashes(tokens, positions, 16)
     hasher(base, None)

@@ -32,26 +32,31 @@ def test_tokens_kind_sends_kept_tokens_without_positions(model_pair, engine_back
         assert len(sent["prompt"]) == int(raw.headers["x-specprefill-kept-tokens"])
         assert "position_ids" not in sent and "vllm_xargs" not in sent
         # the Responses API has no token-ID form: it goes whole to the backend's own endpoint
-        raw = _client(gw).responses.with_raw_response.create(model="tiny", input=LONG_DOC, max_output_tokens=2,
-                                                             extra_headers={"x-keep-rate": "0.3"})
+        raw = _client(gw).responses.with_raw_response.create(
+            model="tiny", input=LONG_DOC, max_output_tokens=2, extra_headers={"x-keep-rate": "0.3"}
+        )
         assert raw.headers["x-specprefill-reason"] == "unsupported_responses" and raw.parse().output_text is not None
         assert recorder.last("/v1/responses")["body"]["input"] == LONG_DOC
 
 
 def test_vllm_kind_sends_the_clients_body_plus_the_swap(model_pair, engine_backend):
     url, recorder = engine_backend
-    with serve(create_app(gateway_settings(model_pair, backend_url=url, backend_kind="vllm"))) as gw, \
-            _client(gw) as client:
-        raw = client.completions.with_raw_response.create(model="tiny", prompt=LONG_DOC, max_tokens=2, seed=3,
-                                                          extra_headers={"x-keep-rate": "0.3"})
+    with (
+        serve(create_app(gateway_settings(model_pair, backend_url=url, backend_kind="vllm"))) as gw,
+        _client(gw) as client,
+    ):
+        raw = client.completions.with_raw_response.create(
+            model="tiny", prompt=LONG_DOC, max_tokens=2, seed=3, extra_headers={"x-keep-rate": "0.3"}
+        )
         assert raw.headers["x-specprefill-status"] == "compressed"
         sent = recorder.last("/v1/completions")["body"]
         assert sent["prompt"] == LONG_DOC and sent["seed"] == 3 and "position_ids" not in sent
         swap = sent["vllm_xargs"]
         assert len(swap["kept_token_ids"]) == len(swap["position_ids"]) == int(raw.headers["x-specprefill-kept-tokens"])
         tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
-        raw = client.chat.completions.with_raw_response.create(**_body(n=2, presence_penalty=0.5, tools=tools),
-                                                               extra_headers={"x-keep-rate": "0.3"})
+        raw = client.chat.completions.with_raw_response.create(
+            **_body(n=2, presence_penalty=0.5, tools=tools), extra_headers={"x-keep-rate": "0.3"}
+        )
         assert raw.headers["x-specprefill-status"] == "compressed" and len(raw.parse().choices) == 2
         sent = recorder.last("/v1/chat/completions")["body"]
         assert sent["messages"] == _messages() and sent["tools"] == tools and sent["n"] == 2
@@ -70,8 +75,9 @@ def test_text_kind_sends_kept_text_to_chat_completions(model_pair, engine_backen
         assert "…" in sent["messages"][1]["content"]
         assert len(sent["messages"][1]["content"]) < 0.6 * len(_messages()[1]["content"])
         assert sent["messages"][1]["content"].rstrip().endswith("third number?")  # the protected tail
-        stream = client.completions.create(model="tiny", prompt=LONG_DOC, max_tokens=3, stream=True,
-                                           extra_headers={"x-keep-rate": "0.2"})
+        stream = client.completions.create(
+            model="tiny", prompt=LONG_DOC, max_tokens=3, stream=True, extra_headers={"x-keep-rate": "0.2"}
+        )
         chunks = [c for c in stream if c.choices]
         assert chunks and chunks[-1].choices[0].finish_reason in ("stop", "length")
         sent = recorder.last("/v1/completions")["body"]
@@ -130,16 +136,37 @@ def _fake_backend() -> FastAPI:
         if body.get("max_tokens") == 99:  # never answers
             await asyncio.sleep(3600)
         if not body.get("stream"):
-            return JSONResponse({"error": {"message": "context too long for this backend", "code": None,
-                                           "type": "invalid_request_error", "param": "messages"}}, status_code=400)
+            return JSONResponse(
+                {
+                    "error": {
+                        "message": "context too long for this backend",
+                        "code": None,
+                        "type": "invalid_request_error",
+                        "param": "messages",
+                    }
+                },
+                status_code=400,
+            )
 
         async def dying():
-            chunk = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 0, "model": "m",
-                     "choices": [{"index": 0, "delta": {"role": "assistant", "content": "Hel"}, "logprobs": None,
-                                  "finish_reason": None}]}
+            chunk = {
+                "id": "chatcmpl-1",
+                "object": "chat.completion.chunk",
+                "created": 0,
+                "model": "m",
+                "choices": [
+                    {
+                        "index": 0,
+                        "delta": {"role": "assistant", "content": "Hel"},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ],
+            }
             yield f"data: {json.dumps(chunk)}\n\n".encode()
             await asyncio.sleep(0.05)
             raise RuntimeError("backend died mid-stream")
+
         return StreamingResponse(dying(), media_type="text/event-stream")
 
     return app
@@ -155,8 +182,9 @@ def test_backend_faults(model_pair):
                 client.chat.completions.create(**{**_body(), "max_tokens": 99})
             assert excinfo.value.status_code == 504
             # dies mid-stream: the stream has begun, so one error event and [DONE]
-            with httpx.stream("POST", f"{gw}/v1/chat/completions", json={**_body(), "stream": True},
-                              timeout=30) as response:
+            with httpx.stream(
+                "POST", f"{gw}/v1/chat/completions", json={**_body(), "stream": True}, timeout=30
+            ) as response:
                 assert response.status_code == 200
                 events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
             assert events[-1] == "[DONE]"
@@ -186,8 +214,9 @@ def test_api_key_is_required_and_not_forwarded(model_pair, engine_backend):
 
 async def test_client_disconnects_cancel_the_backend_request(gateway_url, engine_backend):
     body = {"model": "tiny", "messages": _messages(), "max_tokens": 2000, "temperature": 0.8, "ignore_eos": True}
-    await disconnects_release_the_engine(f"{gateway_url}/v1/chat/completions", body, engine_backend[0],
-                                         headers={"x-keep-rate": "0.3"})
+    await disconnects_release_the_engine(
+        f"{gateway_url}/v1/chat/completions", body, engine_backend[0], headers={"x-keep-rate": "0.3"}
+    )
 
 
 async def test_an_idle_backend_connection_is_not_reused_past_vllms_keep_alive():

@@ -21,8 +21,12 @@ def test_models_list(gateway_url):
 def test_chat_compressed_with_headers(gateway_url):
     def ask():
         return _client(gateway_url).chat.completions.with_raw_response.create(
-            model="tiny", messages=_messages("Which header?"), max_tokens=8, temperature=0,
-            extra_headers={"x-keep-rate": "0.3"})
+            model="tiny",
+            messages=_messages("Which header?"),
+            max_tokens=8,
+            temperature=0,
+            extra_headers={"x-keep-rate": "0.3"},
+        )
 
     raw = ask()
     completion = raw.parse()
@@ -35,40 +39,60 @@ def test_chat_compressed_with_headers(gateway_url):
     assert ask().headers["x-specprefill-cache"] == "hit"
     assert completion.object == "chat.completion" and completion.choices[0].message.role == "assistant"
     assert completion.usage.prompt_tokens == original
-    assert completion.usage.model_extra["specprefill"] == {"original_prompt_tokens": original,
-                                                          "kept_prompt_tokens": kept}
+    assert completion.usage.model_extra["specprefill"] == {
+        "original_prompt_tokens": original,
+        "kept_prompt_tokens": kept,
+    }
 
 
 def test_chat_stream_with_usage(gateway_url):
     stream = _client(gateway_url).chat.completions.create(
-        model="tiny", messages=_messages(), max_tokens=6, temperature=0, stream=True,
-        stream_options={"include_usage": True}, extra_headers={"x-keep-rate": "0.2"})
+        model="tiny",
+        messages=_messages(),
+        max_tokens=6,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_headers={"x-keep-rate": "0.2"},
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens >= 1
     assert any(c.choices and c.choices[0].finish_reason for c in chunks)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     plain = _client(gateway_url).chat.completions.create(
-        model="tiny", messages=_messages(), max_tokens=6, temperature=0, extra_headers={"x-keep-rate": "0.2"})
+        model="tiny", messages=_messages(), max_tokens=6, temperature=0, extra_headers={"x-keep-rate": "0.2"}
+    )
     assert plain.choices[0].message.content == text
 
 
 def test_completions_streamed_and_not(gateway_url):
     client = _client(gateway_url)
-    raw = client.completions.with_raw_response.create(model="tiny", prompt=LONG_DOC, max_tokens=5, temperature=0,
-                                                      extra_body={"specprefill": {"keep_rate": 0.25}})
+    raw = client.completions.with_raw_response.create(
+        model="tiny", prompt=LONG_DOC, max_tokens=5, temperature=0, extra_body={"specprefill": {"keep_rate": 0.25}}
+    )
     assert raw.headers["x-specprefill-status"] == "compressed"
     assert raw.headers["x-specprefill-keep-rate"] == "0.25"
     text = raw.parse().choices[0].text
-    streamed = client.completions.create(model="tiny", prompt=LONG_DOC, max_tokens=5, temperature=0, stream=True,
-                                         extra_body={"specprefill": {"keep_rate": 0.25}})
+    streamed = client.completions.create(
+        model="tiny",
+        prompt=LONG_DOC,
+        max_tokens=5,
+        temperature=0,
+        stream=True,
+        extra_body={"specprefill": {"keep_rate": 0.25}},
+    )
     assert "".join(c.choices[0].text for c in streamed if c.choices) == text
 
 
 def test_header_beats_body_extension(gateway_url):
     raw = _client(gateway_url).completions.with_raw_response.create(
-        model="tiny", prompt=LONG_DOC, max_tokens=1, extra_headers={"x-keep-rate": "0.5"},
-        extra_body={"specprefill": {"keep_rate": 0.1}})
+        model="tiny",
+        prompt=LONG_DOC,
+        max_tokens=1,
+        extra_headers={"x-keep-rate": "0.5"},
+        extra_body={"specprefill": {"keep_rate": 0.1}},
+    )
     assert raw.headers["x-specprefill-keep-rate"] == "0.5"
 
 
@@ -77,7 +101,8 @@ def test_keep_rate_one_equals_off_token_for_token(gateway_url):
     outputs = {}
     for name, headers in {"one": {"x-keep-rate": "1"}, "off": {"x-specprefill": "off"}}.items():
         raw = client.chat.completions.with_raw_response.create(
-            model="tiny", messages=_messages(), max_tokens=24, temperature=0, logprobs=True, extra_headers=headers)
+            model="tiny", messages=_messages(), max_tokens=24, temperature=0, logprobs=True, extra_headers=headers
+        )
         outputs[name] = raw.parse()
         assert raw.headers["x-specprefill-status"] == "bypassed"
         assert raw.headers["x-specprefill-reason"] == {"one": "keep_rate_one", "off": "off"}[name]
@@ -103,7 +128,8 @@ def test_engine_receives_what_compress_reports(gateway_url, engine_backend):
 
 def test_short_prompts_bypass(gateway_url):
     raw = _client(gateway_url).chat.completions.with_raw_response.create(
-        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+    )
     assert raw.headers["x-specprefill-status"] == "bypassed"
     assert raw.headers["x-specprefill-reason"] == "short_prompt"
 
@@ -111,11 +137,13 @@ def test_short_prompts_bypass(gateway_url):
 def test_features_the_engine_renders_itself_are_compressed(gateway_url):
     """n, penalties and logit_bias stay the engine's: the swap changes only the prompt it reads."""
     with _client(gateway_url) as client:
-        raw = client.chat.completions.with_raw_response.create(model="tiny", messages=_messages(), max_tokens=2,
-                                                               n=2, presence_penalty=0.5, logit_bias={"7": 5})
+        raw = client.chat.completions.with_raw_response.create(
+            model="tiny", messages=_messages(), max_tokens=2, n=2, presence_penalty=0.5, logit_bias={"7": 5}
+        )
         assert raw.headers["x-specprefill-status"] == "compressed" and len(raw.parse().choices) == 2
-    response = httpx.post(f"{gateway_url}/v1/specprefill/compress", timeout=60,
-                          json={"model": "tiny", "messages": _messages(), "n": 2})
+    response = httpx.post(
+        f"{gateway_url}/v1/specprefill/compress", timeout=60, json={"model": "tiny", "messages": _messages(), "n": 2}
+    )
     assert response.json()["status"] == "compressed"
 
 
@@ -154,16 +182,43 @@ BAD_BODIES = [
     ("/v1/chat/completions", json.dumps({"model": "tiny"}).encode(), 400, "messages"),
     ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "x"}]}).encode(), 400, "model"),
     ("/v1/chat/completions", json.dumps({"model": "tiny", "messages": []}).encode(), 400, "messages"),
-    ("/v1/chat/completions", json.dumps({"model": "nope", "messages": [{"role": "user", "content": "x"}]}).encode(),
-     404, "model"),
-    ("/v1/chat/completions", json.dumps({"model": "tiny", "messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "x"}}]}]}).encode(), 400, "messages"),
-    ("/v1/chat/completions", json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "x"}],
-                                         "temperature": 5}).encode(), 400, "temperature"),
-    ("/v1/chat/completions", json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "x"}],
-                                         "specprefill": {"keep_rate": 0}}).encode(), 400, "specprefill.keep_rate"),
-    ("/v1/chat/completions", json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "x"}],
-                                         "max_tokens": 0}).encode(), 400, "max_tokens"),
+    (
+        "/v1/chat/completions",
+        json.dumps({"model": "nope", "messages": [{"role": "user", "content": "x"}]}).encode(),
+        404,
+        "model",
+    ),
+    (
+        "/v1/chat/completions",
+        json.dumps(
+            {
+                "model": "tiny",
+                "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+            }
+        ).encode(),
+        400,
+        "messages",
+    ),
+    (
+        "/v1/chat/completions",
+        json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "temperature": 5}).encode(),
+        400,
+        "temperature",
+    ),
+    (
+        "/v1/chat/completions",
+        json.dumps(
+            {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "specprefill": {"keep_rate": 0}}
+        ).encode(),
+        400,
+        "specprefill.keep_rate",
+    ),
+    (
+        "/v1/chat/completions",
+        json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}).encode(),
+        400,
+        "max_tokens",
+    ),
     ("/v1/completions", json.dumps({"model": "tiny", "prompt": [1, 10**7]}).encode(), 400, "prompt"),
     ("/v1/completions", json.dumps({"model": "tiny", "prompt": ""}).encode(), 400, "prompt"),
     ("/v1/completions", json.dumps({"model": "tiny", "prompt": ["a", "b"]}).encode(), 400, "prompt"),
@@ -173,33 +228,51 @@ BAD_BODIES = [
 
 @pytest.mark.parametrize("path,content,status,param", BAD_BODIES)
 def test_bad_bodies_get_openai_errors_and_the_gateway_keeps_serving(gateway_url, path, content, status, param):
-    response = httpx.post(f"{gateway_url}{path}", content=content, timeout=60,
-                          headers={"content-type": "application/json"})
+    response = httpx.post(
+        f"{gateway_url}{path}", content=content, timeout=60, headers={"content-type": "application/json"}
+    )
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
     assert error["param"] == param
-    ok = httpx.post(f"{gateway_url}/v1/chat/completions", timeout=60,
-                    json={"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1})
+    ok = httpx.post(
+        f"{gateway_url}/v1/chat/completions",
+        timeout=60,
+        json={"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1},
+    )
     assert ok.status_code == 200
 
 
 def test_bad_mode_header(gateway_url):
-    response = httpx.post(f"{gateway_url}/v1/completions", json={"model": "tiny", "prompt": "x"},
-                          headers={"x-specprefill": "maybe"}, timeout=60)
+    response = httpx.post(
+        f"{gateway_url}/v1/completions",
+        json={"model": "tiny", "prompt": "x"},
+        headers={"x-specprefill": "maybe"},
+        timeout=60,
+    )
     assert response.status_code == 400 and response.json()["error"]["param"] == "x-specprefill"
 
 
 def test_health_and_metrics(gateway_url):
     assert httpx.get(f"{gateway_url}/health").json() == {
-        "status": "ok", "draft": {"ready": True, "tokenizer": "shared"}, "backend": {"ready": True, "kind": "reference"}}
+        "status": "ok",
+        "draft": {"ready": True, "tokenizer": "shared"},
+        "backend": {"ready": True, "kind": "reference"},
+    }
     client = _client(gateway_url)
     client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=1)
-    client.chat.completions.create(model="tiny", messages=_messages("metrics?"), max_tokens=1,
-                                   extra_headers={"x-keep-rate": "0.3"})
+    client.chat.completions.create(
+        model="tiny", messages=_messages("metrics?"), max_tokens=1, extra_headers={"x-keep-rate": "0.3"}
+    )
     text = httpx.get(f"{gateway_url}/metrics").text
-    for name in ("specprefill_requests_total", "specprefill_ttft_seconds_bucket", "specprefill_draft_seconds",
-                 "specprefill_original_prompt_tokens", "specprefill_kept_prompt_tokens", "specprefill_keep_rate"):
+    for name in (
+        "specprefill_requests_total",
+        "specprefill_ttft_seconds_bucket",
+        "specprefill_draft_seconds",
+        "specprefill_original_prompt_tokens",
+        "specprefill_kept_prompt_tokens",
+        "specprefill_keep_rate",
+    ):
         assert name in text, name
     assert 'specprefill_requests_total{endpoint="chat",reason="short_prompt",status="bypassed"}' in text
     assert 'specprefill_requests_total{endpoint="chat",reason="",status="compressed"}' in text
@@ -207,7 +280,8 @@ def test_health_and_metrics(gateway_url):
 
 def test_server_timing_breaks_the_request_down(gateway_url):
     raw = _client(gateway_url).chat.completions.with_raw_response.create(
-        model="tiny", messages=_messages("timing?"), max_tokens=2, stream=True, extra_headers={"x-keep-rate": "0.3"})
+        model="tiny", messages=_messages("timing?"), max_tokens=2, stream=True, extra_headers={"x-keep-rate": "0.3"}
+    )
     list(raw.parse())
     parts = parse_server_timing(raw.headers["server-timing"])
     assert set(parts) == {"tokenize", "draft", "select", "backend", "predicted", "wait", "background"}

@@ -30,8 +30,12 @@ def kept_positions(compress: dict) -> list[int]:
 
 
 def compress(url: str, prompt: str, keep_rate: float, **extra) -> dict:
-    response = httpx.post(f"{url}/v1/specprefill/compress", json={"prompt": prompt, **extra},
-                          headers={"x-keep-rate": str(keep_rate)}, timeout=60)
+    response = httpx.post(
+        f"{url}/v1/specprefill/compress",
+        json={"prompt": prompt, **extra},
+        headers={"x-keep-rate": str(keep_rate)},
+        timeout=60,
+    )
     assert response.status_code == 200, response.text
     return response.json()
 
@@ -48,15 +52,20 @@ def test_token_pieces_read_as_the_prompt(tokenizer):
 def test_compress_returns_one_score_per_prompt_token(gateway_url):
     in_body = compress(gateway_url, LONG_DOC, 0.3, return_scores=True)
     assert len(in_body["scores"]) == in_body["original_tokens"] and in_body["status"] == "compressed"
-    response = httpx.post(f"{gateway_url}/v1/specprefill/compress?return_scores=true", json={"prompt": LONG_DOC},
-                          headers={"x-keep-rate": "0.3"}, timeout=60)
+    response = httpx.post(
+        f"{gateway_url}/v1/specprefill/compress?return_scores=true",
+        json={"prompt": LONG_DOC},
+        headers={"x-keep-rate": "0.3"},
+        timeout=60,
+    )
     assert response.json()["scores"] == in_body["scores"]
     assert "scores" not in compress(gateway_url, LONG_DOC, 0.3)
 
 
 def test_inspect_data_is_the_gateways_plan_at_every_keep_rate(gateway_url):
-    response = httpx.post(f"{gateway_url}/v1/specprefill/inspect", json={"prompt": LONG_DOC},
-                          headers={"x-keep-rate": "0.1"}, timeout=60)
+    response = httpx.post(
+        f"{gateway_url}/v1/specprefill/inspect", json={"prompt": LONG_DOC}, headers={"x-keep-rate": "0.1"}, timeout=60
+    )
     assert response.status_code == 200, response.text
     data = response.json()
     assert data["keep_rate"] == 0.1 and len(data["tokens"]) == len(data["scores"]) == data["original_tokens"]
@@ -71,22 +80,30 @@ def test_inspect_data_is_the_gateways_plan_at_every_keep_rate(gateway_url):
 
 def test_a_short_prompt_shows_what_the_rule_would_drop(gateway_url):
     """The gateway sends it whole (short_prompt); the inspector still shows the selection, apart."""
-    data = httpx.post(f"{gateway_url}/v1/specprefill/inspect", json={"prompt": "A short prompt. " * 4},
-                      timeout=60).json()
+    data = httpx.post(
+        f"{gateway_url}/v1/specprefill/inspect", json={"prompt": "A short prompt. " * 4}, timeout=60
+    ).json()
     entry = next(e for e in data["keep_rates"] if e["keep_rate"] == 0.1)
     assert entry["reason"] == "short_prompt" and entry["kept"] == [[0, data["original_tokens"]]]
     assert "selected" in entry
 
 
-@pytest.mark.parametrize(("body", "headers", "param", "words"), [
-    (b"{not json", {}, None, "JSON"),
-    (json.dumps({"prompt": ""}).encode(), {}, "prompt", "prompt"),
-    (json.dumps({"prompt": LONG_DOC}).encode(), {"x-keep-rate": "5"}, "x-keep-rate", "(0, 1]"),
-    (json.dumps({"messages": "hello"}).encode(), {}, "messages", "messages"),
-])
+@pytest.mark.parametrize(
+    ("body", "headers", "param", "words"),
+    [
+        (b"{not json", {}, None, "JSON"),
+        (json.dumps({"prompt": ""}).encode(), {}, "prompt", "prompt"),
+        (json.dumps({"prompt": LONG_DOC}).encode(), {"x-keep-rate": "5"}, "x-keep-rate", "(0, 1]"),
+        (json.dumps({"messages": "hello"}).encode(), {}, "messages", "messages"),
+    ],
+)
 def test_bad_input_is_a_400_that_says_what_to_change(gateway_url, body, headers, param, words):
-    response = httpx.post(f"{gateway_url}/v1/specprefill/inspect", content=body, timeout=60,
-                          headers={"content-type": "application/json", **headers})
+    response = httpx.post(
+        f"{gateway_url}/v1/specprefill/inspect",
+        content=body,
+        timeout=60,
+        headers={"content-type": "application/json", **headers},
+    )
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == param and words in error["message"], error
@@ -106,8 +123,12 @@ def test_page_and_data_are_behind_the_api_key(model_pair, engine_backend):
         data = {"prompt": LONG_DOC}
         assert httpx.post(f"{url}/v1/specprefill/inspect", json=data, timeout=60).status_code == 401
         for auth in (basic, "Bearer k3y"):
-            assert httpx.post(f"{url}/v1/specprefill/inspect", json=data, headers={"authorization": auth},
-                              timeout=60).status_code == 200
+            assert (
+                httpx.post(
+                    f"{url}/v1/specprefill/inspect", json=data, headers={"authorization": auth}, timeout=60
+                ).status_code
+                == 200
+            )
 
 
 def test_page_works_offline():
@@ -118,8 +139,9 @@ def test_page_works_offline():
 
 # --- in a real browser ---
 
-needs_browser = pytest.mark.skipif(find_chromium() is None, reason="no Chromium here (make test installs Debian's "
-                                   "chromium package where it can)")
+needs_browser = pytest.mark.skipif(
+    find_chromium() is None, reason="no Chromium here (make test installs Debian's chromium package where it can)"
+)
 
 DOM_KEPT = "[...document.querySelectorAll('#prompt [data-kept=\"true\"]')].map(e => +e.dataset.position)"
 
@@ -147,11 +169,14 @@ def test_the_page_shows_the_gateways_kept_tokens_at_two_keep_rates(gateway_url, 
 
 
 @needs_browser
-@pytest.mark.parametrize(("query", "shown"), [
-    ({"chat": "{not json"}, "JSON"),
-    ({"prompt": ""}, "prompt"),
-    ({"prompt": LONG_DOC, "keep_rate": "7"}, "x-keep-rate"),
-])
+@pytest.mark.parametrize(
+    ("query", "shown"),
+    [
+        ({"chat": "{not json"}, "JSON"),
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": LONG_DOC, "keep_rate": "7"}, "x-keep-rate"),
+    ],
+)
 def test_bad_input_shows_the_gateways_message_in_the_page(gateway_url, query, shown):
     with Browser() as browser:
         browser.open(f"{gateway_url}/specprefill/inspect?{urllib.parse.urlencode(query)}")
@@ -166,10 +191,24 @@ def test_score_html_opens_with_the_same_kept_tokens(model_pair, tmp_path):
     prompt = tmp_path / "prompt.txt"
     prompt.write_text(LONG_DOC)
     out = tmp_path / "view.html"
-    command = [sys.executable, "-m", "specprefill", "score", "--model", str(model_pair / "draft"),
-               "--keep-rate", "0.1", str(prompt)]
-    scored = subprocess.run([*command, "--json", "--html", str(out)], capture_output=True, text=True, check=True,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    command = [
+        sys.executable,
+        "-m",
+        "specprefill",
+        "score",
+        "--model",
+        str(model_pair / "draft"),
+        "--keep-rate",
+        "0.1",
+        str(prompt),
+    ]
+    scored = subprocess.run(
+        [*command, "--json", "--html", str(out)],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     expected = json.loads(scored.stdout)
     html = out.read_text()
     assert "http://" not in html and "https://" not in html  # self-contained
@@ -178,7 +217,9 @@ def test_score_html_opens_with_the_same_kept_tokens(model_pair, tmp_path):
         browser.wait_for("document.body.dataset.state === 'ready'")
         assert browser.evaluate(DOM_KEPT) == expected["kept_indices"]
         assert browser.evaluate("document.getElementById('form').hidden") is True
-        scores = browser.evaluate("[...document.querySelectorAll('#prompt [data-position]')].map(e => +e.dataset.score)")
+        scores = browser.evaluate(
+            "[...document.querySelectorAll('#prompt [data-position]')].map(e => +e.dataset.score)"
+        )
         assert scores == pytest.approx(expected["scores"], rel=1e-5)
     tokenizer = load_tokenizer(model_pair / "draft")
     assert len(scores) == len(tokenizer(LONG_DOC).input_ids)

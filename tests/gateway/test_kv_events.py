@@ -53,16 +53,18 @@ class Stack:
     def start_engine(self, endpoint: str = LOOPBACK, replay_endpoint: str | None = LOOPBACK) -> None:
         config = KVEventsConfig(True, endpoint=endpoint, replay_endpoint=replay_endpoint if self.replay else None)
         self.publisher = EventPublisher(config)
-        self.engine = ReferenceEngine(*self.target, prefix_cache=PrefixCache(self.capacity, 16,
-                                                                             publish=self.publisher.publish))
+        self.engine = ReferenceEngine(
+            *self.target, prefix_cache=PrefixCache(self.capacity, 16, publish=self.publisher.publish)
+        )
 
     def stop_engine(self) -> None:
         self.engine.close()
         self.publisher.close()
 
     async def subscribe(self) -> EventSubscriber:
-        self.subscriber = EventSubscriber(self.model, self.publisher.endpoint,
-                                          replay_endpoint=self.publisher.replay_endpoint, metrics=self.metrics)
+        self.subscriber = EventSubscriber(
+            self.model, self.publisher.endpoint, replay_endpoint=self.publisher.replay_endpoint, metrics=self.metrics
+        )
         self.subscriber.start()
         await asyncio.sleep(0.3)  # ZMQ's subscription reaches the publisher a moment after the connect
         return self.subscriber
@@ -74,8 +76,12 @@ class Stack:
         steps = [s async for s in self.engine.generate(ids, positions or list(range(len(ids))), params)]
         await _until(lambda: self.engine.active == 0)  # its blocks stored (after its answer)
         if stores and hasattr(self, "subscriber"):
-            await _until(lambda: self.publisher.published == self.publisher.queued
-                         and self.subscriber.last == self.publisher.published - 1)
+            await _until(
+                lambda: (
+                    self.publisher.published == self.publisher.queued
+                    and self.subscriber.last == self.publisher.published - 1
+                )
+            )
         return steps[-1].cached_tokens
 
     def count(self, kind: str) -> float:
@@ -235,8 +241,10 @@ async def test_the_gateway_predicts_what_the_engine_serves(model_pair):
             pairs = []
 
             def chat(messages: list[dict]) -> None:
-                r = client.post(f"{url}/v1/chat/completions",
-                                json={"model": "tiny", "messages": messages, "max_tokens": 1, "temperature": 0})
+                r = client.post(
+                    f"{url}/v1/chat/completions",
+                    json={"model": "tiny", "messages": messages, "max_tokens": 1, "temperature": 0},
+                )
                 assert r.status_code == 200, r.text
                 predicted = int(re.search(r'cached;desc="(\d+)"', r.headers["server-timing"]).group(1))
                 pairs.append((predicted, r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]))
@@ -251,8 +259,10 @@ async def test_the_gateway_predicts_what_the_engine_serves(model_pair):
             for turn in range(4):
                 chat(messages)
                 chat(messages)  # again (a retry, another user): the same selection, which the engine now holds
-                messages = messages + [{"role": "assistant", "content": f"Number {turn}."},
-                                       {"role": "user", "content": f"And number {turn + 2}?"}]
+                messages = messages + [
+                    {"role": "assistant", "content": f"Number {turn}."},
+                    {"role": "user", "content": f"And number {turn + 2}?"},
+                ]
                 foreign(seed=20 + turn)
             chat(messages)
             for seed in range(30, 36):  # more than the cache holds: this chat's blocks are evicted

@@ -83,8 +83,15 @@ def _planner(**settings) -> tuple[Planner, FakeDraft]:
     metrics = GatewayMetrics()
     settings = GatewaySettings(**values)
     replica = Replica(0, "in-process", None, EngineLoad(), MemoryEngineCache(16, 1 << 20))
-    planner = Planner(settings, draft, ScoreProvider(draft, None, metrics), metrics, (),
-                      cost_models(settings.cost_coefficients), replicas=[replica])
+    planner = Planner(
+        settings,
+        draft,
+        ScoreProvider(draft, None, metrics),
+        metrics,
+        (),
+        cost_models(settings.cost_coefficients),
+        replicas=[replica],
+    )
     return planner, draft
 
 
@@ -208,25 +215,37 @@ def test_no_plan_changes_an_answer(model_pair, tmp_path):
     extension, the whole prompt after warming, and an extension again each answer exactly as a fresh engine
     without a cache does when fed the same tokens at the same positions."""
     engine = RecordingApp(engine_app(model_pair, block_size=16))
-    oracle = ReferenceEngine(load_causal_lm(model_pair / "target", device="cpu"),
-                             load_tokenizer(model_pair / "target"))
+    oracle = ReferenceEngine(load_causal_lm(model_pair / "target", device="cpu"), load_tokenizer(model_pair / "target"))
     with serve(engine) as engine_url:
-        settings = gateway_settings(model_pair, backend_url=engine_url, planner="cost", warming=True,
-                                    cost_coefficients=COSTS, reuse_threshold=0.0)
+        settings = gateway_settings(
+            model_pair,
+            backend_url=engine_url,
+            planner="cost",
+            warming=True,
+            cost_coefficients=COSTS,
+            reuse_threshold=0.0,
+        )
         with serve(create_app(settings)) as gw:
             requests_with_gaps(gw)
             document = LONG_DOC * 2  # about 3,000 tokens of the 4,096 positions
             body = {"model": "tiny", "max_tokens": 6, "temperature": 0, "logprobs": 3, "ignore_eos": True}
             # the second turn begins like the first: a context that comes back, so it is warmed
-            turns = [document, document + " And one more question?", document + " And another one?",
-                     document + " " + LONG_DOC[:1200]]
+            turns = [
+                document,
+                document + " And one more question?",
+                document + " And another one?",
+                document + " " + LONG_DOC[:1200],
+            ]
             plans = []
             for prompt in turns:
                 raw = httpx.post(f"{gw}/v1/completions", json={**body, "prompt": prompt}, timeout=120)
                 assert raw.status_code == 200, raw.text
                 plans.append(raw.headers["x-specprefill-plan"])
-                sent = next(r["body"] for r in reversed(engine.requests)  # the request, not its warm
-                            if r["path"] == "/v1/completions" and "priority" not in r["body"])
+                sent = next(
+                    r["body"]
+                    for r in reversed(engine.requests)  # the request, not its warm
+                    if r["path"] == "/v1/completions" and "priority" not in r["body"]
+                )
                 swap = sent.get("vllm_xargs") or {}  # the client's body, plus the kept tokens when compressed
                 tokens = swap.get("kept_token_ids") or oracle.tokenizer(sent["prompt"]).input_ids
                 positions = swap.get("position_ids") or list(range(len(tokens)))
@@ -244,8 +263,9 @@ def test_a_client_that_leaves_after_the_first_token_still_teaches_the_planner(mo
     next request on it goes whole."""
     engine = RecordingApp(engine_app(model_pair, block_size=16))
     with serve(engine) as engine_url:
-        settings = gateway_settings(model_pair, backend_url=engine_url, planner="cost", warming=True,
-                                    cost_coefficients=COSTS)
+        settings = gateway_settings(
+            model_pair, backend_url=engine_url, planner="cost", warming=True, cost_coefficients=COSTS
+        )
         with serve(create_app(settings)) as gw:
             requests_with_gaps(gw)
             body = {"model": "tiny", "prompt": LONG_DOC * 2, "max_tokens": 8, "temperature": 0, "stream": True}
@@ -269,14 +289,16 @@ def test_back_to_back_requests_never_meet_warming_and_think_time_gaps_take_it(mo
     warm goes in pieces within the gaps and lands."""
     engine = RecordingApp(engine_app(model_pair, block_size=16))
     with serve(engine) as engine_url:
-        settings = gateway_settings(model_pair, backend_url=engine_url, planner="cost", warming=True,
-                                    cost_coefficients=COSTS)
+        settings = gateway_settings(
+            model_pair, backend_url=engine_url, planner="cost", warming=True, cost_coefficients=COSTS
+        )
         with serve(create_app(settings)) as gw:
             body = {"model": "tiny", "max_tokens": 1, "temperature": 0}
             timings = []
             for i in range(8):
-                raw = httpx.post(f"{gw}/v1/completions", json={**body, "prompt": LONG_DOC * 2 + f" Question {i}?"},
-                                 timeout=120)
+                raw = httpx.post(
+                    f"{gw}/v1/completions", json={**body, "prompt": LONG_DOC * 2 + f" Question {i}?"}, timeout=120
+                )
                 timings.append(parse_server_timing(raw.headers["server-timing"]))
             text = httpx.get(f"{gw}/metrics").text
             assert 'specprefill_warming_total{outcome="offered"}' in text
@@ -285,8 +307,7 @@ def test_back_to_back_requests_never_meet_warming_and_think_time_gaps_take_it(mo
             assert "specprefill_foreground_behind_background_seconds_count 0.0" in text
             for i in range(4):  # the same context with a user's think time
                 time.sleep(1.0)
-                httpx.post(f"{gw}/v1/completions", json={**body, "prompt": LONG_DOC * 2 + f" Later {i}?"},
-                           timeout=120)
+                httpx.post(f"{gw}/v1/completions", json={**body, "prompt": LONG_DOC * 2 + f" Later {i}?"}, timeout=120)
             assert asyncio.run(eventually(lambda: gateway_settled(gw), within=60))
             assert 'specprefill_warming_total{outcome="done"}' in httpx.get(f"{gw}/metrics").text
 
@@ -408,11 +429,13 @@ async def test_a_held_system_prompt_that_ends_inside_a_block_does_not_wake_the_d
 
 def _timed_engine(planner: Planner, lengths: list[int]):
     """An engine that takes 20 ms, 0.2 ms per new token and 10 µs per cached token, and says what it cached."""
+
     async def complete(token_ids: list[int]) -> dict:
         cached = await planner.replicas[0].cache.cached_tokens(token_ids, None)
         lengths.append(len(token_ids))
         await asyncio.sleep(0.02 + 2e-4 * (len(token_ids) - cached) + 1e-5 * cached)
         return {"usage": {"prompt_tokens_details": {"cached_tokens": cached}}}
+
     return complete
 
 
@@ -463,6 +486,7 @@ async def test_the_start_up_probe_fits_the_prompt_limit_and_a_refused_probe_does
 
 # --- the engine as it is now: the wait ahead, contended timings, warms that land between requests ---
 
+
 async def test_timings_that_shared_the_engine_never_enter_the_fit():
     """A burst of requests queued behind other work measures 2-6x their cost. Fitted in, they would price a cold
     prefill at over twice what it takes; flagged as contended (``EngineLoad`` tickets), they change nothing."""
@@ -511,8 +535,16 @@ async def test_a_shared_system_prompt_warmed_between_requests_lands_and_then_sta
     costs = {"target": [0.005, 5e-5, 1e-6, 0.0], "draft": [0.001, 1e-6, 0.0, 1e-7]}
     planner, _ = _planner(cost_coefficients=costs)
     engine = FCFSEngine(fixed=0.005, per_token=5e-5, per_cached=1e-6)
-    warmer = Warmer(lambda ids, priority: engine.complete(ids, priority), planner.completed, planner.replicas[0].load,
-                    planner.replicas[0].cache, planner.target_cost, planner.metrics, piece_s=0.03, recheck_s=0.01)
+    warmer = Warmer(
+        lambda ids, priority: engine.complete(ids, priority),
+        planner.completed,
+        planner.replicas[0].load,
+        planner.replicas[0].cache,
+        planner.target_cost,
+        planner.metrics,
+        piece_s=0.03,
+        recheck_s=0.01,
+    )
     system, n_system = _ids(3000, 41), 3000
     keep = torch.zeros(n_system + 30, dtype=torch.bool)
     keep[:n_system] = True

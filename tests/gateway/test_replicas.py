@@ -34,18 +34,25 @@ def test_backend_url_repeated_or_comma_separated_names_replicas():
 
 
 def _chat(gateway: str, document: str, turns: int) -> dict:
-    messages = [{"role": "system", "content": "Answer briefly."},
-                {"role": "user", "content": document + "\n\nWhat is the first number?"}]
+    messages = [
+        {"role": "system", "content": "Answer briefly."},
+        {"role": "user", "content": document + "\n\nWhat is the first number?"},
+    ]
     for turn in range(1, turns):
         messages += [{"role": "assistant", "content": "12."}, {"role": "user", "content": f"And number {turn + 1}?"}]
-    response = httpx.post(f"{gateway}/v1/chat/completions", timeout=120, json={
-        "model": "tiny", "messages": messages, "max_tokens": 4, "temperature": 0})
+    response = httpx.post(
+        f"{gateway}/v1/chat/completions",
+        timeout=120,
+        json={"model": "tiny", "messages": messages, "max_tokens": 4, "temperature": 0},
+    )
     assert response.status_code == 200, response.text
-    return {"replica": int(re.search(r'replica;desc="(\d+)"', response.headers["server-timing"]).group(1)),
-            "answer": response.json()["choices"][0]["message"]["content"],
-            "cached": int(re.search(r'cached;desc="(\d+)"', response.headers["server-timing"]).group(1)),
-            "engine_cached": response.json()["usage"]["prompt_tokens_details"]["cached_tokens"],
-            "plan": (response.headers["x-specprefill-plan"], response.headers["x-specprefill-kept-tokens"])}
+    return {
+        "replica": int(re.search(r'replica;desc="(\d+)"', response.headers["server-timing"]).group(1)),
+        "answer": response.json()["choices"][0]["message"]["content"],
+        "cached": int(re.search(r'cached;desc="(\d+)"', response.headers["server-timing"]).group(1)),
+        "engine_cached": response.json()["usage"]["prompt_tokens_details"]["cached_tokens"],
+        "plan": (response.headers["x-specprefill-plan"], response.headers["x-specprefill-kept-tokens"]),
+    }
 
 
 def _metric(gateway: str, name: str) -> dict[str, float]:
@@ -61,16 +68,21 @@ def test_a_conversation_stays_with_its_context_and_cold_prompts_spread(model_pai
     other = " ".join(reversed(LONG_DOC.split()))
     # the order is such that ties broken by "chosen longest ago" would send turns 2 and 3 to the wrong replica
     order = [(LONG_DOC, 1), (other, 1), (other, 2), (LONG_DOC, 2), (LONG_DOC, 3), (other, 3)]
-    with serve(engine_app(model_pair)) as one, serve(engine_app(model_pair)) as two, \
-            serve(create_app(gateway_settings(model_pair, backend_url=[one, two], planner="cost"))) as gateway:
+    with (
+        serve(engine_app(model_pair)) as one,
+        serve(engine_app(model_pair)) as two,
+        serve(create_app(gateway_settings(model_pair, backend_url=[one, two], planner="cost"))) as gateway,
+    ):
         turns = [_chat(gateway, document, n) for document, n in order]
         assert sorted(t["replica"] for t in turns[:2]) == [0, 1]
         home = {document: t["replica"] for (document, n), t in zip(order, turns) if n == 1}
         assert [t["replica"] for t in turns] == [home[document] for document, _ in order]
         routed = _metric(gateway, "specprefill_replica_requests_total")
         assert routed == {'{replica="0"}': 3.0, '{replica="1"}': 3.0}
-    with serve(engine_app(model_pair)) as alone, \
-            serve(create_app(gateway_settings(model_pair, backend_url=alone, planner="cost"))) as gateway:
+    with (
+        serve(engine_app(model_pair)) as alone,
+        serve(create_app(gateway_settings(model_pair, backend_url=alone, planner="cost"))) as gateway,
+    ):
         single = [_chat(gateway, document, n) for document, n in order]
     same = [(t, u) for t, u in zip(turns, single) if t["plan"] == u["plan"]]
     assert len(same) >= 4
@@ -87,21 +99,40 @@ def test_a_replica_that_dies_loses_no_request(model_pair):
     for _ in range(2):
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        engines.append((start_command(["engine", "--model", str(model_pair / "target"), "--port", str(port),
-                                       "--device", "cpu", "--served-model-name", "target"], url), url))
+        engines.append(
+            (
+                start_command(
+                    [
+                        "engine",
+                        "--model",
+                        str(model_pair / "target"),
+                        "--port",
+                        str(port),
+                        "--device",
+                        "cpu",
+                        "--served-model-name",
+                        "target",
+                    ],
+                    url,
+                ),
+                url,
+            )
+        )
     settings = gateway_settings(model_pair, backend_url=[url for _, url in engines], backend_health_interval=0.5)
     try:
         with serve(create_app(settings)) as gateway:
             body = {"model": "tiny", "prompt": LONG_DOC, "max_tokens": 200, "temperature": 0, "ignore_eos": True}
 
             def complete(i: int) -> int:
-                return httpx.post(f"{gateway}/v1/completions", json={**body, "prompt": f"{i} {LONG_DOC}"},
-                                  timeout=120).status_code
+                return httpx.post(
+                    f"{gateway}/v1/completions", json={**body, "prompt": f"{i} {LONG_DOC}"}, timeout=120
+                ).status_code
 
             with concurrent.futures.ThreadPoolExecutor(8) as pool:
                 answers = [pool.submit(complete, i) for i in range(8)]
-                assert _until(lambda: _metric(gateway, "specprefill_replica_requests_total")
-                              .get('{replica="1"}', 0) >= 2)
+                assert _until(
+                    lambda: _metric(gateway, "specprefill_replica_requests_total").get('{replica="1"}', 0) >= 2
+                )
                 engines[1][0].send_signal(signal.SIGKILL)
                 assert [a.result() for a in answers] == [200] * 8
             assert _metric(gateway, "specprefill_replica_up") == {'{replica="0"}': 1.0, '{replica="1"}': 0.0}
@@ -129,8 +160,20 @@ def test_a_replica_back_from_a_restart_is_routed_to_again(model_pair):
         with serve(create_app(settings)) as gateway:
             up = lambda: _metric(gateway, "specprefill_replica_up")  # noqa: E731
             assert _until(lambda: up() == {'{replica="0"}': 1.0, '{replica="1"}': 0.0})
-            process = start_command(["engine", "--model", str(model_pair / "target"), "--port", str(port),
-                                     "--device", "cpu", "--served-model-name", "target"], url)
+            process = start_command(
+                [
+                    "engine",
+                    "--model",
+                    str(model_pair / "target"),
+                    "--port",
+                    str(port),
+                    "--device",
+                    "cpu",
+                    "--served-model-name",
+                    "target",
+                ],
+                url,
+            )
             try:
                 assert _until(lambda: up()['{replica="1"}'] == 1.0)
                 other = " ".join(reversed(LONG_DOC.split()))
@@ -156,9 +199,12 @@ def test_behind_a_prefix_affinity_router_a_conversation_keeps_its_replica(model_
     from specprefill.lab.router import create_app as create_router
 
     other = " ".join(reversed(LONG_DOC.split()))
-    with serve(engine_app(model_pair)) as one, serve(engine_app(model_pair)) as two, \
-            serve(create_router([one, two], "prefix")) as router, \
-            serve(create_app(gateway_settings(model_pair, backend_url=router, planner="cost"))) as gateway:
+    with (
+        serve(engine_app(model_pair)) as one,
+        serve(engine_app(model_pair)) as two,
+        serve(create_router([one, two], "prefix")) as router,
+        serve(create_app(gateway_settings(model_pair, backend_url=router, planner="cost"))) as gateway,
+    ):
         served, cached = [], 0
         for turns in (1, 2, 3):
             for document in (LONG_DOC, other):
@@ -188,8 +234,11 @@ def _data_parallel_front(engines: list[str]):
         rank = int(request.headers.get("x-data-parallel-rank", 0))
         ranks.append(rank)
         async with httpx.AsyncClient(timeout=120) as client:
-            answer = await client.post(engines[rank] + request.url.path, content=await request.body(),
-                                       headers={"content-type": "application/json"})
+            answer = await client.post(
+                engines[rank] + request.url.path,
+                content=await request.body(),
+                headers={"content-type": "application/json"},
+            )
         return Response(answer.content, answer.status_code, media_type="application/json")
 
     async def sources(request: Request) -> JSONResponse:
@@ -200,8 +249,15 @@ def _data_parallel_front(engines: list[str]):
         return Response(answer.content, answer.status_code, media_type=answer.headers.get("content-type"))
 
     ranks: list[int] = []
-    app = Starlette(routes=[Route("/v1/{path:path}", forward, methods=["POST"]), Route("/kv_event_sources", sources),
-                            Route("/v1/models", first), Route("/health", first), Route("/metrics", first)])
+    app = Starlette(
+        routes=[
+            Route("/v1/{path:path}", forward, methods=["POST"]),
+            Route("/kv_event_sources", sources),
+            Route("/v1/models", first),
+            Route("/health", first),
+            Route("/metrics", first),
+        ]
+    )
     app.state.ranks = ranks
     return app
 
@@ -210,11 +266,14 @@ def test_data_parallel_ranks_behind_one_server_are_replicas(model_pair):
     """A server whose ``/kv_event_sources`` lists two ranks: each rank is a replica, reached with
     ``X-data-parallel-rank`` and followed by its own event stream. Two chats spread over the ranks and stay on
     theirs, and every turn's predicted cached tokens are what its rank served."""
-    events = json.dumps({"enable_kv_cache_events": True, "endpoint": "tcp://127.0.0.1:0",
-                         "replay_endpoint": "tcp://127.0.0.1:0"})
+    events = json.dumps(
+        {"enable_kv_cache_events": True, "endpoint": "tcp://127.0.0.1:0", "replay_endpoint": "tcp://127.0.0.1:0"}
+    )
     other = " ".join(reversed(LONG_DOC.split()))
-    with serve(engine_app(model_pair, kv_events_config=events)) as one, \
-            serve(engine_app(model_pair, kv_events_config=events)) as two:
+    with (
+        serve(engine_app(model_pair, kv_events_config=events)) as one,
+        serve(engine_app(model_pair, kv_events_config=events)) as two,
+    ):
         front = _data_parallel_front([one, two])
         settings = lambda url: gateway_settings(model_pair, backend_url=url, planner="cost")  # noqa: E731
         with serve(front) as url, serve(create_app(settings(url))) as gateway:
@@ -246,8 +305,9 @@ async def test_a_turn_goes_where_its_earlier_selection_is_held_unless_the_wait_t
     draft.peaks = [5, 40, 90]
     settings = GatewaySettings(target_model="t", draft_model="d", min_prompt_tokens=64, cost_coefficients=COSTS)
     replicas = [Replica(i, f"r{i}", None, EngineLoad(), MemoryEngineCache(16, 1 << 20)) for i in range(2)]
-    planner = Planner(settings, draft, ScoreProvider(draft, None, metrics), metrics, (), cost_models(COSTS),
-                      replicas=replicas)
+    planner = Planner(
+        settings, draft, ScoreProvider(draft, None, metrics), metrics, (), cost_models(COSTS), replicas=replicas
+    )
     first = _ids(4000, 1)
     await planner.completed(await planner.plan(first, OPTIONS, [], replica=replicas[1]), None, 1.0)
     assert [await r.cache.cached_tokens(first, None) for r in replicas] == [0, 0]

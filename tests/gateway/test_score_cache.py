@@ -47,7 +47,9 @@ class RedisProcess:
     def start(self) -> None:
         self.process = subprocess.Popen(
             [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         client = redis.Redis.from_url(self.url)
         for _ in range(100):
             try:
@@ -84,8 +86,9 @@ def _compress(url: str, keep: str, question: str = "Which number?") -> httpx.Res
 
 def _sent(url: str, keep: str, question: str = "Which number?") -> list[int]:
     body = {"model": "tiny", "messages": _messages(question)}
-    return httpx.post(f"{url}/v1/specprefill/compress", json=body, headers={"x-keep-rate": keep},
-                      timeout=60).json()["token_ids"]
+    return httpx.post(f"{url}/v1/specprefill/compress", json=body, headers={"x-keep-rate": keep}, timeout=60).json()[
+        "token_ids"
+    ]
 
 
 def test_redis_hits_skip_the_draft_and_are_shared_by_replicas(model_pair, engine_backend, redis_server, worker):
@@ -143,8 +146,9 @@ async def test_concurrent_identical_prompts_are_scored_once(model_pair, engine_b
     with serve(create_app(settings, draft=draft)) as gw:
         body = {"model": "tiny", "messages": _messages("same?"), "max_tokens": 1}
         async with httpx.AsyncClient(timeout=60) as client:
-            responses = await asyncio.gather(*(client.post(f"{gw}/v1/chat/completions", json=body,
-                                                           headers={"x-keep-rate": "0.3"}) for _ in range(5)))
+            responses = await asyncio.gather(
+                *(client.post(f"{gw}/v1/chat/completions", json=body, headers={"x-keep-rate": "0.3"}) for _ in range(5))
+            )
         assert all(r.status_code == 200 for r in responses)
         assert {r.headers["x-specprefill-status"] for r in responses} == {"compressed"}
         assert draft.calls == 1

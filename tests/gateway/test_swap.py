@@ -26,12 +26,25 @@ from tests.helpers import (
 from tests.helpers import chat_messages as _messages
 
 KEEP = {"x-keep-rate": "0.3"}
-TOOLS = [{"type": "function", "function": {"name": "lookup_number", "description": "Find a number in the text",
-                                           "parameters": {"type": "object", "properties": {
-                                               "index": {"type": "integer"}}, "required": ["index"]}}}]
-SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "enum": ["yes", "no"]},
-                                           "colour": {"type": "string", "enum": ["red", "green", "blue"]}},
-          "required": ["answer", "colour"], "additionalProperties": False}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "lookup_number",
+            "description": "Find a number in the text",
+            "parameters": {"type": "object", "properties": {"index": {"type": "integer"}}, "required": ["index"]},
+        },
+    }
+]
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "answer": {"type": "string", "enum": ["yes", "no"]},
+        "colour": {"type": "string", "enum": ["red", "green", "blue"]},
+    },
+    "required": ["answer", "colour"],
+    "additionalProperties": False,
+}
 
 
 def test_a_chat_with_tools_reads_its_kept_tokens_at_their_positions(gateway_url, engine_backend, model_pair):
@@ -40,8 +53,14 @@ def test_a_chat_with_tools_reads_its_kept_tokens_at_their_positions(gateway_url,
     _, recorder = engine_backend
     with openai_client(gateway_url) as client:
         raw = client.chat.completions.with_raw_response.create(
-            model="tiny", messages=_messages(), tools=TOOLS, max_tokens=1, temperature=0, logprobs=True,
-            extra_headers=KEEP)
+            model="tiny",
+            messages=_messages(),
+            tools=TOOLS,
+            max_tokens=1,
+            temperature=0,
+            logprobs=True,
+            extra_headers=KEEP,
+        )
         first = raw.parse().choices[0].logprobs.content[0]
     assert raw.headers["x-specprefill-status"] == "compressed"
     sent = recorder.last("/v1/chat/completions")["body"]
@@ -71,15 +90,20 @@ def test_structured_output_n_and_penalties_are_the_engines(gateway_url):
 
 def _structured_n_and_penalties(client):
     raw = client.chat.completions.with_raw_response.create(
-        model="tiny", messages=_messages("Is there a third number?"), max_tokens=80, temperature=0,
+        model="tiny",
+        messages=_messages("Is there a third number?"),
+        max_tokens=80,
+        temperature=0,
         response_format={"type": "json_schema", "json_schema": {"name": "verdict", "schema": SCHEMA}},
-        extra_headers=KEEP)
+        extra_headers=KEEP,
+    )
     assert raw.headers["x-specprefill-status"] == "compressed"
     answer = json.loads(raw.parse().choices[0].message.content)
     assert set(answer) == {"answer", "colour"} and answer["answer"] in ("yes", "no")
     assert answer["colour"] in ("red", "green", "blue")
-    raw = client.chat.completions.with_raw_response.create(model="tiny", messages=_messages(), max_tokens=3, n=2,
-                                                           seed=1, presence_penalty=1.5, extra_headers=KEEP)
+    raw = client.chat.completions.with_raw_response.create(
+        model="tiny", messages=_messages(), max_tokens=3, n=2, seed=1, presence_penalty=1.5, extra_headers=KEEP
+    )
     assert raw.headers["x-specprefill-status"] == "compressed"
     assert [c.index for c in raw.parse().choices] == [0, 1]
 
@@ -90,19 +114,27 @@ def test_the_responses_api_streamed_and_not(gateway_url, engine_backend):
 
 
 def _responses(client, recorder):
-    raw = client.responses.with_raw_response.create(model="tiny", instructions="Answer briefly.",
-                                                    input=LONG_DOC + "\n\nWhat is the third number?",
-                                                    max_output_tokens=4, temperature=0, extra_headers=KEEP)
+    raw = client.responses.with_raw_response.create(
+        model="tiny",
+        instructions="Answer briefly.",
+        input=LONG_DOC + "\n\nWhat is the third number?",
+        max_output_tokens=4,
+        temperature=0,
+        extra_headers=KEEP,
+    )
     assert raw.headers["x-specprefill-status"] == "compressed"
     response = raw.parse()
     assert response.status in ("completed", "incomplete") and response.output_text is not None
     assert response.model == "tiny" and response.usage.input_tokens == int(raw.headers["x-specprefill-original-tokens"])
     sent = recorder.last("/v1/responses")["body"]
     assert sent["instructions"] == "Answer briefly." and "kept_token_ids" in sent["vllm_xargs"]
-    items = [{"role": "system", "content": "Answer briefly."},
-             {"role": "user", "content": [{"type": "input_text", "text": LONG_DOC}]}]
-    with client.responses.with_streaming_response.create(model="tiny", input=items, max_output_tokens=4,
-                                                         temperature=0, stream=True, extra_headers=KEEP) as raw:
+    items = [
+        {"role": "system", "content": "Answer briefly."},
+        {"role": "user", "content": [{"type": "input_text", "text": LONG_DOC}]},
+    ]
+    with client.responses.with_streaming_response.create(
+        model="tiny", input=items, max_output_tokens=4, temperature=0, stream=True, extra_headers=KEEP
+    ) as raw:
         assert raw.headers["x-specprefill-status"] == "compressed"
         events = list(raw.parse())
     kinds = [e.type for e in events]
@@ -111,8 +143,7 @@ def _responses(client, recorder):
     assert events[-1].response.output_text == text and events[-1].response.model == "tiny"
 
 
-def test_a_swap_that_does_not_match_is_a_400_and_through_the_gateway_goes_whole(model_pair, engine_backend,
-                                                                               tmp_path):
+def test_a_swap_that_does_not_match_is_a_400_and_through_the_gateway_goes_whole(model_pair, engine_backend, tmp_path):
     url, recorder = engine_backend
     assert_swap_mismatch_is_a_400(url)
     # a gateway whose chat template differs from the engine's (one word): its kept tokens are not the engine's
@@ -120,16 +151,19 @@ def test_a_swap_that_does_not_match_is_a_400_and_through_the_gateway_goes_whole(
     settings = gateway_settings(model_pair, backend_url=url, target_model=str(target))
     with serve(create_app(settings)) as gw, openai_client(gw) as client:
         for _ in range(2):
-            raw = client.chat.completions.with_raw_response.create(model="tiny", messages=_messages(), max_tokens=2,
-                                                                   extra_headers=KEEP)
+            raw = client.chat.completions.with_raw_response.create(
+                model="tiny", messages=_messages(), max_tokens=2, extra_headers=KEEP
+            )
             assert raw.headers["x-specprefill-status"] == "bypassed"
             assert raw.headers["x-specprefill-reason"] == "swap_mismatch" and raw.parse().choices[0].message.content
             assert "vllm_xargs" not in recorder.last("/v1/chat/completions")["body"]
             # priced as what it is: the whole prompt (unpriced, a prediction of 0 counted as missed by 2x)
             assert parse_server_timing(raw.headers["server-timing"])["predicted"] > 0
         metrics = httpx.get(f"{gw}/metrics").text
-        assert any(line.startswith("specprefill_swap_mismatch_total{") and line.endswith(" 2.0")
-                   for line in metrics.splitlines())
+        assert any(
+            line.startswith("specprefill_swap_mismatch_total{") and line.endswith(" 2.0")
+            for line in metrics.splitlines()
+        )
 
 
 class _RefusesSwapsMidStream:
@@ -153,15 +187,20 @@ class _RefusesSwapsMidStream:
         parsed = json.loads(body) if body else {}
         if parsed.get("stream") and "kept_token_ids" in (parsed.get("vllm_xargs") or {}):
             self.refused += 1
-            await send({"type": "http.response.start", "status": 200,
-                        "headers": [(b"content-type", b"text/event-stream")]})
+            await send(
+                {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]}
+            )
             if self.drops:
                 created = {"type": "response.created", "response": {"id": "resp_1", "status": "in_progress"}}
-                await send({"type": "http.response.body", "more_body": True,
-                            "body": f"event: response.created\ndata: {json.dumps(created)}\n\n".encode()})
+                await send(
+                    {
+                        "type": "http.response.body",
+                        "more_body": True,
+                        "body": f"event: response.created\ndata: {json.dumps(created)}\n\n".encode(),
+                    }
+                )
                 raise RuntimeError("Caught handled exception, but response already started.")
-            event = {"error": {"message": "kept token 9 at position 3 differs", "type": "BadRequestError",
-                               "code": 400}}
+            event = {"error": {"message": "kept token 9 at position 3 differs", "type": "BadRequestError", "code": 400}}
             await send({"type": "http.response.body", "body": f"data: {json.dumps(event)}\n\n".encode()})
             return
         sent = False
@@ -178,10 +217,14 @@ class _RefusesSwapsMidStream:
 
 def test_a_swap_refused_after_its_200_goes_whole_before_the_client_sees_anything(model_pair):
     engine = _RefusesSwapsMidStream(engine_app(model_pair))
-    with serve(engine) as url, serve(create_app(gateway_settings(model_pair, backend_url=url))) as gw, \
-            openai_client(gw) as client:
-        raw = client.chat.completions.with_raw_response.create(model="tiny", messages=_messages(), max_tokens=2,
-                                                               stream=True, extra_headers=KEEP)
+    with (
+        serve(engine) as url,
+        serve(create_app(gateway_settings(model_pair, backend_url=url))) as gw,
+        openai_client(gw) as client,
+    ):
+        raw = client.chat.completions.with_raw_response.create(
+            model="tiny", messages=_messages(), max_tokens=2, stream=True, extra_headers=KEEP
+        )
         text = "".join(chunk.choices[0].delta.content or "" for chunk in raw.parse() if chunk.choices)
     assert engine.refused == 1 and text
     assert raw.headers["x-specprefill-status"] == "bypassed" and raw.headers["x-specprefill-reason"] == "swap_mismatch"
@@ -189,18 +232,25 @@ def test_a_swap_refused_after_its_200_goes_whole_before_the_client_sees_anything
 
 def test_a_responses_swap_refused_by_a_dropped_stream_goes_whole(model_pair):
     engine = _RefusesSwapsMidStream(engine_app(model_pair), drops=True)
-    with serve(engine) as url, serve(create_app(gateway_settings(model_pair, backend_url=url, backend_kind="vllm"))) \
-            as gw, openai_client(gw) as client:
-        raw = client.responses.with_raw_response.create(model="tiny", input=_messages()[1]["content"],
-                                                        max_output_tokens=2, stream=True, extra_headers=KEEP)
+    with (
+        serve(engine) as url,
+        serve(create_app(gateway_settings(model_pair, backend_url=url, backend_kind="vllm"))) as gw,
+        openai_client(gw) as client,
+    ):
+        raw = client.responses.with_raw_response.create(
+            model="tiny", input=_messages()[1]["content"], max_output_tokens=2, stream=True, extra_headers=KEEP
+        )
         kinds = [event.type for event in raw.parse()]
     assert engine.refused == 1 and kinds[-1] in ("response.completed", "response.incomplete") and "error" not in kinds
     assert raw.headers["x-specprefill-status"] == "bypassed" and raw.headers["x-specprefill-reason"] == "swap_mismatch"
 
 
 def test_a_hosted_tool_in_a_responses_request_is_a_400_naming_it(gateway_url):
-    response = httpx.post(f"{gateway_url}/v1/responses", json={"model": "tiny", "input": "hi",
-                                                                "tools": [{"type": "web_search"}]}, timeout=30)
+    response = httpx.post(
+        f"{gateway_url}/v1/responses",
+        json={"model": "tiny", "input": "hi", "tools": [{"type": "web_search"}]},
+        timeout=30,
+    )
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == "tools" and "web_search tool runs on OpenAI's servers" in error["message"]

@@ -34,11 +34,13 @@ def sentencepiece_style_tokenizer() -> PreTrainedTokenizerFast:
     tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
     tokenizer.decoder = decoders.Metaspace()
     corpus = synthetic_corpus(seed=11, n_sentences=3000) + [MIXED, "system user assistant Answer briefly."]
-    tokenizer.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=600, special_tokens=["<unk>", "<s>", "</s>"],
-                                                              show_progress=False))
+    tokenizer.train_from_iterator(
+        corpus, trainers.BpeTrainer(vocab_size=600, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False)
+    )
     tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-                                   pad_token="<unk>")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<unk>"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -51,9 +53,19 @@ def other_draft(tmp_path_factory, other_tokenizer) -> Path:
     """A tiny draft model with the other tokenizer, on disk."""
     path = tmp_path_factory.mktemp("other") / "draft"
     torch.manual_seed(3)
-    config = LlamaConfig(vocab_size=len(other_tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
-                         initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    config = LlamaConfig(
+        vocab_size=len(other_tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=8192,
+        initializer_range=0.2,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     LlamaForCausalLM(config).eval().save_pretrained(path)
     other_tokenizer.save_pretrained(path)
     return path
@@ -88,18 +100,22 @@ def reference_projection(target_spans, draft_spans, draft_scores) -> list[float]
     return out
 
 
-@pytest.mark.parametrize(("target", "draft"), [
-    ([(0, 3), (3, 4), (4, 9)], [(0, 2), (2, 6), (6, 9)]),  # straddling
-    ([(0, 3), (3, 4), (4, 7)], [(0, 3), (4, 7)]),  # a target token the draft skips (whitespace)
-    ([(0, 1), (1, 2), (2, 3), (3, 4)], [(0, 4)]),  # one draft token for many target tokens
-    ([(0, 4)], [(0, 1), (1, 2), (2, 3), (3, 4)]),  # many draft tokens for one target token
-    ([(0, 2), (2, 2), (2, 5)], [(0, 0), (0, 3), (3, 5)]),  # zero-width tokens on both sides
-])
+@pytest.mark.parametrize(
+    ("target", "draft"),
+    [
+        ([(0, 3), (3, 4), (4, 9)], [(0, 2), (2, 6), (6, 9)]),  # straddling
+        ([(0, 3), (3, 4), (4, 7)], [(0, 3), (4, 7)]),  # a target token the draft skips (whitespace)
+        ([(0, 1), (1, 2), (2, 3), (3, 4)], [(0, 4)]),  # one draft token for many target tokens
+        ([(0, 4)], [(0, 1), (1, 2), (2, 3), (3, 4)]),  # many draft tokens for one target token
+        ([(0, 2), (2, 2), (2, 5)], [(0, 0), (0, 3), (3, 5)]),  # zero-width tokens on both sides
+    ],
+)
 def test_projection_equals_a_brute_force_reference(target, draft):
     t_index, d_index = overlaps(np.array(target), np.array(draft))
     scores = torch.rand(len(draft), generator=torch.Generator().manual_seed(0))
     out = torch.full((len(target),), float("-inf")).scatter_reduce(
-        0, torch.from_numpy(t_index), scores[torch.from_numpy(d_index)], reduce="amax")
+        0, torch.from_numpy(t_index), scores[torch.from_numpy(d_index)], reduce="amax"
+    )
     assert out.tolist() == pytest.approx(reference_projection(target, draft, scores.tolist()))
 
 
@@ -138,8 +154,11 @@ def test_cache_keys_name_both_tokenizers(model_pair, tokenizer, other_tokenizer)
     worker = DraftWorker.from_pretrained(model_pair / "draft", device="cpu", prefix_cache_bytes=0)
     plain = LocalDraft(worker)
     keys = set()
-    for draft in (plain, MappedDraft(plain, TokenMapping(tokenizer, tokenizer)),
-                  MappedDraft(plain, TokenMapping(tokenizer, other_tokenizer))):
+    for draft in (
+        plain,
+        MappedDraft(plain, TokenMapping(tokenizer, tokenizer)),
+        MappedDraft(plain, TokenMapping(tokenizer, other_tokenizer)),
+    ):
         keys.add(score_key("specprefill:", asyncio.run(draft.identity()), draft.score_params, [1, 2, 3]))
     assert len(keys) == 3
 
@@ -150,10 +169,15 @@ def test_a_gateway_with_another_tokenizers_draft(model_pair, engine_backend, oth
         assert httpx.get(f"{url}/health").json()["draft"]["tokenizer"] == "mapped"
         with openai_client(url) as client:
             raw = client.chat.completions.with_raw_response.create(
-                model="tiny", messages=chat_messages(), max_tokens=2, extra_headers={"x-keep-rate": "0.2"})
+                model="tiny", messages=chat_messages(), max_tokens=2, extra_headers={"x-keep-rate": "0.2"}
+            )
         assert raw.headers["x-specprefill-status"] == "compressed" and raw.parse().choices[0].message.content
-        local = httpx.post(f"{url}/v1/specprefill/compress", json={"messages": chat_messages()},
-                           headers={"x-keep-rate": "0.2"}, timeout=60).json()
+        local = httpx.post(
+            f"{url}/v1/specprefill/compress",
+            json={"messages": chat_messages()},
+            headers={"x-keep-rate": "0.2"},
+            timeout=60,
+        ).json()
         metrics = httpx.get(f"{url}/metrics").text
         assert "specprefill_draft_mapping_seconds_count" in metrics
     # the same draft as a remote worker: the gateway needs its tokenizer, then selects the same tokens
@@ -161,13 +185,27 @@ def test_a_gateway_with_another_tokenizers_draft(model_pair, engine_backend, oth
     process, worker_url = port_url
     try:
         with pytest.raises(TokenizerMismatchError, match="--draft-tokenizer"):
-            asyncio.run(_start(gateway_settings(model_pair, backend_url=engine_backend[0], draft_model=None,
-                                                draft_worker_url=[worker_url])))
-        settings = gateway_settings(model_pair, backend_url=engine_backend[0], draft_model=None,
-                                    draft_worker_url=[worker_url], draft_tokenizer=str(other_draft))
+            asyncio.run(
+                _start(
+                    gateway_settings(
+                        model_pair, backend_url=engine_backend[0], draft_model=None, draft_worker_url=[worker_url]
+                    )
+                )
+            )
+        settings = gateway_settings(
+            model_pair,
+            backend_url=engine_backend[0],
+            draft_model=None,
+            draft_worker_url=[worker_url],
+            draft_tokenizer=str(other_draft),
+        )
         with serve(create_app(settings)) as url:
-            remote = httpx.post(f"{url}/v1/specprefill/compress", json={"messages": chat_messages()},
-                                headers={"x-keep-rate": "0.2"}, timeout=60).json()
+            remote = httpx.post(
+                f"{url}/v1/specprefill/compress",
+                json={"messages": chat_messages()},
+                headers={"x-keep-rate": "0.2"},
+                timeout=60,
+            ).json()
         assert remote["position_ids"] == local["position_ids"]
     finally:
         process.kill()
@@ -175,8 +213,9 @@ def test_a_gateway_with_another_tokenizers_draft(model_pair, engine_backend, oth
 
 
 def test_mapping_off_refuses_another_tokenizer(model_pair, engine_backend, other_draft):
-    settings = gateway_settings(model_pair, backend_url=engine_backend[0], draft_model=str(other_draft),
-                                draft_tokenizer_mapping="off")
+    settings = gateway_settings(
+        model_pair, backend_url=engine_backend[0], draft_model=str(other_draft), draft_tokenizer_mapping="off"
+    )
     with pytest.raises(TokenizerMismatchError, match="--draft-tokenizer-mapping auto"):
         asyncio.run(_start(settings))
 
@@ -202,8 +241,10 @@ def test_prefix_reuse_and_concurrency_work_through_the_mapping(tokenizer, other_
     worker = DraftWorker.from_pretrained(other_draft, device="cpu", prefix_cache_bytes=64 << 20)
     draft = MappedDraft(LocalDraft(worker), TokenMapping(tokenizer, worker.tokenizer))
     first = chat_ids(tokenizer)
-    later = chat_ids(tokenizer, chat_messages() + [{"role": "assistant", "content": "58445."},
-                                                    {"role": "user", "content": "And the fourth?"}])
+    later = chat_ids(
+        tokenizer,
+        chat_messages() + [{"role": "assistant", "content": "58445."}, {"role": "user", "content": "And the fourth?"}],
+    )
     assert later[: len(first) - 8] == first[: len(first) - 8]
     assert draft.reusable_prefix(later) < len(first) // 2
     asyncio.run(draft.score(first))

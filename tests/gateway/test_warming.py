@@ -45,8 +45,16 @@ class Setup:
         self.metrics = GatewayMetrics()
         self.landed: list[tuple[int, bool]] = []
         cost = CostModel(TARGET_TERMS, target_features, (0.01, 1e-4, 0.0, 0.0), fixed=True)  # 400 tokens in 50 ms
-        self.warmer = Warmer(send or self.engine.complete, self._landed, self.load, self.model, cost, self.metrics,
-                             piece_s=piece_s, recheck_s=0.01)
+        self.warmer = Warmer(
+            send or self.engine.complete,
+            self._landed,
+            self.load,
+            self.model,
+            cost,
+            self.metrics,
+            piece_s=piece_s,
+            recheck_s=0.01,
+        )
 
     async def _landed(self, plan: Plan, usage: dict | None, seconds: float, *, contended: bool) -> None:
         assert plan.kind == "warm" and plan.kept_indices is None
@@ -57,8 +65,9 @@ class Setup:
         return self.metrics.warming.labels(outcome)._value.get()
 
     async def done(self) -> bool:
-        return await eventually(lambda: self.metrics.warming_pending._value.get() == 0 and self.count("done") > 0,
-                                within=5)
+        return await eventually(
+            lambda: self.metrics.warming_pending._value.get() == 0 and self.count("done") > 0, within=5
+        )
 
 
 def _plan(n: int, seed: int = 0) -> Plan:
@@ -72,7 +81,10 @@ async def test_a_warm_goes_in_pieces_that_extend_what_the_engine_holds():
     assert await setup.done()
     # 400 tokens fit 50 ms; the last piece takes the rest rather than leave less than a block
     assert [(r["tokens"], r["cached"], r["priority"]) for r in setup.engine.requests] == [
-        (400, 0, 10), (800, 400, 10), (1000, 800, 10)]
+        (400, 0, 10),
+        (800, 400, 10),
+        (1000, 800, 10),
+    ]
     assert setup.landed == [(400, False), (800, False), (1000, False)]
     assert await setup.model.cached_tokens(_plan(1000).token_ids, None) == 992
     await setup.warmer.close()

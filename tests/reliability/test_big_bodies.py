@@ -23,11 +23,32 @@ MB = 1_000_000
 def gateway(model_pair, engine_backend):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    process = start_command(["serve", "--port", str(port), "--target-model", str(model_pair / "target"),
-                             "--draft-model", str(model_pair / "draft"), "--backend-url", engine_backend[0],
-                             "--backend-kind", "reference", "--served-model-name", "tiny", "--api-key", KEY,
-                             "--max-prompt-tokens", "32768", "--no-calibrate", "--no-warming", "--device", "cpu"],
-                            url)
+    process = start_command(
+        [
+            "serve",
+            "--port",
+            str(port),
+            "--target-model",
+            str(model_pair / "target"),
+            "--draft-model",
+            str(model_pair / "draft"),
+            "--backend-url",
+            engine_backend[0],
+            "--backend-kind",
+            "reference",
+            "--served-model-name",
+            "tiny",
+            "--api-key",
+            KEY,
+            "--max-prompt-tokens",
+            "32768",
+            "--no-calibrate",
+            "--no-warming",
+            "--device",
+            "cpu",
+        ],
+        url,
+    )
     try:
         yield url, process.pid
     finally:
@@ -43,9 +64,11 @@ def _text(size: int) -> str:
 
 def _bodies(size: int) -> dict[str, bytes]:
     text = _text(size)
-    return {"/v1/chat/completions": {"model": "tiny", "messages": [{"role": "user", "content": text}]},
-            "/v1/completions": {"model": "tiny", "prompt": text},
-            "/v1/messages": {"model": "tiny", "max_tokens": 8, "messages": [{"role": "user", "content": text}]}}
+    return {
+        "/v1/chat/completions": {"model": "tiny", "messages": [{"role": "user", "content": text}]},
+        "/v1/completions": {"model": "tiny", "prompt": text},
+        "/v1/messages": {"model": "tiny", "max_tokens": 8, "messages": [{"role": "user", "content": text}]},
+    }
 
 
 class HealthWatch(threading.Thread):
@@ -66,8 +89,9 @@ class HealthWatch(threading.Thread):
 
 def test_bodies_that_cannot_fit_are_refused_at_once(gateway):
     url, pid = gateway
-    bodies = {size: {path: json.dumps(body).encode() for path, body in _bodies(size).items()}
-              for size in (5 * MB, 15 * MB)}
+    bodies = {
+        size: {path: json.dumps(body).encode() for path, body in _bodies(size).items()} for size in (5 * MB, 15 * MB)
+    }
     auth = {"authorization": f"Bearer {KEY}", "content-type": "application/json"}
     with httpx.Client(timeout=120) as client:
         gateway_ms = []  # the gateway's own time for each refusal: from the body's last byte to the answer
@@ -109,5 +133,8 @@ def test_bodies_that_cannot_fit_are_refused_at_once(gateway):
     assert slowest < 2.0, f"a refusal took {slowest:.2f} s"
     assert max(gateway_ms) < 100, f"the gateway took {max(gateway_ms):.0f} ms over a refusal"
     assert watch.slowest < 1.0, f"/health took {watch.slowest:.2f} s"
-    print(f"slowest refusal {slowest:.3f} s (gateway {max(gateway_ms):.0f} ms), slowest health {watch.slowest:.3f} s, rss {before:.0f} -> {after:.0f}")
+    print(
+        f"slowest refusal {slowest:.3f} s (gateway {max(gateway_ms):.0f} ms), "
+        f"slowest health {watch.slowest:.3f} s, rss {before:.0f} -> {after:.0f}"
+    )
     assert after <= before * 1.05 + 8, f"resident memory {before:.0f} -> {after:.0f} MiB over 25 big bodies"

@@ -22,8 +22,10 @@ def test_faults_under_load_lose_nothing_and_change_no_answer(tmp_path):
     assert summary["lost"] == 0 and summary["unshaped_errors"] == 0, summary
     assert summary["wrong_answers"] == 0 and summary["engine_answers_checked"] > 20, report.wrong_answers
     # 5xx only while the one engine is down, each a clean 502 (load shed past the queue bound aside)
-    assert all(key.startswith("engine: 502") for key in summary["errors_5xx"]), (summary["errors_5xx"],
-                                                                                  summary["proxy_failures"])
+    assert all(key.startswith("engine: 502") for key in summary["errors_5xx"]), (
+        summary["errors_5xx"],
+        summary["proxy_failures"],
+    )
     # the burst: shed at once with Retry-After; what was admitted met the time predicted for it
     assert summary["shed"]["without_retry_after"] == 0 and summary["shed"]["slowest_s"] < 1.0, summary["shed"]
     assert summary["predicted_within_2x"]["burst"] >= 0.8, summary["predicted_within_2x"]
@@ -36,12 +38,14 @@ def test_faults_under_load_lose_nothing_and_change_no_answer(tmp_path):
     health = summary["health_slowest_s"]
     assert health["bodies"] <= max(1.0, 2 * health["calm"]), health
     assert [f["fault"] for f in summary["faults"]] == list(FAULTS)
-    assert all(f["compressing_again_after_s"] is not None and f["compressing_again_after_s"] <= 10
-               for f in summary["faults"]), summary["faults"]
+    assert all(
+        f["compressing_again_after_s"] is not None and f["compressing_again_after_s"] <= 10 for f in summary["faults"]
+    ), summary["faults"]
     assert summary["restart_mispredicted"] == 0
     # no fault taught the target's cost model a price it does not have once the part is back
-    assert all(0.5 <= price <= 2 for phase, prices in summary["target_prices"].items() if phase != "start"
-               for price in prices), summary["target_prices"]
+    assert all(
+        0.5 <= price <= 2 for phase, prices in summary["target_prices"].items() if phase != "start" for price in prices
+    ), summary["target_prices"]
     # the drain: short requests finish; long ones are ended at its limit, in shape (a 503 with Retry-After, or
     # an error event and [DONE] on a stream); a request after the signal gets a 503
     sigterm = summary["sigterm"]
@@ -49,16 +53,18 @@ def test_faults_under_load_lose_nothing_and_change_no_answer(tmp_path):
     assert len(sigterm["cut_off"]) == 4, sigterm
     for cut in sigterm["cut_off"]:
         assert cut["shaped"] and cut["cause"] == "overloaded_error", cut
-        assert (cut["status"] == 503 and cut["retry_after"]) or (cut["stream"] and cut["status"] == 500
-                                                                   and cut["done"]), cut
+        assert (cut["status"] == 503 and cut["retry_after"]) or (
+            cut["stream"] and cut["status"] == 500 and cut["done"]
+        ), cut
 
 
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server (make test installs it)")
 def test_a_short_soak_holds_memory_and_file_descriptors_flat(tmp_path):
     # the soak's short version: new documents and shared ones at a steady rate, no faults; the full hour is
     # ``specprefill bench --chaos --chaos-soak-s 3600`` (docs: Operations)
-    report = asyncio.run(run_chaos(ensure_demo_models(), tmp_path, calm_s=75.0, rate=2.0, tokens=1200, faults=(),
-                                   sample_s=5.0))
+    report = asyncio.run(
+        run_chaos(ensure_demo_models(), tmp_path, calm_s=75.0, rate=2.0, tokens=1200, faults=(), sample_s=5.0)
+    )
     summary = report.summary()
     assert summary["lost"] == 0 and summary["statuses"].get("200", 0) >= summary["requests"] - 8, summary["statuses"]
     growth = report.growth(25.0)

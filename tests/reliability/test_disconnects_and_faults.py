@@ -51,14 +51,16 @@ async def test_disconnect_during_the_draft_never_reaches_the_backend(model_pair,
     worker = DraftWorker.from_pretrained(model_pair / "draft", device="cpu")
     settings = gateway_settings(model_pair, backend_url=engine_url)
     with serve(create_app(settings, draft=SlowDraft(worker))) as gw:
+
         def sent() -> int:  # work sent to the engine (the gateway also reads its /metrics)
             return sum(r["path"].startswith("/v1/") for r in recorder.requests)
 
         before = sent()
         body = {"model": "tiny", "messages": chat_messages("draft?"), "max_tokens": 500, "stream": True}
         async with httpx.AsyncClient(timeout=60) as client:
-            task = asyncio.create_task(client.post(f"{gw}/v1/chat/completions", json=body,
-                                                   headers={"x-keep-rate": "0.3"}))
+            task = asyncio.create_task(
+                client.post(f"{gw}/v1/chat/completions", json=body, headers={"x-keep-rate": "0.3"})
+            )
             await asyncio.sleep(0.5)  # inside the 2 s draft
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
@@ -74,8 +76,9 @@ async def test_disconnect_during_prefill_stops_the_engine_within_a_second(model_
     with serve(create_app(settings)) as gw:
         body = {"model": "tiny", "messages": chat_messages("prefill?"), "max_tokens": 500, "stream": stream}
         async with httpx.AsyncClient(timeout=60) as client:
-            task = asyncio.create_task(client.post(f"{gw}/v1/chat/completions", json=body,
-                                                   headers={"x-specprefill": "off"}))  # the whole prompt: slow
+            task = asyncio.create_task(
+                client.post(f"{gw}/v1/chat/completions", json=body, headers={"x-specprefill": "off"})
+            )  # the whole prompt: slow
             assert await eventually(lambda: engine_active(engine_url) == 1, within=5)
             await asyncio.sleep(0.3)  # inside the prefill (about 20 chunks of 0.25 s)
             task.cancel()
@@ -85,8 +88,20 @@ async def test_disconnect_during_prefill_stops_the_engine_within_a_second(model_
 
 
 def _engine_process(model_pair, port: int) -> subprocess.Popen:
-    return start_command(["engine", "--model", str(model_pair / "target"), "--port", str(port), "--device", "cpu",
-                   "--served-model-name", "target"], f"http://127.0.0.1:{port}")
+    return start_command(
+        [
+            "engine",
+            "--model",
+            str(model_pair / "target"),
+            "--port",
+            str(port),
+            "--device",
+            "cpu",
+            "--served-model-name",
+            "target",
+        ],
+        f"http://127.0.0.1:{port}",
+    )
 
 
 def test_backend_killed_mid_stream_then_restarted(model_pair):
@@ -95,8 +110,14 @@ def test_backend_killed_mid_stream_then_restarted(model_pair):
     settings = gateway_settings(model_pair, backend_url=f"http://127.0.0.1:{port}", backend_model="target")
     try:
         with serve(create_app(settings)) as gw:
-            body = {"model": "tiny", "messages": chat_messages("kill?"), "max_tokens": 2000, "stream": True,
-                    "temperature": 0.8, "ignore_eos": True}
+            body = {
+                "model": "tiny",
+                "messages": chat_messages("kill?"),
+                "max_tokens": 2000,
+                "stream": True,
+                "temperature": 0.8,
+                "ignore_eos": True,
+            }
             with httpx.stream("POST", f"{gw}/v1/chat/completions", json=body, timeout=60) as response:
                 assert response.status_code == 200
                 events = []
@@ -120,14 +141,35 @@ def test_backend_killed_mid_stream_then_restarted(model_pair):
 def test_sigterm_drains_in_flight_streams_and_refuses_new_requests(model_pair):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    gateway = start_command(["serve", "--port", str(port), "--target-model", str(model_pair / "target"),
-                      "--draft-model", str(model_pair / "draft"), "--device", "cpu", "--served-model-name", "tiny",
-                      "--drain-timeout", "20"], url)
+    gateway = start_command(
+        [
+            "serve",
+            "--port",
+            str(port),
+            "--target-model",
+            str(model_pair / "target"),
+            "--draft-model",
+            str(model_pair / "draft"),
+            "--device",
+            "cpu",
+            "--served-model-name",
+            "tiny",
+            "--drain-timeout",
+            "20",
+        ],
+        url,
+    )
     try:
         # long enough to be in flight for a while after SIGTERM (300 tokens took under 0.3 s on a fast machine,
         # so the gateway had drained and exited before the request it should refuse)
-        body = {"model": "tiny", "messages": chat_messages("drain?"), "max_tokens": 2000, "stream": True,
-                "temperature": 0.8, "ignore_eos": True}
+        body = {
+            "model": "tiny",
+            "messages": chat_messages("drain?"),
+            "max_tokens": 2000,
+            "stream": True,
+            "temperature": 0.8,
+            "ignore_eos": True,
+        }
         with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as response:
             assert response.status_code == 200
             lines = response.iter_lines()
@@ -159,13 +201,20 @@ def _stalling_backend():
         app.state.arrived += 1
         if not body.get("stream"):
             await asyncio.sleep(3600)
-        chunk = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 0, "model": "m",
-                 "choices": [{"index": 0, "delta": {"role": "assistant", "content": "Hel"}, "logprobs": None,
-                              "finish_reason": None}]}
+        chunk = {
+            "id": "chatcmpl-1",
+            "object": "chat.completion.chunk",
+            "created": 0,
+            "model": "m",
+            "choices": [
+                {"index": 0, "delta": {"role": "assistant", "content": "Hel"}, "logprobs": None, "finish_reason": None}
+            ],
+        }
 
         async def stalling():
             yield f"data: {json.dumps(chunk)}\n\n".encode()
             await asyncio.sleep(3600)
+
         return StreamingResponse(stalling(), media_type="text/event-stream")
 
     return app
@@ -180,10 +229,32 @@ def test_a_drain_that_runs_out_of_time_ends_every_request_in_its_shape(model_pai
     url = f"http://127.0.0.1:{port}"
     stalling = _stalling_backend()
     with serve(stalling) as backend:
-        gateway = start_command(["serve", "--port", str(port), "--target-model", str(model_pair / "target"),
-                                 "--draft-model", str(model_pair / "draft"), "--device", "cpu", "--served-model-name",
-                                 "tiny", "--backend-url", backend, "--backend-kind", "text", "--backend-model", "m",
-                                 "--no-calibrate", "--no-warming", "--drain-timeout", "1"], url)
+        gateway = start_command(
+            [
+                "serve",
+                "--port",
+                str(port),
+                "--target-model",
+                str(model_pair / "target"),
+                "--draft-model",
+                str(model_pair / "draft"),
+                "--device",
+                "cpu",
+                "--served-model-name",
+                "tiny",
+                "--backend-url",
+                backend,
+                "--backend-kind",
+                "text",
+                "--backend-model",
+                "m",
+                "--no-calibrate",
+                "--no-warming",
+                "--drain-timeout",
+                "1",
+            ],
+            url,
+        )
         try:
             chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
             messages = {**chat, "stream": True}
@@ -212,7 +283,10 @@ def test_a_drain_that_runs_out_of_time_ends_every_request_in_its_shape(model_pai
             assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["type"] == "overloaded_error"
             assert "event: error" in messages_lines
             error = json.loads(messages_lines[messages_lines.index("event: error") + 1][6:])
-            assert error == {"type": "error", "error": {"type": "overloaded_error", "message": error["error"]["message"]}}
+            assert error == {
+                "type": "error",
+                "error": {"type": "overloaded_error", "message": error["error"]["message"]},
+            }
             assert gateway.wait(timeout=30) != 0  # not a clean drain
         finally:
             gateway.kill()

@@ -26,8 +26,13 @@ def _fuzz(app, base_url: str, headers: dict[str, str] | None = None) -> int:
             for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
 
                 @given(case=operation.as_strategy(generation_mode=mode))
-                @settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True,
-                          suppress_health_check=list(HealthCheck))
+                @settings(
+                    max_examples=EXAMPLES,
+                    deadline=None,
+                    database=None,
+                    derandomize=True,
+                    suppress_health_check=list(HealthCheck),
+                )
                 def check(case):
                     nonlocal calls
                     response = case.call(base_url=base_url, session=session, timeout=120)

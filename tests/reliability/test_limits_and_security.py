@@ -14,8 +14,9 @@ from tests.helpers import chat_messages, gateway_settings, serve
 
 @pytest.fixture(scope="module")
 def limited_gateway(model_pair, engine_backend):
-    settings = gateway_settings(model_pair, backend_url=engine_backend[0], max_prompt_tokens=2000,
-                                max_tokens_limit=64, max_messages=10)
+    settings = gateway_settings(
+        model_pair, backend_url=engine_backend[0], max_prompt_tokens=2000, max_tokens_limit=64, max_messages=10
+    )
     with serve(create_app(settings), max_body_bytes=100_000) as url:
         yield url
 
@@ -25,14 +26,17 @@ def _chat(**extra) -> dict:
 
 
 LIMITS = [
-    ("body too large", {"content": json.dumps(_chat(messages=[{"role": "user", "content": "x" * 200_000}]))},
-     413, None),
+    (
+        "body too large",
+        {"content": json.dumps(_chat(messages=[{"role": "user", "content": "x" * 200_000}]))},
+        413,
+        None,
+    ),
     ("prompt too long", {"json": _chat(messages=[{"role": "user", "content": "w1 " * 3000}])}, 400, "messages"),
     ("max_tokens over the limit", {"json": _chat(max_tokens=65)}, 400, "max_tokens"),
     ("too many messages", {"json": _chat(messages=[{"role": "user", "content": "x"}] * 11)}, 400, "messages"),
     ("not UTF-8", {"content": b'{"model": "tiny", "messages": [{"role": "user", "content": "\xff\xfe"}]}'}, 400, None),
-    ("deeply nested", {"content": b'{"model": "tiny", "messages": ' + b"[" * 100_00 + b"]" * 100_00 + b"}"}, 400,
-     None),
+    ("deeply nested", {"content": b'{"model": "tiny", "messages": ' + b"[" * 100_00 + b"]" * 100_00 + b"}"}, 400, None),
     ("not an object", {"content": b"[1, 2, 3]"}, 400, None),
     ("wrong types", {"json": _chat(messages="hello")}, 400, "messages"),
     ("a wrong type inside", {"json": _chat(messages=[{"role": "user", "content": 5}])}, 400, "messages[0].content"),
@@ -41,8 +45,12 @@ LIMITS = [
 
 @pytest.mark.parametrize("name,request_kwargs,status,param", LIMITS, ids=[c[0] for c in LIMITS])
 def test_limits_answer_a_clear_4xx(limited_gateway, name, request_kwargs, status, param):
-    response = httpx.post(f"{limited_gateway}/v1/chat/completions", timeout=60,
-                          headers={"content-type": "application/json"}, **request_kwargs)
+    response = httpx.post(
+        f"{limited_gateway}/v1/chat/completions",
+        timeout=60,
+        headers={"content-type": "application/json"},
+        **request_kwargs,
+    )
     assert response.status_code == status, response.text[:300]
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
@@ -52,25 +60,39 @@ def test_limits_answer_a_clear_4xx(limited_gateway, name, request_kwargs, status
 
 
 def test_oversized_headers_are_refused_and_the_gateway_keeps_serving(limited_gateway):
-    response = httpx.post(f"{limited_gateway}/v1/chat/completions", json=_chat(), timeout=60,
-                          headers={"x-junk": "a" * 100_000})
+    response = httpx.post(
+        f"{limited_gateway}/v1/chat/completions", json=_chat(), timeout=60, headers={"x-junk": "a" * 100_000}
+    )
     assert response.status_code == 431 and "headers" in response.json()["error"]["message"]
     assert httpx.post(f"{limited_gateway}/v1/chat/completions", json=_chat(), timeout=60).status_code == 200
 
 
 def test_every_endpoint_but_health_needs_the_key(model_pair, engine_backend, caplog):
-    settings = gateway_settings(model_pair, backend_url=engine_backend[0], api_key="sk-client-secret-123",
-                                backend_api_key="sk-backend-secret-456")
+    settings = gateway_settings(
+        model_pair,
+        backend_url=engine_backend[0],
+        api_key="sk-client-secret-123",
+        backend_api_key="sk-backend-secret-456",
+    )
     with caplog.at_level(logging.DEBUG), serve(create_app(settings)) as url:
-        for method, path in (("GET", "/v1/models"), ("GET", "/metrics"), ("POST", "/v1/chat/completions"),
-                             ("POST", "/v1/completions"), ("POST", "/v1/specprefill/compress")):
+        for method, path in (
+            ("GET", "/v1/models"),
+            ("GET", "/metrics"),
+            ("POST", "/v1/chat/completions"),
+            ("POST", "/v1/completions"),
+            ("POST", "/v1/specprefill/compress"),
+        ):
             for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "sk-client-secret-123"}):
                 response = httpx.request(method, f"{url}{path}", json=_chat(), headers=headers, timeout=60)
                 assert response.status_code == 401, (path, headers)
                 assert "secret" not in response.text
         assert httpx.get(f"{url}/health").status_code == 200
-        ok = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={**_chat(), "messages": chat_messages("q?")},
-                        headers={"authorization": "Bearer sk-client-secret-123", "x-keep-rate": "0.3"})
+        ok = httpx.post(
+            f"{url}/v1/chat/completions",
+            timeout=60,
+            json={**_chat(), "messages": chat_messages("q?")},
+            headers={"authorization": "Bearer sk-client-secret-123", "x-keep-rate": "0.3"},
+        )
         assert ok.status_code == 200
     logged = "\n".join(r.getMessage() for r in caplog.records)
     assert "sk-client-secret-123" not in logged and "sk-backend-secret-456" not in logged
@@ -103,8 +125,11 @@ def test_past_the_queue_bound_requests_are_shed_at_once_in_shape(model_pair, eng
             error = shed.json()["error"]
             assert error["type"] == "overloaded_error" and error["code"] == "queue_full"
             assert "--max-queue-wait" in error["message"]
-            anthropic = httpx.post(f"{url}/v1/messages", timeout=60,
-                                   json={"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]})
+            anthropic = httpx.post(
+                f"{url}/v1/messages",
+                timeout=60,
+                json={"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]},
+            )
             assert anthropic.status_code == 503 and anthropic.json()["error"]["type"] == "overloaded_error"
             assert "retry-after" in anthropic.headers
             assert "specprefill_requests_shed_total 2.0" in httpx.get(f"{url}/metrics", timeout=60).text

@@ -37,16 +37,38 @@ def test_score_json_on_text(model_pair, tmp_path):
 
 
 def test_score_text_marks_dropped_spans(model_pair):
-    out = _run("score", "--model", str(model_pair / "draft"), "--keep-rate", "0.2", "-",
-               stdin="Cadupa anbe bora je lipa ancuci. " * 80)
+    out = _run(
+        "score",
+        "--model",
+        str(model_pair / "draft"),
+        "--keep-rate",
+        "0.2",
+        "-",
+        stdin="Cadupa anbe bora je lipa ancuci. " * 80,
+    )
     assert out.returncode == 0, out.stderr
     assert "dropped:" in out.stdout and "kept " in out.stderr
 
 
 def test_score_token_ids_and_a_bad_list(model_pair):
     ids = json.dumps(list(range(5, 205)))
-    out = _run("score", "--model", str(model_pair / "draft"), "--token-ids", "--json", "--chunk-size", "1",
-               "--protect-first", "0", "--protect-last", "0", "--keep-rate", "0.1", "-", stdin=ids)
+    out = _run(
+        "score",
+        "--model",
+        str(model_pair / "draft"),
+        "--token-ids",
+        "--json",
+        "--chunk-size",
+        "1",
+        "--protect-first",
+        "0",
+        "--protect-last",
+        "0",
+        "--keep-rate",
+        "0.1",
+        "-",
+        stdin=ids,
+    )
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["kept_tokens"] == 20
     bad = _run("score", "--model", str(model_pair / "draft"), "--token-ids", "-", stdin="[1, 'a']")
@@ -57,8 +79,9 @@ def test_demo_models_are_loadable_and_the_target_costs_10x(tmp_path):
     main(["demo-models", str(tmp_path)])
     tokenizers = [AutoTokenizer.from_pretrained(tmp_path / name) for name in ("draft", "target")]
     assert tokenizers[0].get_vocab() == tokenizers[1].get_vocab()
-    ids = tokenizers[1].apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
-                                            return_dict=False)
+    ids = tokenizers[1].apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, return_dict=False
+    )
     assert ids[0] == tokenizers[1].bos_token_id
     draft, target = (AutoModelForCausalLM.from_pretrained(tmp_path / name) for name in ("draft", "target"))
     assert draft.config.model_type == target.config.model_type == "llama"
@@ -76,8 +99,18 @@ def test_demo_models_are_deterministic(tmp_path):
 def test_demo_models_at_named_shapes(tmp_path, capsys):
     """Random weights at real models' shapes, for timing on a GPU: the configs are the real ones but for the
     vocabulary (the demo tokenizer's), and the weights are saved in bf16."""
-    main(["demo-models", str(tmp_path), "--draft-shape", "demo-draft", "--target-shape", "demo-target",
-          "--device", "cpu"])
+    main(
+        [
+            "demo-models",
+            str(tmp_path),
+            "--draft-shape",
+            "demo-draft",
+            "--target-shape",
+            "demo-target",
+            "--device",
+            "cpu",
+        ]
+    )
     info = json.loads((tmp_path / "demo.json").read_text())
     assert (info["draft"], info["target"], info["dtype"]) == ("demo-draft", "demo-target", "bfloat16")
     target = AutoModelForCausalLM.from_pretrained(tmp_path / "target")
@@ -100,8 +133,21 @@ def test_demo_models_at_named_shapes(tmp_path, capsys):
 def test_a_shaped_pair_without_weights_makes_the_same_weights_at_every_load(tmp_path):
     """``--no-weights``: configs and the tokenizer on disk, the weights made by each loader from the seed (a
     32B shape on a GPU, where 64 GB of weights could not be written); the engine serves it as any folder."""
-    main(["demo-models", str(tmp_path), "--draft-shape", "demo-draft", "--target-shape", "demo-target",
-          "--device", "cpu", "--no-weights", "--max-positions", "131072"])
+    main(
+        [
+            "demo-models",
+            str(tmp_path),
+            "--draft-shape",
+            "demo-draft",
+            "--target-shape",
+            "demo-target",
+            "--device",
+            "cpu",
+            "--no-weights",
+            "--max-positions",
+            "131072",
+        ]
+    )
     assert not list(tmp_path.glob("*/*.safetensors"))
     assert json.loads((tmp_path / "demo.json").read_text())["weights"] == "made at load"
     first, again = (load_causal_lm(tmp_path / "target", device="cpu") for _ in range(2))
@@ -111,8 +157,11 @@ def test_a_shaped_pair_without_weights_makes_the_same_weights_at_every_load(tmp_
         assert torch.equal(a, b), name
     assert load_causal_lm(tmp_path / "draft", device="cpu", dtype="float32").dtype == torch.float32
     with serve(create_engine_app(EngineSettings(model=str(tmp_path / "target"), device="cpu"))) as url:
-        answer = httpx.post(f"{url}/v1/completions", json={"model": str(tmp_path / "target"), "prompt": [5, 6, 7],
-                                                           "max_tokens": 2}, timeout=60)
+        answer = httpx.post(
+            f"{url}/v1/completions",
+            json={"model": str(tmp_path / "target"), "prompt": [5, 6, 7], "max_tokens": 2},
+            timeout=60,
+        )
     assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] >= 1
 
     config = llama_config(SHAPES["qwen2.5-32b"], AutoTokenizer.from_pretrained(tmp_path / "target"))
@@ -127,11 +176,14 @@ def test_unknown_subcommand_fails_cleanly(capsys):
     assert excinfo.value.code == 2 and "invalid choice: 'no-such-command'" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("args,message", [
-    (["score", "--model", "m", "--keep-rate", "2", "-"], "--keep-rate: keep rate must be a number in (0, 1]"),
-    (["serve", "--look-ahead", "0"], "look_ahead must be >= 1"),
-    (["engine"], "--model: Field required"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["score", "--model", "m", "--keep-rate", "2", "-"], "--keep-rate: keep rate must be a number in (0, 1]"),
+        (["serve", "--look-ahead", "0"], "look_ahead must be >= 1"),
+        (["engine"], "--model: Field required"),
+    ],
+)
 def test_bad_options_are_one_clear_line(args, message, capsys):
     with pytest.raises(SystemExit) as excinfo:
         main(args)
@@ -140,9 +192,11 @@ def test_bad_options_are_one_clear_line(args, message, capsys):
     assert "Traceback" not in err
 
 
-PROMPT_WITH_MARKUP = ("<|start_header_id|>system<|end_header_id|>\n\nAnswer briefly.<|eot_id|>"
-                      "<|start_header_id|>user<|end_header_id|>\n\n" + LONG_DOC + "<|eot_id|>"
-                      "<|start_header_id|>assistant<|end_header_id|>\n\n")
+PROMPT_WITH_MARKUP = (
+    "<|start_header_id|>system<|end_header_id|>\n\nAnswer briefly.<|eot_id|>"
+    "<|start_header_id|>user<|end_header_id|>\n\n" + LONG_DOC + "<|eot_id|>"
+    "<|start_header_id|>assistant<|end_header_id|>\n\n"
+)
 SCORING_OPTIONS = [
     {},
     {"protect_last": 0},
@@ -151,9 +205,12 @@ SCORING_OPTIONS = [
 ]
 
 
-@pytest.mark.parametrize("options", SCORING_OPTIONS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "defaults")
-def test_score_reports_exactly_what_the_gateway_sends(model_pair, engine_backend, tmp_path, capsys, monkeypatch,
-                                                     options):
+@pytest.mark.parametrize(
+    "options", SCORING_OPTIONS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "defaults"
+)
+def test_score_reports_exactly_what_the_gateway_sends(
+    model_pair, engine_backend, tmp_path, capsys, monkeypatch, options
+):
     """One selection rule: the last token always goes and the template's special tokens are kept, in both."""
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in options.items()]
     settings = gateway_settings(model_pair, backend_url=engine_backend[0], memory_cache_mb=0, **options)
@@ -163,15 +220,33 @@ def test_score_reports_exactly_what_the_gateway_sends(model_pair, engine_backend
     special = set(tokenizer.all_special_ids)
     with serve(create_app(settings)) as gateway:
         for keep in ("0.2", "0.5"):
-            for body, source in (({"prompt": PROMPT_WITH_MARKUP}, [str(prompt_file)]),
-                                 ({"prompt": tokenizer(PROMPT_WITH_MARKUP).input_ids}, ["--token-ids", "-"])):
-                response = httpx.post(f"{gateway}/v1/specprefill/compress", json={"model": "tiny", **body},
-                                      headers={"x-keep-rate": keep}, timeout=60).json()
+            for body, source in (
+                ({"prompt": PROMPT_WITH_MARKUP}, [str(prompt_file)]),
+                ({"prompt": tokenizer(PROMPT_WITH_MARKUP).input_ids}, ["--token-ids", "-"]),
+            ):
+                response = httpx.post(
+                    f"{gateway}/v1/specprefill/compress",
+                    json={"model": "tiny", **body},
+                    headers={"x-keep-rate": keep},
+                    timeout=60,
+                ).json()
                 assert response["status"] == "compressed"
                 monkeypatch.setattr("sys.stdin", io.StringIO(json.dumps(body["prompt"])))
                 with pytest.raises(SystemExit) as excinfo:
-                    main(["score", "--model", str(model_pair / "draft"), "--device", "cpu", "--keep-rate", keep,
-                          "--json", *flags, *source])
+                    main(
+                        [
+                            "score",
+                            "--model",
+                            str(model_pair / "draft"),
+                            "--device",
+                            "cpu",
+                            "--keep-rate",
+                            keep,
+                            "--json",
+                            *flags,
+                            *source,
+                        ]
+                    )
                 assert excinfo.value.code == 0
                 scored = json.loads(capsys.readouterr().out)
                 assert scored["original_tokens"] == response["original_tokens"]
@@ -181,12 +256,15 @@ def test_score_reports_exactly_what_the_gateway_sends(model_pair, engine_backend
                 assert scored["kept_indices"][-1] == len(ids) - 1  # the last token, even with --protect-last 0
 
 
-@pytest.mark.parametrize("bench_args,expected", [
-    ([], {"planner": "cost", "warming": True, "keep_system_whole": True}),
-    (["--baseline"], {"planner": "fresh", "warming": False, "keep_system_whole": False}),
-    (["--no-gateway-warming"], {"planner": "cost", "warming": False, "keep_system_whole": True}),
-    (["--no-gateway-keep-system-whole"], {"planner": "cost", "warming": True, "keep_system_whole": False}),
-])
+@pytest.mark.parametrize(
+    "bench_args,expected",
+    [
+        ([], {"planner": "cost", "warming": True, "keep_system_whole": True}),
+        (["--baseline"], {"planner": "fresh", "warming": False, "keep_system_whole": False}),
+        (["--no-gateway-warming"], {"planner": "cost", "warming": False, "keep_system_whole": True}),
+        (["--no-gateway-keep-system-whole"], {"planner": "cost", "warming": True, "keep_system_whole": False}),
+    ],
+)
 def test_bench_launches_the_gateway_its_options_name(bench_args, expected):
     """The bench's gateway options reach the launched gateway, read by the gateway's own settings parser."""
     from gateway.settings import GatewaySettings

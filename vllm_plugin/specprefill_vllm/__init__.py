@@ -37,7 +37,9 @@ def register() -> None:
     if not version.startswith(SUPPORTED_VLLM):
         logging.getLogger("vllm.specprefill").warning(
             "specprefill-vllm is tested on vLLM %s; this is vLLM %s (its patch points are all present)",
-            ", ".join(v + "x" for v in SUPPORTED_VLLM), version)
+            ", ".join(v + "x" for v in SUPPORTED_VLLM),
+            version,
+        )
     # positions live in the V1 model runner's M-RoPE path; the V2 runner has its own (not covered)
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     from specprefill_vllm.patches import apply

@@ -33,8 +33,12 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
     PatchPoint("v1/worker/gpu_input_batch.py", "CachedRequestState", "mrope_positions", kind="field"),
     PatchPoint("v1/worker/gpu_input_batch.py", "CachedRequestState", "mrope_position_delta", kind="field"),
     # prefix caching: positions in the block hash
-    PatchPoint("v1/core/kv_cache_utils.py", None, "generate_block_hash_extra_keys",
-               ("request", "start_token_idx", "end_token_idx", "start_mm_idx")),
+    PatchPoint(
+        "v1/core/kv_cache_utils.py",
+        None,
+        "generate_block_hash_extra_keys",
+        ("request", "start_token_idx", "end_token_idx", "start_mm_idx"),
+    ),
     # the swap and position checks, after vLLM rendered and tokenised the request
     PatchPoint("v1/engine/input_processor.py", "InputProcessor", "process_inputs", ("request_id", "prompt", "params")),
     PatchPoint("v1/engine/__init__.py", "EngineCoreRequest", "prompt_token_ids", kind="field"),
@@ -46,9 +50,15 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
     PatchPoint("entrypoints/openai/responses/protocol.py", "ResponsesRequest", "vllm_xargs", kind="field"),
     PatchPoint("entrypoints/anthropic/protocol.py", "AnthropicMessagesRequest", "vllm_xargs", kind="field"),
     # the models whose forward takes the positions (1-D from the [1, T] buffer)
-    *(PatchPoint(f"model_executor/models/{module}.py", cls, "forward", ("input_ids", "positions"), required=False)
-      for module, cls in (("llama", "LlamaForCausalLM"), ("mistral", "MistralForCausalLM"),
-                          ("qwen2", "Qwen2ForCausalLM"), ("qwen3", "Qwen3ForCausalLM"))),
+    *(
+        PatchPoint(f"model_executor/models/{module}.py", cls, "forward", ("input_ids", "positions"), required=False)
+        for module, cls in (
+            ("llama", "LlamaForCausalLM"),
+            ("mistral", "MistralForCausalLM"),
+            ("qwen2", "Qwen2ForCausalLM"),
+            ("qwen3", "Qwen3ForCausalLM"),
+        )
+    ),
 )
 
 
@@ -80,11 +90,13 @@ def _check(tree: ast.Module | None, point: PatchPoint) -> str | None:
         found = any(isinstance(n, ast.ClassDef) and n.name == point.name for n in scope)
         return None if found else f"class {where} is missing"
     if point.kind == "field":
-        found = any(isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name) and n.target.id == point.name
-                    for n in scope)
+        found = any(
+            isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name) and n.target.id == point.name for n in scope
+        )
         return None if found else f"field {where} is missing"
-    function = next((n for n in scope if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
-                     and n.name == point.name), None)
+    function = next(
+        (n for n in scope if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == point.name), None
+    )
     if function is None:
         return f"{where}() is missing"
     names = [a.arg for a in function.args.posonlyargs + function.args.args]

@@ -57,6 +57,7 @@ def _patch_model_forward() -> None:
             if positions is not None and positions.dim() == 2 and positions.shape[0] == 1:
                 positions = positions[0]
             return original(self, input_ids, positions, *args, **kwargs)
+
         return forward
 
     for module_name, class_name in _MODEL_CLASSES:
@@ -68,6 +69,7 @@ def _patch_model_forward() -> None:
 
 
 # --- the model runner: per-request positions through the M-RoPE path ---
+
 
 def _patch_model_runner() -> None:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
@@ -82,8 +84,10 @@ def _patch_model_runner() -> None:
                 self.uses_mrope = True
                 self.mrope_num_dims = 1
                 self.mrope_positions = self._make_buffer((1, self.max_num_tokens + 1), dtype=torch.int64)
-                logger.info("specprefill-vllm: per-request position_ids enabled for %s",
-                            self.model_config.architectures)
+                logger.info(
+                    "specprefill-vllm: per-request position_ids enabled for %s", self.model_config.architectures
+                )
+
         return __init__
 
     def make_init_positions(original):
@@ -98,6 +102,7 @@ def _patch_model_runner() -> None:
             positions, delta = expand(requested_positions(req_state.sampling_params), n_tokens)
             req_state.mrope_positions = torch.tensor(positions, dtype=torch.int64)[None, :]
             req_state.mrope_position_delta = delta
+
         return _init_mrope_positions
 
     _once(GPUModelRunner, "__init__", make_init)
@@ -105,6 +110,7 @@ def _patch_model_runner() -> None:
 
 
 # --- prefix caching: blocks at non-default positions get their positions in the hash ---
+
 
 def _patch_block_hashes() -> None:
     import importlib
@@ -119,6 +125,7 @@ def _patch_block_hashes() -> None:
             if key is not None:
                 extra = (*(extra or ()), ("specprefill_positions", key))
             return extra, next_mm_idx
+
         return generate_block_hash_extra_keys
 
     _once(kv_cache_utils, "generate_block_hash_extra_keys", make)
@@ -133,6 +140,7 @@ def _patch_block_hashes() -> None:
 
 
 # --- input processing: the swap, and bad positions as a 400, never an engine crash ---
+
 
 def _patch_input_processor() -> None:
     from vllm.exceptions import VLLMValidationError
@@ -151,15 +159,19 @@ def _patch_input_processor() -> None:
             if not supported(model_config):
                 raise VLLMValidationError(
                     f"position_ids are supported for {', '.join(SUPPORTED_ARCHITECTURES)}, not "
-                    f"{model_config.architectures}", parameter="vllm_xargs.position_ids")
+                    f"{model_config.architectures}",
+                    parameter="vllm_xargs.position_ids",
+                )
             if self.vllm_config.use_v2_model_runner:
                 raise VLLMValidationError(
                     "position_ids need vLLM's V1 model runner: unset VLLM_USE_V2_MODEL_RUNNER",
-                    parameter="vllm_xargs.position_ids")
+                    parameter="vllm_xargs.position_ids",
+                )
             if kept is not None:  # vLLM rendered the request as usual; the target reads the kept tokens instead
                 if request.prompt_embeds is not None or request.mm_features:
-                    raise VLLMValidationError("the swap takes token prompts without images or embeddings",
-                                              parameter=SWAP_PARAM)
+                    raise VLLMValidationError(
+                        "the swap takes token prompts without images or embeddings", parameter=SWAP_PARAM
+                    )
                 try:
                     request.prompt_token_ids = swap_prompt(request.prompt_token_ids or [], kept, positions)
                 except SwapError as exc:
@@ -172,6 +184,7 @@ def _patch_input_processor() -> None:
             except PositionError as exc:
                 raise VLLMValidationError(str(exc), parameter="vllm_xargs.position_ids") from None
             return request
+
         return process_inputs
 
     _once(InputProcessor, "process_inputs", make)

@@ -24,7 +24,8 @@ def check_positions(positions: Sequence[Any], n_prompt: int, max_positions: int,
         raise PositionError("vllm_xargs.position_ids must be a list of integers")
     if len(positions) != n_prompt:
         raise PositionError(
-            f"vllm_xargs.position_ids has {len(positions)} entries for {n_prompt} prompt tokens; give one per token")
+            f"vllm_xargs.position_ids has {len(positions)} entries for {n_prompt} prompt tokens; give one per token"
+        )
     if not positions:
         raise PositionError("vllm_xargs.position_ids is empty")
     if positions[0] < 0:
@@ -33,12 +34,14 @@ def check_positions(positions: Sequence[Any], n_prompt: int, max_positions: int,
         raise PositionError("vllm_xargs.position_ids must be strictly increasing")
     if positions[-1] >= max_positions:
         raise PositionError(
-            f"vllm_xargs.position_ids must be below the model's max_position_embeddings ({max_positions})")
+            f"vllm_xargs.position_ids must be below the model's max_position_embeddings ({max_positions})"
+        )
     room = max_positions - 1 - positions[-1]
     if max_tokens is not None and max_tokens > room:
         raise PositionError(
             f"the prompt ends at position {positions[-1]} and max_tokens is {max_tokens}, past the model's "
-            f"{max_positions} positions; ask for at most {room} tokens")
+            f"{max_positions} positions; ask for at most {room} tokens"
+        )
 
 
 def expand(positions: Sequence[int] | None, n_tokens: int) -> tuple[list[int], int]:

@@ -32,8 +32,10 @@ def swap_prompt(rendered: Sequence[int], kept: Sequence[Any], positions: Sequenc
     if not all(_is_int(t) for t in kept) or not all(_is_int(p) for p in positions):
         raise SwapError("kept_token_ids and position_ids must be lists of integers")
     if not kept or len(kept) != len(positions):
-        raise SwapError(f"kept_token_ids has {len(kept)} entries and position_ids {len(positions)}; give one "
-                        "position per kept token, at least one")
+        raise SwapError(
+            f"kept_token_ids has {len(kept)} entries and position_ids {len(positions)}; give one "
+            "position per kept token, at least one"
+        )
     if positions[0] < 0 or any(b <= a for a, b in zip(positions, positions[1:])):
         raise SwapError("position_ids must be non-negative and strictly increasing")
     n = len(rendered)
@@ -41,11 +43,16 @@ def swap_prompt(rendered: Sequence[int], kept: Sequence[Any], positions: Sequenc
         if position >= n:
             raise SwapError(f"kept position {position} is past the rendered prompt's {n} tokens", mismatch=True)
         if rendered[position] != token:
-            raise SwapError(f"kept token {token} at position {position} differs from the rendered prompt's token "
-                            f"{rendered[position]} there", mismatch=True)
+            raise SwapError(
+                f"kept token {token} at position {position} differs from the rendered prompt's token "
+                f"{rendered[position]} there",
+                mismatch=True,
+            )
     if positions[-1] != n - 1:
-        raise SwapError(f"the last kept position is {positions[-1]}, but the rendered prompt's last token is at "
-                        f"{n - 1}", mismatch=True)
+        raise SwapError(
+            f"the last kept position is {positions[-1]}, but the rendered prompt's last token is at {n - 1}",
+            mismatch=True,
+        )
     return list(kept)
 
 

@@ -24,7 +24,8 @@ from specprefill.lab.report import write_outputs
 
 def test_ideal_and_efficiency_from_samples():
     samples = [
-        Sample("direct", 1000, 1.0, 10.0), Sample("direct", 1000, 1.0, 12.0),
+        Sample("direct", 1000, 1.0, 10.0),
+        Sample("direct", 1000, 1.0, 12.0),
         Sample("gateway", 1000, 0.1, 2.0, 100, {"tokenize": 1, "draft": 500, "select": 1, "backend": 1400}),
         Sample("gateway", 1000, 0.1, 2.2, 100, {"tokenize": 1, "draft": 500, "select": 1, "backend": 1600}),
         Sample("direct_kept", 1000, 0.1, 1.0, 100),
@@ -41,8 +42,12 @@ def test_small_helpers():
     assert parse_server_timing("tokenize;dur=1.5, draft;dur=20") == {"tokenize": 1.5, "draft": 20.0}
     assert parse_server_timing(None) == {}
     assert percentile([1, 2, 3, 4], 0.5) == 2 and percentile(list(range(1, 101)), 0.99) == 99
-    results = [{"rate": 1, "p99_s": 0.5, "errors": 0}, {"rate": 2, "p99_s": 0.9, "errors": 0},
-               {"rate": 4, "p99_s": 3.0, "errors": 0}, {"rate": 3, "p99_s": 0.5, "errors": 2}]
+    results = [
+        {"rate": 1, "p99_s": 0.5, "errors": 0},
+        {"rate": 2, "p99_s": 0.9, "errors": 0},
+        {"rate": 4, "p99_s": 3.0, "errors": 0},
+        {"rate": 3, "p99_s": 0.5, "errors": 2},
+    ]
     assert max_rate_meeting(results, 1.0) == 2 and max_rate_meeting(results, 0.1) is None
     arrivals = poisson_arrivals(50.0, 20.0, random.Random(0))
     assert 900 < len(arrivals) < 1100 and arrivals == sorted(arrivals)
@@ -68,8 +73,9 @@ def test_made_prompts_are_counted_through_a_copy_that_begins_otherwise():
     assert all(abs(len(m) // 4 - 2000) <= 100 for m in made)
     # another run (another maker) draws from the same seeds: its documents still begin otherwise
     again = PromptMaker(Counting(), "http://gateway", "tiny")
-    assert all(a[:HEAD_CHARS] != m[:HEAD_CHARS] for a in (again.make(2000)[0]["content"] for _ in range(3))
-               for m in made)
+    assert all(
+        a[:HEAD_CHARS] != m[:HEAD_CHARS] for a in (again.make(2000)[0]["content"] for _ in range(3)) for m in made
+    )
 
 
 def test_a_live_sweep_and_load_run(gateway_url, engine_backend, tmp_path):
@@ -96,8 +102,10 @@ def test_a_live_sweep_and_load_run(gateway_url, engine_backend, tmp_path):
 def _paths(gateway_url: str, engine_url: str, keep: str = "1"):
     from specprefill.lab.workloads import PathTarget
 
-    return [PathTarget("gateway", gateway_url, "tiny", {"x-keep-rate": keep}, engine_url),
-            PathTarget("direct", engine_url, "target", {}, engine_url)]
+    return [
+        PathTarget("gateway", gateway_url, "tiny", {"x-keep-rate": keep}, engine_url),
+        PathTarget("direct", engine_url, "target", {}, engine_url),
+    ]
 
 
 def test_a_live_idle_run_alternates_the_paths_and_compares_the_engines(gateway_url, engine_backend):
@@ -109,11 +117,20 @@ def test_a_live_idle_run_alternates_the_paths_and_compares_the_engines(gateway_u
     with httpx.Client(timeout=60) as client:
         prompts = PromptMaker(client, gateway_url, "tiny")
         workloads = build_workloads(prompts, ["system", "chat"], 3, 200, 50)
-    samples = asyncio.run(run_workloads("idle", {"gateway": workloads, "direct": workloads},
-                                        _paths(gateway_url, engine_url), [gateway_url]))
+    samples = asyncio.run(
+        run_workloads(
+            "idle", {"gateway": workloads, "direct": workloads}, _paths(gateway_url, engine_url), [gateway_url]
+        )
+    )
     order = [(s.workload, s.index, s.path) for s in samples]
-    assert order[:6] == [("system", 0, "gateway"), ("system", 0, "direct"), ("system", 1, "direct"),
-                         ("system", 1, "gateway"), ("system", 2, "gateway"), ("system", 2, "direct")]
+    assert order[:6] == [
+        ("system", 0, "gateway"),
+        ("system", 0, "direct"),
+        ("system", 1, "direct"),
+        ("system", 1, "gateway"),
+        ("system", 2, "gateway"),
+        ("system", 2, "direct"),
+    ]
     assert all(s.queue_s is not None and s.queued >= 1 for s in samples)  # the engine's queue time, per request
     messages = last_whole_request(workloads, samples)  # keep rate 1: every request went whole
     assert messages == workloads[-1].requests[-1]
@@ -132,12 +149,25 @@ def test_a_live_run_as_traffic_arrives_sends_each_paths_sequence_on_its_own(gate
         prompts = PromptMaker(client, gateway_url, "tiny")
         agent = "agent" if mode == "think" else "agent-messages"  # Anthropic's form, to /v1/messages on both paths
         workloads = build_workloads(prompts, ["document", agent], 3, 200, 50)
-    samples = asyncio.run(run_workloads(mode, {"gateway": workloads, "direct": workloads},
-                                        _paths(gateway_url, engine_url, keep="0.3"), [gateway_url],
-                                        think_s=0.2, first="direct"))
+    samples = asyncio.run(
+        run_workloads(
+            mode,
+            {"gateway": workloads, "direct": workloads},
+            _paths(gateway_url, engine_url, keep="0.3"),
+            [gateway_url],
+            think_s=0.2,
+            first="direct",
+        )
+    )
     assert [s.path for s in samples] == ["direct"] * 6 + ["gateway"] * 6
-    assert [(s.workload, s.index) for s in samples[:6]] == [("document", 0), ("document", 1), ("document", 2),
-                                                            (agent, 0), (agent, 1), (agent, 2)]
+    assert [(s.workload, s.index) for s in samples[:6]] == [
+        ("document", 0),
+        ("document", 1),
+        ("document", 2),
+        (agent, 0),
+        (agent, 1),
+        (agent, 2),
+    ]
     steps = [s for s in samples if s.workload == agent]
     assert all(s.ttft_s > 0 for s in steps) and steps[-1].status == "compressed" and steps[2].cached_tokens > 0
     for path in ("gateway", "direct"):
@@ -178,8 +208,14 @@ def test_mixed_sessions_run_the_same_schedule_through_both_paths_and_give_the_ma
     def synthetic(rate: float, path: str, p90: float) -> list[SessionSample]:
         return [SessionSample(rate, path, i, "fresh", 0, p90 * (i + 1) / 10) for i in range(10)]
 
-    fake = [*synthetic(0.1, "direct", 1.0), *synthetic(0.1, "gateway", 0.5), *synthetic(0.2, "direct", 3.0),
-            *synthetic(0.2, "gateway", 0.8), *synthetic(0.4, "direct", 9.0), *synthetic(0.4, "gateway", 3.0)]
+    fake = [
+        *synthetic(0.1, "direct", 1.0),
+        *synthetic(0.1, "gateway", 0.5),
+        *synthetic(0.2, "direct", 3.0),
+        *synthetic(0.2, "gateway", 0.8),
+        *synthetic(0.4, "direct", 9.0),
+        *synthetic(0.4, "gateway", 3.0),
+    ]
     summary = summarize_sessions(fake)
     assert summary["objective_s"] == pytest.approx(2 * 0.91)
     assert summary["max_rate"] == {"gateway": 0.2, "direct": 0.1} and summary["max_rate_ratio"] == 2.0
@@ -202,16 +238,18 @@ def test_a_shared_engine_workload_run_sends_the_direct_path_other_documents(gate
             prompts.text(10)
         workloads = build_workloads(prompts, ["document"], 2, 200, 50)
         mirrored = build_workloads(prompts, ["document"], 2, 200, 50)
-    samples = asyncio.run(run_workloads("idle", {"gateway": workloads, "direct": mirrored},
-                                        _paths(gateway_url, engine_url), [gateway_url]))
+    samples = asyncio.run(
+        run_workloads(
+            "idle", {"gateway": workloads, "direct": mirrored}, _paths(gateway_url, engine_url), [gateway_url]
+        )
+    )
     assert [(s.index, s.path) for s in samples] == [(0, "gateway"), (0, "direct"), (1, "direct"), (1, "gateway")]
     cached = {(s.index, s.path): s.cached_tokens for s in samples}
     # the gateway's document went first, whole: had the direct path sent it too, the engine would serve it
     assert cached[0, "direct"] < 64 < cached[1, "direct"] and cached[1, "gateway"] > 64
 
 
-def test_workloads_that_disturb_the_engine_act_on_each_paths_engine_before_their_requests(gateway_url,
-                                                                                          engine_backend):
+def test_workloads_that_disturb_the_engine_act_on_each_paths_engine_before_their_requests(gateway_url, engine_backend):
     """foreign and restart: the action runs at the path's engine before the request it is due for, outside its
     time; each gateway request's predicted cached tokens are recorded beside the engine's."""
     from specprefill.lab.bench import predicted_cached
@@ -227,14 +265,28 @@ def test_workloads_that_disturb_the_engine_act_on_each_paths_engine_before_their
     async def act(action, path, last):
         acted.append((action, path.name))
 
-    samples = asyncio.run(run_workloads("back-to-back", {"gateway": workloads, "direct": workloads},
-                                        _paths(gateway_url, engine_url, keep="0.3"), [gateway_url], act=act))
+    samples = asyncio.run(
+        run_workloads(
+            "back-to-back",
+            {"gateway": workloads, "direct": workloads},
+            _paths(gateway_url, engine_url, keep="0.3"),
+            [gateway_url],
+            act=act,
+        )
+    )
     assert acted == [("foreign", "gateway")] * 3 + [("restart", "gateway")] + [("foreign", "direct")] * 3 + [
-        ("restart", "direct")]
+        ("restart", "direct")
+    ]
     assert all(s.predicted_cached is not None for s in samples if s.path == "gateway")
     assert cache_prediction_share(summarize_workloads(samples)) is not None
     assert predicted_cached('backend;dur=3.0, plan;desc="fresh", cached;desc="96"') == 96
     assert predicted_cached("backend;dur=3.0") is None
     with pytest.raises(ValueError, match="restart"):  # without a launched stack
-        asyncio.run(run_workloads("back-to-back", {"gateway": workloads[1:], "direct": workloads[1:]},
-                                  _paths(gateway_url, engine_url, keep="0.3"), [gateway_url]))
+        asyncio.run(
+            run_workloads(
+                "back-to-back",
+                {"gateway": workloads[1:], "direct": workloads[1:]},
+                _paths(gateway_url, engine_url, keep="0.3"),
+                [gateway_url],
+            )
+        )

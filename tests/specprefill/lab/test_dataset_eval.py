@@ -19,9 +19,10 @@ def test_metrics():
 
 def test_dataset_mode_against_a_live_gateway(gateway_url, tmp_path):
     path = tmp_path / "rows.jsonl"
-    rows = [{"messages": [{"role": "user", "content": LONG_DOC + "\n\nWhat?"}], "answers": ["nothing"],
-             "metric": "f1"},
-            {"prompt": LONG_DOC + " Which?", "answers": ["x"]}]
+    rows = [
+        {"messages": [{"role": "user", "content": LONG_DOC + "\n\nWhat?"}], "answers": ["nothing"], "metric": "f1"},
+        {"prompt": LONG_DOC + " Which?", "answers": ["x"]},
+    ]
     path.write_text("\n".join(json.dumps(r) for r in rows))
     loaded = load_dataset(path)
     assert [r.metric for r in loaded] == ["f1", "substring"]

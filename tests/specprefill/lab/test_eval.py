@@ -49,8 +49,13 @@ def test_retrieval_eval_runs_and_keep_one_is_the_full_prompt(tiny_retrieval_pair
     assert result.kept_fraction[1.0] == 1.0 and result.kept_fraction[0.3] < 0.6
 
 
-@pytest.mark.parametrize("args,message", [(["--pair", "{tmp}"], "needs draft/ and target/ model folders"),
-                                          (["--pair", "{tmp}", "--train"], "give --pair DIR or --train, not both")])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--pair", "{tmp}"], "needs draft/ and target/ model folders"),
+        (["--pair", "{tmp}", "--train"], "give --pair DIR or --train, not both"),
+    ],
+)
 def test_builtin_eval_rejects_a_folder_without_a_pair_and_pair_with_train(args, message, tmp_path, capsys):
     with pytest.raises(SystemExit) as excinfo:
         main(["eval", *[a.format(tmp=tmp_path) for a in args], "--out", str(tmp_path)])
@@ -71,8 +76,21 @@ def test_the_shipped_pair_meets_the_quality_bar():
 
 def test_builtin_eval_command_on_a_given_pair(tiny_retrieval_pair, tmp_path):
     with pytest.raises(SystemExit) as excinfo:
-        main(["eval", "--pair", str(tiny_retrieval_pair), "--samples", "2", "--words", "120",
-              "--keep-rates", "0.3,1.0", "--out", str(tmp_path)])
+        main(
+            [
+                "eval",
+                "--pair",
+                str(tiny_retrieval_pair),
+                "--samples",
+                "2",
+                "--words",
+                "120",
+                "--keep-rates",
+                "0.3,1.0",
+                "--out",
+                str(tmp_path),
+            ]
+        )
     assert excinfo.value.code == 0
     payload = json.loads((tmp_path / "eval.json").read_text())
     assert payload["samples"] == 2 and (tmp_path / "eval.png").exists()
@@ -82,8 +100,12 @@ def test_the_session_eval_runs_through_a_live_gateway_and_reports_plans(tiny_ret
     """The logic of the sessions eval (two forms, warming on and off, the plan of every request); its numbers
     come from the shipped pair in the README, not from this tiny one."""
     results = evaluate_sessions(tiny_retrieval_pair, samples=2, words=700, questions=3, keep_rate=0.1)
-    assert [(r.form, r.warming) for r in results] == [("turns", True), ("requests", True), ("turns", False),
-                                                      ("requests", False)]
+    assert [(r.form, r.warming) for r in results] == [
+        ("turns", True),
+        ("requests", True),
+        ("turns", False),
+        ("requests", False),
+    ]
     for result in results:
         assert result.asked == [2, 2, 2] and all(sum(p.values()) == 2 for p in result.plans)
         assert result.plans[0] == {"fresh": 2}  # the first question: a cold document
@@ -97,8 +119,20 @@ def test_the_session_eval_runs_through_a_live_gateway_and_reports_plans(tiny_ret
 def test_the_cross_tokenizer_eval_command(tmp_path):
     """Its logic on a few samples (two live gateways, the mapping's cost); its numbers are in the README."""
     with pytest.raises(SystemExit) as excinfo:
-        main(["eval", "--cross-tokenizer", "--samples", "3", "--words", "300", "--keep-rates", "0.3",
-              "--out", str(tmp_path)])
+        main(
+            [
+                "eval",
+                "--cross-tokenizer",
+                "--samples",
+                "3",
+                "--words",
+                "300",
+                "--keep-rates",
+                "0.3",
+                "--out",
+                str(tmp_path),
+            ]
+        )
     assert excinfo.value.code == 0
     payload = json.loads((tmp_path / "cross-tokenizer.json").read_text())
     assert [r["tokenizer"] for r in payload["results"]] == ["shared", "mapped"]

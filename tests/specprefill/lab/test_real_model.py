@@ -30,21 +30,29 @@ def default_gateway(real):
     settings = Serve(port=0).with_default_models()
     assert (settings.target_model, settings.draft_model, settings.served_model_name) == (real, real, REAL_MODEL_NAME)
     assert settings.draft_layers == real_model.DEFAULT_DRAFT_LAYERS
-    with serve(create_app(settings), timeout=180) as url, \
-            openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300) as client:
+    with (
+        serve(create_app(settings), timeout=180) as url,
+        openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300) as client,
+    ):
         yield client
 
 
 def _ask(client: openai.OpenAI, messages: list[dict], headers: dict | None = None):
-    raw = client.chat.completions.with_raw_response.create(model=REAL_MODEL_NAME, messages=messages, max_tokens=24,
-                                                           temperature=0, extra_headers=headers or {})
+    raw = client.chat.completions.with_raw_response.create(
+        model=REAL_MODEL_NAME, messages=messages, max_tokens=24, temperature=0, extra_headers=headers or {}
+    )
     return raw.parse().choices[0].message.content, raw.headers
 
 
-@pytest.mark.parametrize(("question", "answer"), [("What is the capital of France?", "Paris"),
-                                                  ("What is the capital of Japan?", "Tokyo"),
-                                                  ("What is the chemical symbol for water?", "H2O"),
-                                                  ("How many days are in a week?", "7")])
+@pytest.mark.parametrize(
+    ("question", "answer"),
+    [
+        ("What is the capital of France?", "Paris"),
+        ("What is the capital of Japan?", "Tokyo"),
+        ("What is the chemical symbol for water?", "H2O"),
+        ("How many days are in a week?", "7"),
+    ],
+)
 def test_make_serve_answers_factual_questions(default_gateway, question, answer):
     text, _ = _ask(default_gateway, [{"role": "user", "content": question}])
     assert answer in text

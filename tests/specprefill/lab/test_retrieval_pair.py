@@ -19,15 +19,21 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def client():
     # the pair's target costs about what its draft does, so the cost planner would send prompts whole
-    settings = GatewaySettings(target_model=str(SHIPPED_PAIR / "target"), draft_model=str(SHIPPED_PAIR / "draft"),
-                               device="cpu", served_model_name="retrieval", planner="fresh")
+    settings = GatewaySettings(
+        target_model=str(SHIPPED_PAIR / "target"),
+        draft_model=str(SHIPPED_PAIR / "draft"),
+        device="cpu",
+        served_model_name="retrieval",
+        planner="fresh",
+    )
     with serve(create_app(settings)) as url:
         yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
 
 
 def _ask(client, prompt: str, **headers):
-    raw = client.completions.with_raw_response.create(model="retrieval", prompt=prompt, max_tokens=1,
-                                                      temperature=0, extra_headers=headers)
+    raw = client.completions.with_raw_response.create(
+        model="retrieval", prompt=prompt, max_tokens=1, temperature=0, extra_headers=headers
+    )
     return raw.parse().choices[0].text.strip(), raw.headers
 
 
@@ -46,10 +52,17 @@ def test_answers_survive_ten_x_compression(client):
 def test_a_draft_with_another_tokenizer_finds_the_answers_too():
     """The shipped draft-bpe (a SentencePiece-style BPE, other IDs and spans) in front of the word-level target:
     the gateway maps its scores, and the answers survive 10x compression as with the pair's own draft."""
-    settings = GatewaySettings(target_model=str(SHIPPED_PAIR / "target"), draft_model=str(SHIPPED_PAIR / "draft-bpe"),
-                               device="cpu", served_model_name="retrieval", planner="fresh")
-    with serve(create_app(settings)) as url, openai.OpenAI(base_url=f"{url}/v1", api_key="unused",
-                                                           max_retries=0) as client:
+    settings = GatewaySettings(
+        target_model=str(SHIPPED_PAIR / "target"),
+        draft_model=str(SHIPPED_PAIR / "draft-bpe"),
+        device="cpu",
+        served_model_name="retrieval",
+        planner="fresh",
+    )
+    with (
+        serve(create_app(settings)) as url,
+        openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as client,
+    ):
         rng = random.Random(2024)
         samples = [make_sample(rng, 1500, 37) for _ in range(6)]
         answers = [_ask(client, s.text, **{"x-keep-rate": "0.1"}) for s in samples]

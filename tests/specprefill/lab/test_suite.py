@@ -57,8 +57,10 @@ def test_the_families_ask_what_they_say():
     for hop in ([variables.prompt.split()[-1]] + chain)[:-1]:
         assert variables.prompt.count(f"set {hop} ") == 1  # one statement per hop: no shortcut, no ambiguity
     aggregation = make_task("aggregation", rng, 2000)
-    counts = sorted((aggregation.prompt.split().count(w) for w in set(aggregation.prompt.split())
-                     if w.startswith("v")), reverse=True)
+    counts = sorted(
+        (aggregation.prompt.split().count(w) for w in set(aggregation.prompt.split()) if w.startswith("v")),
+        reverse=True,
+    )
     assert counts[0] >= 1.5 * counts[1]  # one clear winner, spread over the whole context
 
 
@@ -116,13 +118,27 @@ def test_baseline_scorers_keep_what_their_names_say():
 
 def test_a_gateway_serves_a_baseline_in_place_of_a_draft():
     """``--draft-model baseline:tail`` through a live gateway: the kept positions are the prompt's last chunks."""
-    args = ["--target-model", str(SHIPPED_PAIR / "target"), "--draft-model", "baseline:tail",
-            "--served-model-name", "suite", "--planner", "fresh", "--min-prompt-tokens", "64", "--device", "cpu"]
+    args = [
+        "--target-model",
+        str(SHIPPED_PAIR / "target"),
+        "--draft-model",
+        "baseline:tail",
+        "--served-model-name",
+        "suite",
+        "--planner",
+        "fresh",
+        "--min-prompt-tokens",
+        "64",
+        "--device",
+        "cpu",
+    ]
     sample = samples("single", 1, 600, seed=1)[0]
     with launched_gateway(args) as url:
-        response = httpx.post(f"{url}/v1/specprefill/compress",
-                              json={"prompt": sample.prompt, "specprefill": {"keep_rate": 0.25}},
-                              timeout=60)
+        response = httpx.post(
+            f"{url}/v1/specprefill/compress",
+            json={"prompt": sample.prompt, "specprefill": {"keep_rate": 0.25}},
+            timeout=60,
+        )
     response.raise_for_status()
     positions, length = response.json()["position_ids"], response.json()["original_tokens"]
     assert positions[-1] == length - 1 and len(positions) < 0.5 * length
@@ -134,8 +150,24 @@ def test_a_gateway_serves_a_baseline_in_place_of_a_draft():
 def test_the_suite_eval_command_end_to_end(tmp_path):
     """Its logic on a few samples (live gateways, baselines, the upper bound); its numbers are in the README."""
     with pytest.raises(SystemExit) as excinfo:
-        main(["eval", "--suite", "--families", "single,variables", "--methods", "specprefill,tail,upper",
-              "--suite-samples", "2", "--suite-words", "300", "--suite-keep-rates", "0.1,1", "--out", str(tmp_path)])
+        main(
+            [
+                "eval",
+                "--suite",
+                "--families",
+                "single,variables",
+                "--methods",
+                "specprefill,tail,upper",
+                "--suite-samples",
+                "2",
+                "--suite-words",
+                "300",
+                "--suite-keep-rates",
+                "0.1,1",
+                "--out",
+                str(tmp_path),
+            ]
+        )
     assert excinfo.value.code == 0
     payload = json.loads((tmp_path / "suite.json").read_text())
     assert set(payload["full"]) == {"single", "variables"}
