@@ -142,7 +142,7 @@ def create_app(
         serving: GatewayServing = raw_request.app.state.serving
         draft_ready = await serving.draft.ready()
         ready = await asyncio.gather(*(r.backend.ready() for r in serving.replicas))
-        backend = {"ready": any(ready), "kind": serving.backend.kind}
+        backend = {"ready": any(ready), "kind": serving.backend.kind.name}
         if len(ready) > 1:  # replicas: the gateway serves while one of them does
             backend["replicas"] = [
                 {"replica": r.index, "ready": ok, "routed": r.up} for r, ok in zip(serving.replicas, ready)

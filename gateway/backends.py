@@ -1,7 +1,7 @@
 """Backends: where the gateway sends prompts. Each answers OpenAI completions and chat as plain dicts.
 
 - ``InProcessBackend``: the reference engine in this process (the embedded default), no HTTP.
-- ``HTTPBackend``: any server over HTTP. The kind decides how kept tokens travel (see ``token_body``).
+- ``HTTPBackend``: any server over HTTP. Its kind says what it can do and how kept tokens travel (``kinds``).
 
 Errors come out typed: unreachable -> 502, timed out -> 504, a backend 4xx passes through unchanged. A backend
 that refused the connection or dropped it raises ``BackendGone`` (a 502): before the first event of an answer
@@ -15,7 +15,7 @@ import contextlib
 import json
 import re
 from collections.abc import AsyncIterator
-from typing import Any, Protocol
+from typing import Protocol
 
 import aiohttp
 
@@ -25,6 +25,7 @@ from common.protocol import ChatCompletionRequest
 from common.responses import ResponsesRequest
 from engine.protocol import EngineCompletionRequest
 from engine.serving import EngineServing
+from gateway.kinds import KINDS, Kind
 
 # idle connections to a backend are closed by the gateway before the backend closes them: vLLM closes its idle
 # connections after 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE), and a request sent on one just as vLLM closes it fails
@@ -43,7 +44,7 @@ class StreamRefused(UpstreamError):
 
 
 class Backend(Protocol):
-    kind: str
+    kind: Kind
 
     async def model_name(self) -> str: ...
 
@@ -79,18 +80,8 @@ class Backend(Protocol):
     async def close(self) -> None: ...
 
 
-def token_body(kind: str, model: str, token_ids: list[int], position_ids: list[int] | None, params: dict) -> dict:
-    """A ``/v1/completions`` body carrying token IDs, and their positions where the kind honours them."""
-    body: dict[str, Any] = {"model": model, "prompt": token_ids, **params}
-    if position_ids is not None and kind in ("reference", "vllm"):
-        body["vllm_xargs"] = {"position_ids": position_ids}
-        if kind == "reference":
-            body["position_ids"] = position_ids
-    return body
-
-
 class InProcessBackend:
-    kind = "reference"
+    kind = KINDS["reference"]
 
     def __init__(self, serving: EngineServing) -> None:
         self.serving = serving
@@ -154,7 +145,7 @@ class HTTPBackend:
     def __init__(
         self,
         base_url: str,
-        kind: str,
+        kind: str | Kind,
         *,
         model: str | None = None,
         api_key: str | None = None,
@@ -162,7 +153,7 @@ class HTTPBackend:
         read_timeout: float = 600.0,
         rank: int | None = None,
     ) -> None:
-        self.kind = kind
+        self.kind = kind if isinstance(kind, Kind) else KINDS[kind]
         self.base_url = base_url.rstrip("/")
         self.rank = rank  # vLLM's data-parallel rank every request goes to (None: vLLM balances them)
         self._model = model

@@ -37,7 +37,6 @@ from gateway.settings import GatewaySettings
 
 logger = logging.getLogger("specprefill.gateway")
 SYSTEM_ROLES = ("system", "developer")
-SWAP_KINDS = ("reference", "vllm")  # backends that render requests themselves and take the swap
 OFF_LOOP_CHARS = 65536  # prompts longer than this are rendered and tokenized off the event loop (about 20 ms)
 CHAT, COMPLETIONS, RESPONSES, MESSAGES = "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"
 
@@ -235,7 +234,7 @@ class GatewayServing:
     @property
     def swaps(self) -> bool:
         """Whether the backend renders requests itself and takes the swap on its own endpoints."""
-        return self.backend.kind in SWAP_KINDS
+        return self.backend.kind.takes_swap
 
     async def backend_body(self, request) -> dict:
         """The client's request as the backend's own endpoint takes it: unchanged but for the model's name."""

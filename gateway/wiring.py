@@ -9,7 +9,7 @@ from urllib.parse import urlsplit
 from common.models import TokenizerMismatchError, check_same_tokenizer, load_tokenizer, tokenizer_fingerprint
 from draft_worker.baselines import BaselineScorer, baseline_kind
 from draft_worker.worker import DraftWorker
-from gateway.backends import Backend, HTTPBackend, InProcessBackend, token_body
+from gateway.backends import Backend, HTTPBackend, InProcessBackend
 from gateway.cache import MemoryScoreCache, RedisScoreCache, ScoreCache
 from gateway.costs import cost_models
 from gateway.draft import DraftClient, LocalDraft, RemoteDraft
@@ -63,7 +63,7 @@ async def build_serving(
         metrics,
         tokenizer.all_special_ids,
         costs,
-        positional=kind in ("reference", "vllm"),
+        positional=kind.reads_positions,
         replicas=replicas,
     )
     for replica in replicas:
@@ -84,7 +84,7 @@ async def build_serving(
         vocab = sorted(set(range(len(tokenizer))) - set(tokenizer.all_special_ids))
         first = _sender(replicas[0].backend)
         await planner.calibrate(lambda ids: first(ids, None), vocab, limit=prompt_limit(settings, tokenizer))
-    if settings.engine_poll_interval > 0 and kind != "text":
+    if settings.engine_poll_interval > 0 and kind.reads_tokens:
         for replica in replicas:
             replica.load.watch(replica.backend.load, settings.engine_poll_interval)
     health = None
@@ -98,7 +98,7 @@ async def _replicas(settings: GatewaySettings, backends: list[Backend], metrics:
     """One replica per backend, or per data-parallel rank of a backend whose events say it has several."""
     replicas: list[Replica] = []
     for url, backend in zip(settings.backend_url or ["in-process"], backends):
-        sources = await _kv_events(settings, backend) if backend.kind != "text" else {}
+        sources = await _kv_events(settings, backend) if backend.kind.reads_tokens else {}
         ranks = [(None, next(iter(sources.values()), None))]
         if len(sources) > 1 and isinstance(backend, HTTPBackend):  # vLLM's data parallelism: one replica per rank
             ranks = list(sources.items())
@@ -126,8 +126,8 @@ async def _replica(
 ) -> Replica:
     """One engine: its backend, the model of its prefix cache (followed from its KV events, ``source``, where it
     publishes them) and its load."""
-    replica = Replica(index, url, backend, EngineLoad(background_yields=backend.kind == "reference"))
-    if backend.kind == "text":
+    replica = Replica(index, url, backend, EngineLoad(background_yields=backend.kind.background_yields))
+    if not backend.kind.reads_tokens:  # a text backend: plan as if it kept nothing
         return replica
     replica.cache = await _engine_cache(settings, backend, url, source is not None)
     if source is not None and isinstance(replica.cache, EventEngineCache):
@@ -154,7 +154,7 @@ def _landed_at(planner: Planner, replica: Replica):
 async def _one_token(backend: Backend, token_ids: list[int], priority: int | None) -> dict:
     """The prompt through the target, one greedy token (a warm, a probe); the completion answer."""
     params = {"max_tokens": 1, "temperature": 0.0, "stream": False, **({"priority": priority} if priority else {})}
-    return await backend.completion(token_body(backend.kind, await backend.model_name(), token_ids, None, params))
+    return await backend.completion(backend.kind.token_body(await backend.model_name(), token_ids, None, params))
 
 
 async def _kv_events(settings: GatewaySettings, backend: Backend) -> dict[int, tuple[str, str | None, str]]:

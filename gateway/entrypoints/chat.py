@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from common.chat import ChatChunkConverter, as_chat_chunks, completion_to_chat
 from common.protocol import ChatCompletionRequest
-from gateway.backends import token_body
 from gateway.entrypoints.surface import Surface
 from gateway.serving import CHAT, COMPLETIONS, Answer
 from gateway.text_kind import kept_messages
@@ -21,11 +20,11 @@ class ChatAPI(Surface):
         body = await serving.backend_body(request)
         if serving.swaps or plan.passthrough or plan.kept_indices is None:
             return await serving.swapped(plan, body, CHAT)
-        if serving.backend.kind == "text":
+        if not serving.backend.kind.reads_tokens:
             body["messages"] = kept_messages(serving.tokenizer, request.messages, prompt.rendered, plan.kept_indices)
             return await serving.forward(plan, body, CHAT)
-        body = token_body(
-            serving.backend.kind, body["model"], plan.kept_token_ids(), plan.kept_indices, request.completion_params()
+        body = serving.backend.kind.token_body(
+            body["model"], plan.kept_token_ids(), plan.kept_indices, request.completion_params()
         )
         answer = await serving.forward(plan, body, COMPLETIONS)
         return answer.map(

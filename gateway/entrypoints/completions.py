@@ -4,7 +4,6 @@ endpoint with the swap, or the kept text, or the kept tokens at their positions.
 from __future__ import annotations
 
 from common.protocol import CompletionRequest
-from gateway.backends import token_body
 from gateway.entrypoints.surface import Surface
 from gateway.serving import COMPLETIONS, Answer
 from gateway.text_kind import kept_text
@@ -17,15 +16,14 @@ class CompletionsAPI(Surface):
         body = await serving.backend_body(request)
         if serving.swaps or plan.passthrough or plan.kept_indices is None:
             return await serving.swapped(plan, body, COMPLETIONS)
-        if serving.backend.kind == "text":
+        if not serving.backend.kind.reads_tokens:
             body = {
                 "model": body["model"],
                 "prompt": kept_text(serving.tokenizer, plan.token_ids, plan.kept_indices),
                 **request.completion_params(),
             }
         else:
-            body = token_body(
-                serving.backend.kind,
+            body = serving.backend.kind.token_body(
                 body["model"],
                 plan.kept_token_ids(),
                 plan.kept_indices,

@@ -242,3 +242,22 @@ async def test_an_idle_backend_connection_is_not_reused_past_vllms_keep_alive():
         finally:
             await backend.close()
     assert KEEPALIVE_S < 5 and ports[0] == ports[1] != ports[2], ports
+
+
+def test_each_kind_says_how_kept_tokens_travel():
+    """A backend's kind is read in one place (``gateway.kinds``): what it takes, and the body that carries it."""
+    from gateway.kinds import KINDS
+
+    params = {"max_tokens": 1}
+    bodies = {name: kind.token_body("m", [5, 6], [0, 9], params) for name, kind in KINDS.items()}
+    assert bodies["reference"] == {
+        "model": "m",
+        "prompt": [5, 6],
+        "max_tokens": 1,
+        "vllm_xargs": {"position_ids": [0, 9]},
+        "position_ids": [0, 9],
+    }
+    assert bodies["vllm"] == {"model": "m", "prompt": [5, 6], "max_tokens": 1, "vllm_xargs": {"position_ids": [0, 9]}}
+    assert bodies["tokens"] == bodies["text"] == {"model": "m", "prompt": [5, 6], "max_tokens": 1}
+    assert [k.name for k in KINDS.values() if k.takes_swap] == ["reference", "vllm"]
+    assert [k.name for k in KINDS.values() if not k.reads_tokens] == ["text"]
