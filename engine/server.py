@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -25,112 +26,128 @@ from engine.settings import EngineSettings
 def create_app(settings: EngineSettings | None = None, *, serving: EngineServing | None = None) -> FastAPI:
     """The engine app, loading the model from ``settings`` at start-up; or around ``serving`` (tests)."""
     assert (settings is None) != (serving is None), "give settings or serving"
-    metrics = EngineMetrics()
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        app.state.serving = serving or EngineServing.from_settings(settings, on_active_change=metrics.active.set)
-        app.state.serving.engine.scheduler.on_active_change = metrics.active.set
-        app.state.serving.engine.on_queued = metrics.queue_time.observe
-        app.state.serving.engine.on_yielded = metrics.yields.inc
-        block_size, capacity = app.state.serving.engine.cache_shape()
-        metrics.cache_info.labels(str(block_size), str(capacity)).set(1)
-        try:
-            yield
-        finally:
-            if serving is None:  # the engine this app started
-                app.state.serving.close()
-
-    app = FastAPI(title="SpecPrefill reference engine", lifespan=lifespan)
-    app.state.metrics = metrics
+    app = FastAPI(title="SpecPrefill reference engine", lifespan=functools.partial(_lifespan, settings, serving))
+    app.state.metrics = EngineMetrics()
     install_error_handlers(app)
-
-    def streamed(chunks: AsyncIterator[dict], named: bool = False, error_shape=None) -> StreamingResponse:
-        body = sse_body(
-            chunks,
-            on_error=lambda _: metrics.requests.labels("error").inc(),
-            on_done=lambda: metrics.requests.labels("ok").inc(),
-            named=named,
-            error_shape=error_shape,
-        )
-        return StreamingResponse(body, media_type="text/event-stream")
-
-    @app.post("/v1/completions")
-    @with_cancellation
-    async def completions(request: EngineCompletionRequest, raw_request: Request) -> Response:
-        serving_: EngineServing = raw_request.app.state.serving
-        if request.stream:
-            return streamed(await serving_.completion_stream(request))
-        body = await serving_.completion(request)
-        metrics.requests.labels("ok").inc()
-        return JSONResponse(body)
-
-    @app.post("/v1/chat/completions")
-    @with_cancellation
-    async def chat_completions(request: ChatCompletionRequest, raw_request: Request) -> Response:
-        """Chat through the model's chat template, so the engine stands in for any OpenAI-compatible server."""
-        serving_: EngineServing = raw_request.app.state.serving
-        if request.stream:
-            return streamed(await serving_.chat_completion_stream(request))
-        body = await serving_.chat_completion(request)
-        metrics.requests.labels("ok").inc()
-        return JSONResponse(body)
-
-    @app.post("/v1/responses")
-    @with_cancellation
-    async def responses(request: ResponsesRequest, raw_request: Request) -> Response:
-        """OpenAI's Responses API through the chat template; takes the swap as chat does."""
-        serving_: EngineServing = raw_request.app.state.serving
-        if request.stream:
-            return streamed(await serving_.responses_stream(request), named=True)
-        body = await serving_.responses(request)
-        metrics.requests.labels("ok").inc()
-        return JSONResponse(body)
-
-    messages_api = APIRouter(route_class=shaped_errors(anthropic.error_body))
-
-    @messages_api.post("/v1/messages")
-    @with_cancellation
-    async def messages(request: anthropic.MessagesRequest, raw_request: Request) -> Response:
-        """Anthropic's Messages API through the chat template, converted as vLLM converts it; takes the swap."""
-        serving_: EngineServing = raw_request.app.state.serving
-        if request.stream:
-            return streamed(await serving_.messages_stream(request), named=True, error_shape=anthropic.error_body)
-        body = await serving_.messages(request)
-        metrics.requests.labels("ok").inc()
-        return JSONResponse(body)
-
-    @messages_api.post("/v1/messages/count_tokens")
-    async def count_tokens(request: anthropic.Conversation, raw_request: Request) -> JSONResponse:
-        return JSONResponse(anthropic.count_tokens_body(raw_request.app.state.serving.count_tokens(request)))
-
-    app.include_router(messages_api)
-
-    @app.get("/v1/models")
-    async def models(raw_request: Request) -> JSONResponse:
-        return JSONResponse(raw_request.app.state.serving.models())
-
-    @app.get("/health")
-    async def health(raw_request: Request) -> JSONResponse:
-        engine = raw_request.app.state.serving.engine
-        return JSONResponse({"status": "ok", "active_requests": engine.active})
-
-    @app.get("/kv_event_sources")
-    async def kv_event_sources(raw_request: Request) -> JSONResponse:
-        """Where the KV cache events go, as vLLM's endpoint of that name says it (one data-parallel rank)."""
-        events = raw_request.app.state.serving.events
-        return JSONResponse({} if events is None else {"0": events.source()})
-
-    @app.post("/reset_prefix_cache")
-    async def reset_prefix_cache(raw_request: Request) -> Response:
-        """Drops the prefix cache, as vLLM's endpoint of that name (its KV events say so: AllBlocksCleared)."""
-        cache = raw_request.app.state.serving.engine.prefix_cache
-        if cache is not None:
-            cache.clear()
-        return Response(status_code=200)
-
-    @app.get("/metrics")
-    async def prometheus() -> Response:
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
+    app.include_router(router)
+    app.include_router(messages_router)
+    app.include_router(service_router)
     return app
+
+
+@asynccontextmanager
+async def _lifespan(
+    settings: EngineSettings | None, serving: EngineServing | None, app: FastAPI
+) -> AsyncIterator[None]:
+    metrics: EngineMetrics = app.state.metrics
+    app.state.serving = serving or EngineServing.from_settings(settings, on_active_change=metrics.active.set)
+    engine = app.state.serving.engine
+    engine.scheduler.on_active_change = metrics.active.set
+    engine.on_queued = metrics.queue_time.observe
+    engine.on_yielded = metrics.yields.inc
+    block_size, capacity = engine.cache_shape()
+    metrics.cache_info.labels(str(block_size), str(capacity)).set(1)
+    try:
+        yield
+    finally:
+        if serving is None:  # the engine this app started
+            app.state.serving.close()
+
+
+router = APIRouter()
+messages_router = APIRouter(route_class=shaped_errors(anthropic.error_body))
+service_router = APIRouter()
+
+
+def _streamed(raw_request: Request, chunks: AsyncIterator[dict], named: bool = False, error_shape=None) -> Response:
+    metrics: EngineMetrics = raw_request.app.state.metrics
+    body = sse_body(
+        chunks,
+        on_error=lambda _: metrics.requests.labels("error").inc(),
+        on_done=lambda: metrics.requests.labels("ok").inc(),
+        named=named,
+        error_shape=error_shape,
+    )
+    return StreamingResponse(body, media_type="text/event-stream")
+
+
+def _whole(raw_request: Request, body: dict) -> Response:
+    raw_request.app.state.metrics.requests.labels("ok").inc()
+    return JSONResponse(body)
+
+
+@router.post("/v1/completions")
+@with_cancellation
+async def completions(request: EngineCompletionRequest, raw_request: Request) -> Response:
+    serving: EngineServing = raw_request.app.state.serving
+    if request.stream:
+        return _streamed(raw_request, await serving.completion_stream(request))
+    return _whole(raw_request, await serving.completion(request))
+
+
+@router.post("/v1/chat/completions")
+@with_cancellation
+async def chat_completions(request: ChatCompletionRequest, raw_request: Request) -> Response:
+    """Chat through the model's chat template, so the engine stands in for any OpenAI-compatible server."""
+    serving: EngineServing = raw_request.app.state.serving
+    if request.stream:
+        return _streamed(raw_request, await serving.chat_completion_stream(request))
+    return _whole(raw_request, await serving.chat_completion(request))
+
+
+@router.post("/v1/responses")
+@with_cancellation
+async def responses(request: ResponsesRequest, raw_request: Request) -> Response:
+    """OpenAI's Responses API through the chat template; takes the swap as chat does."""
+    serving: EngineServing = raw_request.app.state.serving
+    if request.stream:
+        return _streamed(raw_request, await serving.responses_stream(request), named=True)
+    return _whole(raw_request, await serving.responses(request))
+
+
+@messages_router.post("/v1/messages")
+@with_cancellation
+async def messages(request: anthropic.MessagesRequest, raw_request: Request) -> Response:
+    """Anthropic's Messages API through the chat template, converted as vLLM converts it; takes the swap."""
+    serving: EngineServing = raw_request.app.state.serving
+    if request.stream:
+        chunks = await serving.messages_stream(request)
+        return _streamed(raw_request, chunks, named=True, error_shape=anthropic.error_body)
+    return _whole(raw_request, await serving.messages(request))
+
+
+@messages_router.post("/v1/messages/count_tokens")
+async def count_tokens(request: anthropic.Conversation, raw_request: Request) -> JSONResponse:
+    return JSONResponse(anthropic.count_tokens_body(raw_request.app.state.serving.count_tokens(request)))
+
+
+@service_router.get("/v1/models")
+async def models(raw_request: Request) -> JSONResponse:
+    return JSONResponse(raw_request.app.state.serving.models())
+
+
+@service_router.get("/health")
+async def health(raw_request: Request) -> JSONResponse:
+    engine = raw_request.app.state.serving.engine
+    return JSONResponse({"status": "ok", "active_requests": engine.active})
+
+
+@service_router.get("/kv_event_sources")
+async def kv_event_sources(raw_request: Request) -> JSONResponse:
+    """Where the KV cache events go, as vLLM's endpoint of that name says it (one data-parallel rank)."""
+    events = raw_request.app.state.serving.events
+    return JSONResponse({} if events is None else {"0": events.source()})
+
+
+@service_router.post("/reset_prefix_cache")
+async def reset_prefix_cache(raw_request: Request) -> Response:
+    """Drops the prefix cache, as vLLM's endpoint of that name (its KV events say so: AllBlocksCleared)."""
+    cache = raw_request.app.state.serving.engine.prefix_cache
+    if cache is not None:
+        cache.clear()
+    return Response(status_code=200)
+
+
+@service_router.get("/metrics")
+async def prometheus(raw_request: Request) -> Response:
+    return Response(generate_latest(raw_request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST)

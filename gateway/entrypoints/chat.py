@@ -4,8 +4,13 @@ positions as a completion whose answers come back as chat."""
 
 from __future__ import annotations
 
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from common.cancellation import with_cancellation
 from common.chat import ChatChunkConverter, as_chat_chunks, completion_to_chat
 from common.protocol import ChatCompletionRequest
+from gateway.entrypoints.http import AUTH, respond
 from gateway.entrypoints.surface import Surface
 from gateway.serving import CHAT, COMPLETIONS, Answer
 from gateway.text_kind import kept_messages
@@ -30,3 +35,18 @@ class ChatAPI(Surface):
         return answer.map(
             lambda b: completion_to_chat(b, model), lambda s: as_chat_chunks(s, ChatChunkConverter(model))
         )
+
+
+NAME = "chat"
+router = APIRouter(dependencies=AUTH)
+
+
+def build(serving, built: dict) -> ChatAPI:
+    return ChatAPI(serving)
+
+
+@router.post("/v1/chat/completions")
+@with_cancellation
+async def chat_completions(request: ChatCompletionRequest, raw_request: Request) -> Response:
+    """OpenAI Chat Completions, streamed or not; long prompts compressed (``x-keep-rate``, ``x-specprefill``)."""
+    return await respond(NAME, raw_request, raw_request.app.state.surfaces[NAME](request, raw_request.headers))

@@ -3,7 +3,12 @@ endpoint with the swap, or the kept text, or the kept tokens at their positions.
 
 from __future__ import annotations
 
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from common.cancellation import with_cancellation
 from common.protocol import CompletionRequest
+from gateway.entrypoints.http import AUTH, respond
 from gateway.entrypoints.surface import Surface
 from gateway.serving import COMPLETIONS, Answer
 from gateway.text_kind import kept_text
@@ -30,3 +35,18 @@ class CompletionsAPI(Surface):
                 request.completion_params(),
             )
         return await serving.forward(plan, body, COMPLETIONS)
+
+
+NAME = "completions"
+router = APIRouter(dependencies=AUTH)
+
+
+def build(serving, built: dict) -> CompletionsAPI:
+    return CompletionsAPI(serving)
+
+
+@router.post("/v1/completions")
+@with_cancellation
+async def completions(request: CompletionRequest, raw_request: Request) -> Response:
+    """OpenAI Completions (a text or token-ID prompt), streamed or not; compressed like chat."""
+    return await respond(NAME, raw_request, raw_request.app.state.surfaces[NAME](request, raw_request.headers))

@@ -8,12 +8,15 @@ import asyncio
 import time
 
 import torch
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import HTMLResponse, JSONResponse
 
 from common.errors import InvalidRequestError, OverloadedError, parse_body
 from common.protocol import ChatCompletionRequest, CompletionRequest
 from common.selection import always_kept, select_tokens
 from common.tokenize import token_pieces
-from gateway.inspector import KEEP_RATES, inspection, runs
+from gateway.entrypoints.http import AUTH, require_key_in_browser
+from gateway.inspector import KEEP_RATES, inspection, page, runs
 from gateway.policy import RequestOptions, request_options
 from gateway.serving import GatewayServing
 
@@ -123,3 +126,31 @@ class DryRunAPI:
         prompt = serving.prompt(request)
         serving.check_limits(request, prompt.token_ids)
         return request, options, prompt
+
+
+NAME = "dry_run"
+router = APIRouter()
+
+
+def build(serving: GatewayServing, built: dict) -> DryRunAPI:
+    return DryRunAPI(serving)
+
+
+@router.post("/v1/specprefill/compress", dependencies=AUTH)
+async def compress(body: dict, raw_request: Request, return_scores: bool = False) -> JSONResponse:
+    """A dry run: what a chat or completion body would send to the backend (kept token IDs and their
+    positions; ``return_scores``: every token's score too), without calling it."""
+    dry_run = raw_request.app.state.surfaces[NAME]
+    return JSONResponse(await dry_run.compress(body, raw_request.headers, return_scores))
+
+
+@router.post("/v1/specprefill/inspect", dependencies=AUTH)
+async def inspect_data(body: dict, raw_request: Request) -> JSONResponse:
+    """The inspector's data for a prompt: tokens, scores, and the kept tokens at each keep rate."""
+    return JSONResponse(await raw_request.app.state.surfaces[NAME].inspect(body, raw_request.headers))
+
+
+@router.get("/specprefill/inspect", dependencies=[Depends(require_key_in_browser)])
+async def inspect_page() -> HTMLResponse:
+    """The inspector: a page showing which tokens the target reads (``?prompt=TEXT&keep_rate=F``)."""
+    return HTMLResponse(page(), headers={"cache-control": "no-store"})

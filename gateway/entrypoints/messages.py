@@ -5,9 +5,16 @@ the chat path, and its answers come back as Messages answers and events."""
 
 from __future__ import annotations
 
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from common import messages as anthropic
+from common.cancellation import with_cancellation
+from common.errors import shaped_errors
 from common.messages import Conversation, MessagesRequest, chat_to_message, merges_inline_system, message_events
 from gateway.entrypoints import answers
 from gateway.entrypoints.chat import ChatAPI
+from gateway.entrypoints.http import AUTH, respond
 from gateway.entrypoints.surface import Surface
 from gateway.serving import MESSAGES, Answer, GatewayServing
 
@@ -35,3 +42,25 @@ class MessagesAPI(Surface):
         """The prompt's tokens, with the target's tokenizer and chat template."""
         self.serving.check_model(request.model)
         return len(self.serving.prompt(request.as_chat(self.merge_inline_system)).token_ids)
+
+
+NAME = "messages"
+router = APIRouter(route_class=shaped_errors(anthropic.error_body), dependencies=AUTH)
+
+
+def build(serving: GatewayServing, built: dict) -> MessagesAPI:
+    return MessagesAPI(serving, built["chat"])
+
+
+@router.post("/v1/messages")
+@with_cancellation
+async def messages(request: MessagesRequest, raw_request: Request) -> Response:
+    """Anthropic's Messages API, streamed or not; compressed like chat; errors in Anthropic's shape."""
+    work = raw_request.app.state.surfaces[NAME](request, raw_request.headers)
+    return await respond(NAME, raw_request, work, named=True, error_shape=anthropic.error_body)
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(request: Conversation, raw_request: Request) -> JSONResponse:
+    """Anthropic's token count of a Messages request, as the target's tokenizer renders it."""
+    return JSONResponse(anthropic.count_tokens_body(raw_request.app.state.surfaces[NAME].count_tokens(request)))

@@ -6,8 +6,13 @@ from __future__ import annotations
 
 import logging
 
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from common.cancellation import with_cancellation
 from common.errors import InvalidRequestError
 from common.responses import ResponsesRequest, engine_input
+from gateway.entrypoints.http import AUTH, respond
 from gateway.entrypoints.surface import Surface
 from gateway.plan import Plan
 from gateway.policy import Reason
@@ -33,3 +38,19 @@ class ResponsesAPI(Surface):
         chat.specprefill = request.specprefill
         plan, _ = await serving.planned(chat, headers)
         return await serving.swapped(plan, body, RESPONSES)
+
+
+NAME = "responses"
+router = APIRouter(dependencies=AUTH)
+
+
+def build(serving, built: dict) -> ResponsesAPI:
+    return ResponsesAPI(serving)
+
+
+@router.post("/v1/responses")
+@with_cancellation
+async def responses(request: ResponsesRequest, raw_request: Request) -> Response:
+    """OpenAI Responses (``instructions`` + ``input``), streamed or not; compressed like chat."""
+    surface = raw_request.app.state.surfaces[NAME]
+    return await respond(NAME, raw_request, surface(request, raw_request.headers), named=True)

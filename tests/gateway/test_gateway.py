@@ -288,3 +288,22 @@ def test_server_timing_breaks_the_request_down(gateway_url):
     assert all(v >= 0 for v in parts.values()) and parts["backend"] > 0
     assert parts["draft"] == float(raw.headers["x-specprefill-draft-ms"])
     assert 'plan;desc="fresh"' in raw.headers["server-timing"] and raw.headers["x-specprefill-plan"] == "fresh"
+
+
+def test_a_new_api_surface_is_one_module_and_one_registration(model_pair, engine_backend, monkeypatch):
+    """``tests/gateway/toy_surface.py`` is a whole API surface: its router, its serving object, the key check.
+    Registering it is one line; the surfaces already there keep answering."""
+    import gateway.app
+    from gateway.app import create_app
+    from tests.gateway import toy_surface
+    from tests.helpers import gateway_settings, serve
+
+    monkeypatch.setattr(gateway.app, "SURFACES", [*gateway.app.SURFACES, toy_surface])
+    settings = gateway_settings(model_pair, backend_url=engine_backend[0], api_key="k")
+    with serve(create_app(settings)) as url:
+        key = {"authorization": "Bearer k"}
+        assert httpx.post(f"{url}/v1/toy/count", json={"text": "hello world"}, timeout=60).status_code == 401
+        counted = httpx.post(f"{url}/v1/toy/count", json={"text": "hello world"}, headers=key, timeout=60)
+        assert counted.status_code == 200 and counted.json()["tokens"] > 0
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+        assert httpx.post(f"{url}/v1/chat/completions", json=chat, headers=key, timeout=60).status_code == 200
