@@ -1,8 +1,10 @@
-"""The path every API surface shares: the prologue (checks, tokens, plan), forwarding, and learning from the answer.
+"""The path every API surface shares, from its prologue: checks, tokens and the plan; the swap, and the whole
+prompt where the backend refuses it. ``gateway.dispatch`` takes the plan to a replica, ``gateway.feedback``
+learns from the answer.
 
 A request flows one way: router -> API surface (``gateway/entrypoints``: chat, completions, Responses,
 Messages, each converting its request to a chat or completion and its answers back) -> policy -> planner ->
-backend -> answer. Nothing here knows HTTP routing or an API's answer shape.
+dispatch -> backend -> answer -> feedback. Nothing here knows HTTP routing or an API's answer shape.
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ import logging
 import math
 import re
 import time
-from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,33 +26,20 @@ from common.prompt_bound import refuse_unfittable
 from common.protocol import ChatCompletionRequest, CompletionRequest
 from common.swap import KEPT_KEY, POSITIONS_KEY, SWAP_PARAM
 from common.tokenize import PieceCache
-from gateway.backends import Backend, BackendGone, StreamRefused
+from gateway.answer import Answer
+from gateway.backends import Backend, StreamRefused
+from gateway.dispatch import Dispatcher
 from gateway.draft import DraftClient
-from gateway.engine_load import Ticket
 from gateway.metrics import GatewayMetrics
 from gateway.plan import Plan
 from gateway.planner import Planner
 from gateway.policy import Reason, request_options
-from gateway.replicas import HealthWatch, Replica
+from gateway.replicas import HealthWatch
 from gateway.settings import GatewaySettings
 
 logger = logging.getLogger("specprefill.gateway")
 SYSTEM_ROLES = ("system", "developer")
 OFF_LOOP_CHARS = 65536  # prompts longer than this are rendered and tokenized off the event loop (about 20 ms)
-CHAT, COMPLETIONS, RESPONSES, MESSAGES = "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"
-
-
-@dataclass(slots=True)
-class Answer:
-    plan: Plan
-    body: dict | None = None
-    stream: AsyncIterator[dict] | None = None
-
-    def map(self, body: Callable[[dict], dict], stream: Callable[[AsyncIterator[dict]], AsyncIterator[dict]]) -> Answer:
-        """This answer in another shape: ``body`` for a whole one, ``stream`` for a streamed one."""
-        if self.stream is not None:
-            return Answer(self.plan, stream=stream(self.stream))
-        return Answer(self.plan, body=body(self.body))
 
 
 @dataclass(slots=True)
@@ -85,7 +73,7 @@ class GatewayServing:
         self.replicas = planner.replicas
         self.backend: Backend = self.replicas[0].backend  # the first: what every replica is (kind, model name)
         self.health = health
-        self._settling: set[asyncio.Task] = set()  # streams' ends being recorded
+        self.dispatch = Dispatcher(planner, metrics)
         self._mismatch_causes: set[str] = set()  # swap mismatches already logged
         self.pieces = PieceCache(tokenizer)  # chats' repeated parts are tokenized once
 
@@ -94,7 +82,7 @@ class GatewayServing:
         return self.served_names[0]
 
     async def close(self) -> None:
-        await asyncio.gather(*self._settling, return_exceptions=True)
+        await self.dispatch.close()
         if self.health is not None:
             await self.health.close()
         for replica in self.replicas:
@@ -280,129 +268,8 @@ class GatewayServing:
             )
 
     async def forward(self, plan: Plan, body: dict, path: str) -> Answer:
-        """Sends ``body`` to the backend's endpoint ``path`` at the plan's replica; the answer as the backend gave
-        it (the API surface shapes it for its client). When it is answered, the planner learns what happened.
-        A replica that drops the request before its first event (refused, or gone mid-prefill: the client has
-        seen nothing) is taken out, and the request goes to another."""
-        streamed = bool(body.get("stream"))
-        wants_usage = bool((body.get("stream_options") or {}).get("include_usage")) or not streamed
-        if streamed and path in (CHAT, COMPLETIONS):  # ask for the usage: it says what the engine's cache served
-            body = {**body, "stream_options": {"include_usage": True}}
-        plan.replica = plan.replica or min(self.replicas, key=lambda r: (not r.up, r.load.outstanding))
-        tried = set()
-        while True:
-            replica = plan.replica
-            tried.add(replica)
-            try:
-                answer, ticket = await self._sent(plan, replica, path, body, streamed)
-                break
-            except BackendGone as exc:
-                others = [r for r in self.replicas if r.up and r not in tried]
-                if not others:
-                    raise
-                replica.down(exc.message)
-                self.metrics.failovers.inc()
-                plan.replica = min(others, key=lambda r: r.load.outstanding)
-                await self.planner.priced(plan)
-        if ticket.behind:
-            self.metrics.behind_background.observe(plan.background_ms / 1e3)
-        if streamed:
-            return Answer(
-                plan, stream=self._observed(answer, plan, ticket, wants_usage or path not in (CHAT, COMPLETIONS))
-            )
-        await self._settle(plan, ticket, answer.get("usage"))
-        return Answer(plan, body=answer)
-
-    async def _sent(self, plan: Plan, replica: Replica, path: str, body: dict, streamed: bool):
-        """``body`` at ``replica``, up to its first event: the answer (a stream is open) and its load ticket."""
-        load = replica.load
-        self.metrics.routed.labels(str(replica.index)).inc()
-        self._foreground(load, +1)
-        # what the engine holds ahead of it now, after the draft (requests planned meanwhile went first)
-        wait, predicted, expected = load.estimate(plan.target_s)
-        plan.wait_ms, plan.predicted_ms = wait * 1e3, predicted * 1e3
-        ticket = load.begin(plan.target_s, expected_s=expected)
-        try:
-            answer = await self._timed(plan, self._call(replica.backend, path, body, streamed))
-        except BaseException:
-            load.end(ticket)
-            self._foreground(load, -1)
-            raise
-        plan.background_ms = load.answered(ticket) * 1e3
-        return answer, ticket
-
-    @staticmethod
-    def _call(backend: Backend, path: str, body: dict, streamed: bool):
-        if path == CHAT:
-            return backend.chat_stream(body) if streamed else backend.chat(body)
-        if path == COMPLETIONS:
-            return backend.completion_stream(body) if streamed else backend.completion(body)
-        return backend.stream(path, body) if streamed else backend.post(path, body)
-
-    async def _observed(
-        self, chunks: AsyncIterator[dict], plan: Plan, ticket: Ticket, wants_usage: bool
-    ) -> AsyncIterator[dict]:
-        """The backend's stream, its usage kept for the planner (and hidden from a client that did not ask).
-        The stream opened with the backend's first event, so the engine holds the prompt whether or not the
-        client reads to the end: the planner learns either way (the usage, if it came, says what was cached)."""
-        usage = None
-        try:
-            async for chunk in chunks:
-                # chat and completion chunks; a Responses event's response; an Anthropic message_start's message
-                usage = (
-                    chunk.get("usage") or (chunk.get("response") or chunk.get("message") or {}).get("usage") or usage
-                )
-                if not wants_usage:
-                    if not chunk.get("choices"):
-                        continue
-                    chunk.pop("usage", None)
-                yield chunk
-        finally:
-            # a task: a client's disconnect cancels this generator, and an await here would be cancelled too
-            task = asyncio.ensure_future(self._settle(plan, ticket, usage, chunks))
-            self._settling.add(task)
-            task.add_done_callback(self._settling.discard)
-
-    async def _settle(
-        self, plan: Plan, ticket: Ticket, usage: dict | None, chunks: AsyncIterator[dict] | None = None
-    ) -> None:
-        """The end of a backend request: the stream closed (the backend stops generating for a client that
-        left), the planner told, and a recurring context offered for warming. The request counts as under way
-        until then, so that no one watching sees the backend idle in between."""
-        try:
-            if chunks is not None:
-                await chunks.aclose()
-            await self._answered(plan, usage, ticket.contended)
-        finally:
-            plan.replica.load.end(ticket)
-            self._foreground(plan.replica.load, -1)
-
-    async def _answered(self, plan: Plan, usage: dict | None, contended: bool) -> None:
-        """The planner learns from an answered request; a compressed recurring context is offered for warming."""
-        try:
-            await self.planner.completed(plan, usage, plan.backend_ms / 1e3, contended=contended)
-        except Exception:  # learning is best effort: never an error for the client
-            logger.exception("could not record the plan's outcome")
-        warmer = plan.replica.warmer
-        if warmer is not None and plan.status == "compressed" and plan.recurring:
-            warmer.offer(plan)
-
-    def _foreground(self, load, delta: int) -> None:
-        """A request of this gateway at a replica (+1) or done there (-1)."""
-        if delta > 0:
-            load.enter()
-        else:
-            load.leave()
-        self.metrics.in_flight.labels("foreground").inc(delta)
-
-    @staticmethod
-    async def _timed(plan: Plan, call):
-        """Awaits a backend call (a stream is opened up to its first event) and records how long it took."""
-        start = time.perf_counter()
-        try:
-            return await call
-        finally:
-            plan.backend_ms = (time.perf_counter() - start) * 1e3
+        """``body`` to the backend's endpoint ``path`` (``Dispatcher.forward``)."""
+        return await self.dispatch.forward(plan, body, path)
 
 
 def _last_message_start(request: ChatCompletionRequest, rendered: RenderedChat) -> int | None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 
+from gateway.answer import Answer
 from gateway.plan import Plan
-from gateway.serving import Answer
 
 Rewrite = Callable[[dict, Plan, str], dict]
 

@@ -10,9 +10,9 @@ from fastapi.responses import Response
 from common.cancellation import with_cancellation
 from common.chat import ChatChunkConverter, as_chat_chunks, completion_to_chat
 from common.protocol import ChatCompletionRequest
+from gateway.answer import CHAT, COMPLETIONS, Answer
 from gateway.entrypoints.http import AUTH, respond
 from gateway.entrypoints.surface import Surface
-from gateway.serving import CHAT, COMPLETIONS, Answer
 from gateway.text_kind import kept_messages
 
 

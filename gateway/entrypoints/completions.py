@@ -8,9 +8,9 @@ from fastapi.responses import Response
 
 from common.cancellation import with_cancellation
 from common.protocol import CompletionRequest
+from gateway.answer import COMPLETIONS, Answer
 from gateway.entrypoints.http import AUTH, respond
 from gateway.entrypoints.surface import Surface
-from gateway.serving import COMPLETIONS, Answer
 from gateway.text_kind import kept_text
 
 

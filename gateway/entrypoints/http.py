@@ -14,8 +14,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from common.errors import APIError, AuthenticationError
 from common.streams import sse_body
+from gateway.answer import Answer
 from gateway.metrics import GatewayMetrics
-from gateway.serving import Answer
 
 logger = logging.getLogger("specprefill.gateway")
 

@@ -12,11 +12,12 @@ from common import messages as anthropic
 from common.cancellation import with_cancellation
 from common.errors import shaped_errors
 from common.messages import Conversation, MessagesRequest, chat_to_message, merges_inline_system, message_events
+from gateway.answer import MESSAGES, Answer
 from gateway.entrypoints import answers
 from gateway.entrypoints.chat import ChatAPI
 from gateway.entrypoints.http import AUTH, respond
 from gateway.entrypoints.surface import Surface
-from gateway.serving import MESSAGES, Answer, GatewayServing
+from gateway.serving import GatewayServing
 
 
 class MessagesAPI(Surface):

@@ -12,11 +12,11 @@ from fastapi.responses import Response
 from common.cancellation import with_cancellation
 from common.errors import InvalidRequestError
 from common.responses import ResponsesRequest, engine_input
+from gateway.answer import RESPONSES, Answer
 from gateway.entrypoints.http import AUTH, respond
 from gateway.entrypoints.surface import Surface
 from gateway.plan import Plan
 from gateway.policy import Reason
-from gateway.serving import RESPONSES, Answer
 
 logger = logging.getLogger("specprefill.gateway")
 

@@ -3,8 +3,9 @@ the backend, and the answer shaped for the client (``answers``)."""
 
 from __future__ import annotations
 
+from gateway.answer import Answer
 from gateway.entrypoints import answers
-from gateway.serving import Answer, GatewayServing
+from gateway.serving import GatewayServing
 
 
 class Surface:
