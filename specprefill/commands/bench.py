@@ -161,6 +161,16 @@ class Bench(BaseSettings):
         "the target's end-of-turn row is doubled so its random answers end by "
         "themselves; an agent takes an answer cut at the cap for an error)",
     )
+    trace: str | None = Field(
+        None,
+        description="replay a production trace instead (Mooncake's JSONL: timestamp ms, input_length, "
+        "output_length, hash_ids): each hash ID one block of text wherever it appears, through the gateway and "
+        "directly, each path on its own engine (trace.json)",
+    )
+    trace_requests: int = Field(100, ge=1, description="trace: its first N requests")
+    trace_block_tokens: int = Field(64, ge=1, description="trace: tokens per hash ID (the trace's are 512)")
+    trace_clock: float = Field(1.0, gt=0, description="trace: how many times faster than the trace's time")
+    trace_max_output: int = Field(32, ge=1, description="trace: each answer's tokens at most")
     merge: list[str] = Field(
         [],
         description="merge these sweeps' bench.json files (one per length, say) into one "
@@ -202,6 +212,8 @@ def run_bench(options: Bench) -> int:
         return _run_chaos(options, out)
     if options.agents:
         return _run_agents(options, out)
+    if options.trace:
+        return _run_trace(options, out)
     if options.base_url is not None:
         urls = (options.base_url.rstrip("/"), options.backend_url.rstrip("/"))
         context = contextlib.nullcontext(Stack(*urls, list(urls)))
@@ -709,3 +721,55 @@ def _run_agents(options: Bench, out: Path) -> int:
     print(format_turns(write()))
     print(f"wrote {out / 'agents.json'}")
     return 0 if not failures else 1
+
+
+def _run_trace(options: Bench, out: Path) -> int:
+    """The trace's first requests at their times (scaled), through the gateway, then directly, each path on its
+    own engine; the same texts for both."""
+    from specprefill.lab.bench import PromptMaker
+    from specprefill.lab.trace import TraceReport, format_trace, load_trace, replay, replay_schedule
+    from specprefill.lab.workloads import PathTarget
+
+    try:
+        requests = load_trace(Path(options.trace), options.trace_requests)
+    except (OSError, ValueError) as exc:
+        print(f"specprefill bench: {exc}", file=sys.stderr)
+        return 2
+    target, draft = _models(options)
+    meta = {
+        "trace": str(options.trace),
+        "requests": len(requests),
+        "block_tokens": options.trace_block_tokens,
+        "clock": options.trace_clock,
+        "max_output": options.trace_max_output,
+        "engine": "vllm" if options.vllm_python else "reference",
+        "pair": _pair_description(options.pair),
+    }
+    report = TraceReport(meta)
+    args = ["--draft-layers", str(options.draft_layers)] if options.draft_layers else []  # else its defaults
+    pair = Path(options.pair) if options.pair else None
+    with launched(2, args, options.vllm_python, out, pair, target=target, draft=draft) as stack:
+        with httpx.Client(timeout=120) as client:
+            models = [
+                client.get(f"{url}/v1/models").json()["data"][0]["id"] for url in (stack.gateway_url, stack.direct_url)
+            ]
+            prompts = PromptMaker(client, stack.gateway_url, models[0])
+            schedule = replay_schedule(
+                requests,
+                prompts,
+                block_tokens=options.trace_block_tokens,
+                clock=options.trace_clock,
+                max_output=options.trace_max_output,
+            )
+        paths = [
+            PathTarget("gateway", stack.gateway_url, models[0], {}),
+            PathTarget("direct", stack.direct_url, models[1], {}),
+        ]
+        for path in paths:
+            print(f"trace: {len(schedule)} requests through {path.name}", flush=True)
+            report.samples += asyncio.run(replay(path, schedule))
+            report.write(out)
+        meta["gateway_counters"] = _gateway_counters(stack.gateway_url)
+    print(format_trace(report.summary()))
+    print(f"wrote {report.write(out)}")
+    return 0

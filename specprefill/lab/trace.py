@@ -1,0 +1,232 @@
+"""Real traffic, replayed: ``specprefill bench --trace FILE``.
+
+A Mooncake trace (kvcache-ai/Mooncake, ``FAST25-release/traces/*.jsonl``, from the FAST '25 paper; Apache-2.0)
+gives, per request, its arrival (``timestamp``, ms), its ``input_length`` and ``output_length`` in tokens, and
+the hash IDs of its prompt's 512-token blocks: requests that share a prefix share leading hash IDs. Replayed
+here, each hash ID becomes a block of text that is the same wherever the ID appears (so a shared prefix is
+shared text, and an engine's prefix cache sees what production's saw), scaled to this machine by two factors:
+``block_tokens`` (tokens per block, for the trace's 512) and ``clock`` (the trace's time runs ``clock`` times
+faster). Output lengths are kept, capped at ``max_output``. Both paths get the same schedule, each on its own
+engine; requests are sent at their times whatever is still running (open loop: traffic does not wait).
+
+Per request: TTFT and end-to-end time, the plan, the backend time predicted and measured, the cached tokens
+predicted and reported. Per path: TTFT p50/p90/p99, split by how much of the prompt the trace says was seen
+before (its blocks in an earlier request).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+
+from specprefill.lab.bench import PromptMaker, parse_server_timing, predicted_cached
+from specprefill.lab.workloads import PathTarget, percentile
+
+TRACE_BLOCK = 512  # tokens per hash ID in Mooncake's traces
+SEEN_BUCKETS = ((0.0, 0.1, "cold"), (0.1, 0.9, "partly seen"), (0.9, 1.01, "mostly seen"))
+FORMATS = "Mooncake's JSONL (timestamp ms, input_length, output_length, hash_ids)"
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    arrival_s: float  # at the trace's own clock
+    input_tokens: int
+    output_tokens: int
+    hash_ids: tuple[int, ...]
+
+
+def load_trace(path: Path, limit: int | None = None) -> list[TraceRequest]:
+    """A trace in Mooncake's format, in arrival order (the first ``limit`` requests); a line that is not one is
+    an error naming it."""
+    requests = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            request = TraceRequest(
+                row["timestamp"] / 1e3, int(row["input_length"]), int(row["output_length"]), tuple(row["hash_ids"])
+            )
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"{path}:{number} is not a trace request in {FORMATS}: {exc}") from None
+        requests.append(request)
+        if limit is not None and len(requests) >= limit:
+            break
+    return sorted(requests, key=lambda r: r.arrival_s)
+
+
+def seen_shares(requests: list[TraceRequest]) -> list[float]:
+    """Per request, the share of its blocks that an earlier request had (what the trace says could be cached)."""
+    seen: set[int] = set()
+    shares = []
+    for request in requests:
+        ids = request.hash_ids
+        shares.append(sum(1 for i in ids if i in seen) / max(1, len(ids)))
+        seen.update(ids)
+    return shares
+
+
+@dataclass
+class ReplayRequest:
+    number: int
+    send_s: float  # on the replay's clock
+    messages: list[dict]
+    max_tokens: int
+    seen: float  # the share of its blocks seen before
+
+
+def replay_schedule(
+    requests: list[TraceRequest], prompts: PromptMaker, *, block_tokens: int, clock: float, max_output: int
+) -> list[ReplayRequest]:
+    """The trace as chat requests: each hash ID one block of ``block_tokens`` tokens of text (made once), the
+    last block cut to the request's length; times divided by ``clock``."""
+    blocks: dict[int, str] = {}
+    out = []
+    start = requests[0].arrival_s if requests else 0.0
+    for number, (request, seen) in enumerate(zip(requests, seen_shares(requests))):
+        parts = []
+        for i, hash_id in enumerate(request.hash_ids):
+            if hash_id not in blocks:
+                blocks[hash_id] = prompts.text(block_tokens)
+            text = blocks[hash_id]
+            if i == len(request.hash_ids) - 1:  # the last block holds what is left of the request's length
+                left = request.input_tokens - TRACE_BLOCK * (len(request.hash_ids) - 1)
+                text = text[: max(1, int(len(text) * min(1.0, max(left, 1) / TRACE_BLOCK)))]
+            parts.append(text)
+        messages = [{"role": "user", "content": " ".join(parts)}]
+        max_tokens = max(1, min(max_output, request.output_tokens))
+        out.append(ReplayRequest(number, (request.arrival_s - start) / clock, messages, max_tokens, seen))
+    return out
+
+
+@dataclass
+class ReplaySample:
+    path: str
+    number: int
+    send_s: float
+    seen: float
+    ttft_s: float | None = None  # None: failed
+    e2e_s: float | None = None
+    plan: str | None = None
+    predicted_ms: float | None = None
+    backend_ms: float | None = None
+    predicted_cached: int | None = None
+    reported_cached: int | None = None
+    prompt_tokens: int | None = None
+    error: str = ""
+
+
+async def replay(path: PathTarget, schedule: list[ReplayRequest]) -> list[ReplaySample]:
+    """Every request of ``schedule`` through ``path`` at its time (open loop), streamed and read to its end."""
+    samples = [ReplaySample(path.name, r.number, r.send_s, r.seen) for r in schedule]
+    start = time.perf_counter()
+    limits = httpx.Limits(max_connections=1024)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=limits) as client:
+
+        async def one(request: ReplayRequest, sample: ReplaySample) -> None:
+            await asyncio.sleep(max(0.0, request.send_s - (time.perf_counter() - start)))
+            body = {
+                "model": path.model,
+                "messages": request.messages,
+                "max_tokens": request.max_tokens,
+                "temperature": 0,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+            sent = time.perf_counter()
+            try:
+                async with client.stream(
+                    "POST", f"{path.url}/v1/chat/completions", json=body, headers=path.headers
+                ) as response:
+                    if response.status_code != 200:
+                        sample.error = f"{response.status_code}: {(await response.aread())[:200]!r}"
+                        return
+                    headers, usage = response.headers, {}
+                    async for line in response.aiter_lines():
+                        if not line.startswith("data: {"):
+                            continue
+                        event = json.loads(line[6:])
+                        if sample.ttft_s is None and event.get("choices"):
+                            sample.ttft_s = time.perf_counter() - sent
+                        usage = event.get("usage") or usage
+                sample.e2e_s = time.perf_counter() - sent
+            except httpx.HTTPError as exc:
+                sample.error = type(exc).__name__
+                return
+            timing = parse_server_timing(headers.get("server-timing"))
+            sample.plan = headers.get("x-specprefill-plan")
+            sample.predicted_ms, sample.backend_ms = timing.get("predicted"), timing.get("backend")
+            sample.predicted_cached = predicted_cached(headers.get("server-timing"))
+            sample.prompt_tokens = usage.get("prompt_tokens")
+            sample.reported_cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+
+        await asyncio.gather(*(one(r, s) for r, s in zip(schedule, samples)))
+    return samples
+
+
+@dataclass
+class TraceReport:
+    meta: dict
+    samples: list[ReplaySample] = field(default_factory=list)
+
+    def summary(self) -> dict:
+        """TTFT p50/p90/p99 per path, overall and by how much of the prompt was seen before; the gateway's over
+        direct's at each; the plans the gateway chose."""
+        out: dict = {"paths": {}, "plans": {}}
+        for path in ("gateway", "direct"):
+            mine = [s for s in self.samples if s.path == path]
+            out["paths"][path] = {"requests": len(mine), "failed": sum(1 for s in mine if s.ttft_s is None)}
+            groups = {
+                "all": mine,
+                **{name: [s for s in mine if low <= s.seen < high] for low, high, name in SEEN_BUCKETS},
+            }
+            for group, members in groups.items():
+                ttfts = [s.ttft_s for s in members if s.ttft_s is not None]
+                if ttfts:
+                    out["paths"][path][group] = {
+                        "n": len(ttfts),
+                        **{f"p{q}": round(percentile(ttfts, q / 100), 3) for q in (50, 90, 99)},
+                    }
+        gateway, direct = out["paths"]["gateway"], out["paths"]["direct"]
+        out["ratio"] = {
+            group: {q: round(gateway[group][q] / direct[group][q], 3) for q in ("p50", "p90", "p99")}
+            for group in ("all", *(name for _, _, name in SEEN_BUCKETS))
+            if group in gateway and group in direct and all(direct[group][q] > 0 for q in ("p50", "p90", "p99"))
+        }
+        for s in self.samples:
+            if s.path == "gateway" and s.plan:
+                out["plans"][s.plan] = out["plans"].get(s.plan, 0) + 1
+        return out
+
+    def write(self, out: Path) -> Path:
+        out.mkdir(parents=True, exist_ok=True)
+        path = out / "trace.json"
+        path.write_text(
+            json.dumps(
+                {"meta": self.meta, "summary": self.summary(), "samples": [asdict(s) for s in self.samples]}, indent=1
+            )
+        )
+        return path
+
+
+def format_trace(summary: dict) -> str:
+    lines = [
+        f"{'path':>8} {'requests':>9} {'failed':>7} {'prompts':>12} {'n':>4} {'p50 s':>7} {'p90 s':>7} {'p99 s':>7}"
+    ]
+    for path, stats in summary["paths"].items():
+        for group in ("all", *(name for _, _, name in SEEN_BUCKETS)):
+            if group in stats:
+                g = stats[group]
+                lines.append(
+                    f"{path:>8} {stats['requests']:>9} {stats['failed']:>7} {group:>12} {g['n']:>4} "
+                    f"{g['p50']:>7.2f} {g['p90']:>7.2f} {g['p99']:>7.2f}"
+                )
+    for group, ratio in summary["ratio"].items():
+        lines.append(f"gateway / direct, {group}: p50 {ratio['p50']}, p90 {ratio['p90']}, p99 {ratio['p99']}")
+    lines.append(f"the gateway's plans: {summary['plans']}")
+    return "\n".join(lines)
