@@ -727,7 +727,7 @@ def _run_trace(options: Bench, out: Path) -> int:
     """The trace's first requests at their times (scaled), through the gateway, then directly, each path on its
     own engine; the same texts for both."""
     from specprefill.lab.bench import PromptMaker
-    from specprefill.lab.trace import TraceReport, format_trace, load_trace, replay, replay_schedule
+    from specprefill.lab.trace import TraceReport, format_trace, load_trace, plot_trace, replay, replay_schedule
     from specprefill.lab.workloads import PathTarget
 
     try:
@@ -771,5 +771,6 @@ def _run_trace(options: Bench, out: Path) -> int:
             report.write(out)
         meta["gateway_counters"] = _gateway_counters(stack.gateway_url)
     print(format_trace(report.summary()))
-    print(f"wrote {report.write(out)}")
+    written = report.write(out)
+    print(f"wrote {written}, {plot_trace(json.loads(written.read_text()), out / 'trace.png')}")
     return 0

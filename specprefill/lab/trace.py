@@ -230,3 +230,29 @@ def format_trace(summary: dict) -> str:
         lines.append(f"gateway / direct, {group}: p50 {ratio['p50']}, p90 {ratio['p90']}, p99 {ratio['p99']}")
     lines.append(f"the gateway's plans: {summary['plans']}")
     return "\n".join(lines)
+
+
+def plot_trace(report: dict, png: Path) -> Path:
+    """TTFT against each request's send time, both paths, one point a request (the trace's ``trace.json``)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for path, marker in (("direct", "o"), ("gateway", "s")):
+        mine = [s for s in report["samples"] if s["path"] == path and s["ttft_s"] is not None]
+        ax.scatter([s["send_s"] for s in mine], [s["ttft_s"] for s in mine], label=path, marker=marker, s=18)
+    meta = report["meta"]
+    ax.set_xlabel("sent at (s, the replay's clock)")
+    ax.set_ylabel("time to first token (s)")
+    ax.set_title(
+        f"{meta['requests']} requests of {Path(meta['trace']).name}, {meta['block_tokens']} tokens a block, "
+        f"clock x{meta['clock']:g}, {meta['engine']} engine",
+        fontsize=9,
+    )
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return png
