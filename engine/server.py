@@ -59,30 +59,29 @@ messages_router = APIRouter(route_class=shaped_errors(anthropic.error_body))
 service_router = APIRouter()
 
 
-def _streamed(raw_request: Request, chunks: AsyncIterator[dict], named: bool = False, error_shape=None) -> Response:
+async def _answer(raw_request: Request, request, whole, streamed, named: bool = False, error_shape=None) -> Response:
+    """``whole(request)``'s answer, or ``streamed(request)``'s events where the request asks for a stream; each
+    counted once it has ended (``ok`` or ``error``)."""
     metrics: EngineMetrics = raw_request.app.state.metrics
-    body = sse_body(
-        chunks,
+    if not request.stream:
+        body = await whole(request)
+        metrics.requests.labels("ok").inc()
+        return JSONResponse(body)
+    events = sse_body(
+        await streamed(request),
         on_error=lambda _: metrics.requests.labels("error").inc(),
         on_done=lambda: metrics.requests.labels("ok").inc(),
         named=named,
         error_shape=error_shape,
     )
-    return StreamingResponse(body, media_type="text/event-stream")
-
-
-def _whole(raw_request: Request, body: dict) -> Response:
-    raw_request.app.state.metrics.requests.labels("ok").inc()
-    return JSONResponse(body)
+    return StreamingResponse(events, media_type="text/event-stream")
 
 
 @router.post("/v1/completions")
 @with_cancellation
 async def completions(request: EngineCompletionRequest, raw_request: Request) -> Response:
     serving: EngineServing = raw_request.app.state.serving
-    if request.stream:
-        return _streamed(raw_request, await serving.completion_stream(request))
-    return _whole(raw_request, await serving.completion(request))
+    return await _answer(raw_request, request, serving.completion, serving.completion_stream)
 
 
 @router.post("/v1/chat/completions")
@@ -90,9 +89,7 @@ async def completions(request: EngineCompletionRequest, raw_request: Request) ->
 async def chat_completions(request: ChatCompletionRequest, raw_request: Request) -> Response:
     """Chat through the model's chat template, so the engine stands in for any OpenAI-compatible server."""
     serving: EngineServing = raw_request.app.state.serving
-    if request.stream:
-        return _streamed(raw_request, await serving.chat_completion_stream(request))
-    return _whole(raw_request, await serving.chat_completion(request))
+    return await _answer(raw_request, request, serving.chat_completion, serving.chat_completion_stream)
 
 
 @router.post("/v1/responses")
@@ -100,9 +97,7 @@ async def chat_completions(request: ChatCompletionRequest, raw_request: Request)
 async def responses(request: ResponsesRequest, raw_request: Request) -> Response:
     """OpenAI's Responses API through the chat template; takes the swap as chat does."""
     serving: EngineServing = raw_request.app.state.serving
-    if request.stream:
-        return _streamed(raw_request, await serving.responses_stream(request), named=True)
-    return _whole(raw_request, await serving.responses(request))
+    return await _answer(raw_request, request, serving.responses, serving.responses_stream, named=True)
 
 
 @messages_router.post("/v1/messages")
@@ -110,10 +105,9 @@ async def responses(request: ResponsesRequest, raw_request: Request) -> Response
 async def messages(request: anthropic.MessagesRequest, raw_request: Request) -> Response:
     """Anthropic's Messages API through the chat template, converted as vLLM converts it; takes the swap."""
     serving: EngineServing = raw_request.app.state.serving
-    if request.stream:
-        chunks = await serving.messages_stream(request)
-        return _streamed(raw_request, chunks, named=True, error_shape=anthropic.error_body)
-    return _whole(raw_request, await serving.messages(request))
+    return await _answer(
+        raw_request, request, serving.messages, serving.messages_stream, named=True, error_shape=anthropic.error_body
+    )
 
 
 @messages_router.post("/v1/messages/count_tokens")
