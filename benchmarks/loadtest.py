@@ -23,7 +23,7 @@ from common.process import rss_mib
 from specprefill.lab.rounds import Round, closed_loop, instant_stack, rounds, spread
 
 
-def main() -> None:
+def _arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--concurrency", type=int, default=200)
     parser.add_argument("--duration", type=float, default=20.0)
@@ -48,7 +48,11 @@ def main() -> None:
         "another (the system under test then shares no core with the load)",
     )
     parser.add_argument("--out", type=Path, help="write every round's numbers to this JSON file")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = _arguments()
     with instant_stack(args.pin) as stack:
         asyncio.run(closed_loop(stack.gateway_url, "demo", 4, 2.0))  # warm-up
         gateway_pid = stack.pids["gateway"]
@@ -61,6 +65,27 @@ def main() -> None:
         rss_peak = max([rss_before, *(r.gateway_rss_mib for r in loaded)])
         time.sleep(3)
         rss_after = rss_mib(gateway_pid)
+    _report(args, sequential, loaded)
+    print(
+        f"gateway resident memory: {rss_before:.0f} MiB before, {rss_peak:.0f} MiB at peak, "
+        f"{rss_after:.0f} MiB 3 s after the load"
+    )
+    if args.out:
+        args.out.write_text(
+            json.dumps(
+                {
+                    "args": vars(args) | {"out": str(args.out)},
+                    "sequential": [r.summary() for r in sequential.values()],
+                    "rounds": [r.summary() for r in loaded],
+                    "rss_mib": {"before": rss_before, "peak": rss_peak, "after": rss_after},
+                },
+                indent=1,
+            )
+        )
+
+
+def _report(args: argparse.Namespace, sequential: dict[str, Round], loaded: list[Round]) -> None:
+    """Every round's numbers as a table, and the gateway's cost over the direct path."""
 
     def row(name: str, clients: int, r: Round) -> None:
         parts = ("gateway", "backend", "client")
@@ -93,22 +118,6 @@ def main() -> None:
         print(
             f"gateway over direct, each round: {', '.join(f'{v:.3f}' for v in relative)}; "
             f"max/min {spread(relative):.2f}"
-        )
-    print(
-        f"gateway resident memory: {rss_before:.0f} MiB before, {rss_peak:.0f} MiB at peak, "
-        f"{rss_after:.0f} MiB 3 s after the load"
-    )
-    if args.out:
-        args.out.write_text(
-            json.dumps(
-                {
-                    "args": vars(args) | {"out": str(args.out)},
-                    "sequential": [r.summary() for r in sequential.values()],
-                    "rounds": [r.summary() for r in loaded],
-                    "rss_mib": {"before": rss_before, "peak": rss_peak, "after": rss_after},
-                },
-                indent=1,
-            )
         )
 
 

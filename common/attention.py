@@ -24,6 +24,8 @@ The kernel is registered when a model is loaded, never at import.
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import torch
 from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface, PreTrainedModel
@@ -43,7 +45,7 @@ def gqa_sdpa_attention(
     dropout: float = 0.0,
     scaling: float | None = None,
     is_causal: bool | None = None,
-    **kwargs,
+    **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """query: [B, Hq, Q, D]; key, value: [B, Hkv, K, D]; returns [B, Q, Hq, D] as transformers' kernels do."""
     plain = kwargs.get("cache") is None and kwargs.get("position_bias") is None and not dropout
@@ -91,7 +93,7 @@ def lower_right_causal_attention(
     return sdpa_attention_forward(module, query, key, value, mask[None, None], scaling=scaling, is_causal=False)[0]
 
 
-def end_aligned_causal_mask(**kwargs) -> torch.Tensor | None:
+def end_aligned_causal_mask(**kwargs: Any) -> torch.Tensor | None:
     """transformers' SDPA mask (its mask interface, called with keywords), except that on CUDA a plain causal mask
     whose queries are the last ``q_length`` of the keys, with no padding, is left out (None) whatever the
     query's length: ``gqa_sdpa_attention`` runs it as ``lower_right_causal_attention``. transformers itself
@@ -110,10 +112,10 @@ def end_aligned_causal_mask(**kwargs) -> torch.Tensor | None:
         and isinstance(kv_length, int)
         and q_offset + q_length == kv_offset + kv_length
     ):
-        return sdpa_mask(**kwargs)
+        return cast("torch.Tensor | None", sdpa_mask(**kwargs))
     padding = kwargs.get("attention_mask")  # [B, kv_offset + kv_length] (or None): 0 on padding
     if padding is not None and (padding.shape[-1] != kv_offset + kv_length or not bool(padding[:, kv_offset:].all())):
-        return sdpa_mask(**kwargs)
+        return cast("torch.Tensor | None", sdpa_mask(**kwargs))
     return None
 
 

@@ -15,10 +15,13 @@ import collections
 import hashlib
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from common.sequences import longest_prefix
+
+Ints = Sequence[int] | np.ndarray  # token IDs or positions: a list or an int array
 
 
 def position_key(positions: Sequence[int]) -> str:
@@ -27,7 +30,7 @@ def position_key(positions: Sequence[int]) -> str:
     return hashlib.sha256(",".join(map(str, positions)).encode()).hexdigest()[:32]
 
 
-def block_hash(parent: bytes, token_ids: Sequence[int] | np.ndarray, extra: Sequence | None) -> bytes:
+def block_hash(parent: bytes, token_ids: Sequence[int] | np.ndarray, extra: Sequence[Any] | None) -> bytes:
     """One block's hash from its parent's, its tokens and its extra keys (None or empty: none)."""
     payload = np.asarray(token_ids, dtype="<i8").tobytes()
     if extra:
@@ -36,7 +39,7 @@ def block_hash(parent: bytes, token_ids: Sequence[int] | np.ndarray, extra: Sequ
 
 
 def block_keys(
-    token_ids: Sequence[int], position_ids: Sequence[int] | None, block_size: int, offset: int = 0
+    token_ids: Ints, position_ids: Ints | None, block_size: int, offset: int = 0
 ) -> list[tuple[np.ndarray, tuple[str] | None]]:
     """Each full block's tokens and extra keys (positions default to 0..n-1; ``offset``: where ``token_ids``
     begin in their prompt, for the default positions)."""
@@ -55,13 +58,13 @@ def block_keys(
 
 
 def block_hashes(
-    token_ids: Sequence[int], position_ids: Sequence[int] | None, block_size: int, parent: bytes = b"", offset: int = 0
+    token_ids: Ints, position_ids: Ints | None, block_size: int, parent: bytes = b"", offset: int = 0
 ) -> list[bytes]:
     """One hash per full block (``block_keys``), each chained to the one before."""
     return chain(block_keys(token_ids, position_ids, block_size, offset), parent)
 
 
-def chain(keys: Sequence[tuple[Sequence[int], Sequence | None]], parent: bytes = b"") -> list[bytes]:
+def chain(keys: Sequence[tuple[Ints, Sequence[Any] | None]], parent: bytes = b"") -> list[bytes]:
     """The hashes of blocks given as (tokens, extra keys), each chained to the one before, the first to ``parent``."""
     hashes = []
     for tokens, extra in keys:
@@ -87,7 +90,7 @@ class BlockHasher:
         self._recent: collections.deque[tuple[np.ndarray, list[bytes]]] = collections.deque(maxlen=capacity)
         self._lock = threading.Lock()
 
-    def __call__(self, token_ids: Sequence[int], position_ids: Sequence[int] | None) -> list[bytes]:
+    def __call__(self, token_ids: Ints, position_ids: Ints | None) -> list[bytes]:
         tokens = np.asarray(token_ids, dtype=np.int64)
         positions = (
             np.arange(len(tokens), dtype=np.int64)

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import jinja2
 import numpy as np
+from transformers import PreTrainedTokenizerBase
 
 from common.errors import InvalidRequestError
 from common.protocol import ChatMessage
@@ -29,7 +30,8 @@ class RenderedChat:
 
     def content_spans(self, messages: list[ChatMessage]) -> list[tuple[int, int] | None]:
         """Each message's content as a character span of the text (None where the template changed it)."""
-        spans, cursor = [], 0
+        spans: list[tuple[int, int] | None] = []
+        cursor = 0
         for message in messages:
             content = message.text()
             start = self.text.find(content, cursor) if content else -1
@@ -52,18 +54,20 @@ class RenderedChat:
 
 
 def render_chat(
-    tokenizer,
+    tokenizer: PreTrainedTokenizerBase,
     messages: list[ChatMessage],
-    encode=None,
-    tools: list[dict] | None = None,
+    encode: Callable[[str], tuple[list[int], np.ndarray]] | None = None,
+    tools: list[dict[str, Any]] | None = None,
     add_special_tokens: bool = False,
 ) -> RenderedChat:
     """The prompt the target model reads, with the generation prompt appended, as vLLM renders it (tools go to
     the template). ``encode(text) -> (ids, offsets)`` replaces a plain tokenization (a ``tokenize.PieceCache``'s)."""
     plain = developer_as_system([m.for_template() for m in messages], tokenizer.chat_template)
     try:
-        text = tokenizer.apply_chat_template(
-            plain, tools=template_tools(tools), tokenize=False, add_generation_prompt=True
+        text = str(
+            tokenizer.apply_chat_template(
+                plain, tools=cast(Any, template_tools(tools)), tokenize=False, add_generation_prompt=True
+            )
         )
     except (jinja2.TemplateError, TypeError) as exc:  # TypeError: a tool or tool call the template cannot print
         raise InvalidRequestError(
@@ -77,7 +81,7 @@ def render_chat(
     return RenderedChat(text, encoding.input_ids, np.asarray(encoding["offset_mapping"], dtype=np.int64).reshape(-1, 2))
 
 
-def developer_as_system(messages: list[dict[str, Any]], template) -> list[dict[str, Any]]:
+def developer_as_system(messages: list[dict[str, Any]], template: str | dict[str, str] | None) -> list[dict[str, Any]]:
     """vLLM's rendering of OpenAI's ``developer`` role for a chat template that does not name it (ChatML's,
     among most): each developer message becomes a system one, and where a system message then stands anywhere
     but first, or there are several, they are merged into one at the front, their contents joined by a blank
@@ -96,13 +100,13 @@ def developer_as_system(messages: list[dict[str, Any]], template) -> list[dict[s
     return [{"role": "system", "content": merged}, *(m for m in converted if m["role"] != "system")]
 
 
-def _names_developer(template) -> bool:
+def _names_developer(template: str | dict[str, str] | None) -> bool:
     if isinstance(template, dict):  # named templates: vLLM uses the default one for a chat without tools
         template = template.get("default") or next(iter(template.values()), None)
     return isinstance(template, str) and ('"developer"' in template or "'developer'" in template)
 
 
-def template_tools(tools: list[dict] | None) -> list[dict] | None:
+def template_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
     """Chat tools as vLLM hands them to the template (its request model's dump): ``type`` then ``function``
     with ``name``, ``description`` (null where absent) and ``parameters``; ``strict`` only where set."""
     if not tools:
@@ -129,7 +133,7 @@ def template_tools(tools: list[dict] | None) -> list[dict] | None:
     return out
 
 
-def completion_to_chat(body: dict, model: str) -> dict:
+def completion_to_chat(body: dict[str, Any], model: str) -> dict[str, Any]:
     """A ``text_completion`` answer as a ``chat.completion``."""
     choices = []
     for choice in body.get("choices", []):
@@ -164,7 +168,7 @@ class ChatChunkConverter:
         self.chat_id: str | None = None
         self.sent_role = False
 
-    def convert(self, chunk: dict) -> list[dict]:
+    def convert(self, chunk: dict[str, Any]) -> list[dict[str, Any]]:
         if self.chat_id is None:
             self.chat_id = _chat_id(chunk)
         out = []
@@ -190,7 +194,7 @@ class ChatChunkConverter:
             out.append(self._chunk([], chunk))
         return out
 
-    def _chunk(self, choices: list, source: dict) -> dict:
+    def _chunk(self, choices: list[Any], source: dict[str, Any]) -> dict[str, Any]:
         chunk = {
             "id": self.chat_id,
             "object": "chat.completion.chunk",
@@ -203,16 +207,16 @@ class ChatChunkConverter:
         return chunk
 
 
-def _chat_id(body: dict) -> str:
+def _chat_id(body: dict[str, Any]) -> str:
     source = body.get("id") or uuid.uuid4().hex
     return "chatcmpl-" + source.removeprefix("cmpl-")
 
 
-def _token_entry(token: str, logprob: float) -> dict:
+def _token_entry(token: str, logprob: float) -> dict[str, Any]:
     return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
 
 
-def _chat_logprobs(logprobs: dict | None) -> dict | None:
+def _chat_logprobs(logprobs: dict[str, Any] | None) -> dict[str, Any] | None:
     """Completion logprobs ({tokens, token_logprobs, top_logprobs}) in the chat shape ({content: [...]})."""
     if not logprobs:
         return None
@@ -225,7 +229,9 @@ def _chat_logprobs(logprobs: dict | None) -> dict | None:
     return {"content": content}
 
 
-async def as_chat_chunks(chunks: AsyncIterator[dict], converter: ChatChunkConverter) -> AsyncIterator[dict]:
+async def as_chat_chunks(
+    chunks: AsyncGenerator[dict[str, Any], None], converter: ChatChunkConverter
+) -> AsyncGenerator[dict[str, Any], None]:
     """``text_completion`` chunks as ``chat.completion.chunk`` objects; closing this closes ``chunks``."""
     try:
         async for chunk in chunks:

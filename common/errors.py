@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
@@ -14,6 +14,7 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+Model = TypeVar("Model", bound=BaseModel)
 logger = logging.getLogger("specprefill")
 
 
@@ -71,7 +72,7 @@ class UpstreamError(APIError):
     error_type = "upstream_error"
 
 
-def error_body(message: str, error_type: str, param: str | None = None, code: str | None = None) -> dict:
+def error_body(message: str, error_type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
@@ -87,7 +88,7 @@ def error_response(exc: APIError) -> JSONResponse:
 _TYPE_TAG = re.compile(r"^(str|int|float|bool|none|dict|list|tuple|[\w-]+\[.*\])$")
 
 
-def client_field(loc: tuple) -> str:
+def client_field(loc: tuple[Any, ...]) -> str:
     """A validation error's location as the client's field (``messages[0].content``): the body's own keys and
     indexes, without the names pydantic gives the members of a union (``str``, ``list[...]``,
     ``function-after[...]``)."""
@@ -100,7 +101,7 @@ def client_field(loc: tuple) -> str:
     return out
 
 
-def _validation_error(errors: list[dict]) -> InvalidRequestError:
+def _validation_error(errors: list[dict[str, Any]]) -> InvalidRequestError:
     if not errors:
         return InvalidRequestError("invalid request")
     first = errors[0]
@@ -142,7 +143,7 @@ def shaped_errors(shape: Callable[[APIError], dict[str, Any]]) -> type[APIRoute]
     rather than OpenAI's: another API's error shape (Anthropic's) on that API's routes."""
 
     class ShapedRoute(APIRoute):
-        def get_route_handler(self) -> Callable:
+        def get_route_handler(self) -> Callable[..., Any]:
             handler = super().get_route_handler()
 
             async def route(request: Request) -> Response:
@@ -157,9 +158,9 @@ def shaped_errors(shape: Callable[[APIError], dict[str, Any]]) -> type[APIRoute]
     return ShapedRoute
 
 
-def parse_body(model: type[BaseModel], body: dict):
+def parse_body(model: type[Model], body: dict[str, Any]) -> Model:
     """Validates a body that did not come through FastAPI (in-process calls), with the same 400 as a router's."""
     try:
         return model.model_validate(body)
     except ValidationError as exc:
-        raise _validation_error(list(exc.errors())) from None
+        raise _validation_error([dict(e) for e in exc.errors()]) from None

@@ -11,6 +11,8 @@ whole length when the caller knows it); when the room runs out the buffer grows 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from transformers import DynamicCache, PretrainedConfig
 from transformers.cache_utils import DynamicLayer
@@ -22,7 +24,7 @@ class AppendLayer(DynamicLayer):
     def __init__(
         self, capacity: int = 0, reserve: int = 16, storage: tuple[torch.Tensor, torch.Tensor] | None = None
     ) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self.capacity = capacity
         self.reserve = reserve
         self._keys: torch.Tensor | None = None
@@ -30,25 +32,29 @@ class AppendLayer(DynamicLayer):
         self._storage = storage  # buffers to write into instead of new ones (a CUDA graph reads them too)
         self._length = 0
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         start, end = self._length, self._length + key_states.shape[-2]
         if self._keys is None and self._storage is not None and _fits(self._storage[0], key_states, end):
             self._keys, self._values = self._storage
-        if self._keys is None or end > self._keys.shape[-2]:
+        if self._keys is None or self._values is None or end > self._keys.shape[-2]:
             self._grow(key_states, value_states, max(end + self.reserve, self.capacity))
-        self._keys[:, :, start:end] = key_states
-        self._values[:, :, start:end] = value_states
+        keys, values = self._keys, self._values
+        assert keys is not None and values is not None
+        keys[:, :, start:end] = key_states
+        values[:, :, start:end] = value_states
         self._length = end
-        self.keys, self.values = self._keys[:, :, :end], self._values[:, :, :end]
+        self.keys, self.values = keys[:, :, :end], values[:, :, :end]
         return self.keys, self.values
 
     def _grow(self, key_states: torch.Tensor, value_states: torch.Tensor, capacity: int) -> None:
         batch, heads, _, key_dim = key_states.shape
         keys = key_states.new_empty(batch, heads, capacity, key_dim)
         values = value_states.new_empty(batch, heads, capacity, value_states.shape[-1])
-        if self._length:
+        if self._length and self._keys is not None and self._values is not None:
             keys[:, :, : self._length] = self._keys[:, :, : self._length]
             values[:, :, : self._length] = self._values[:, :, : self._length]
         self._keys, self._values = keys, values
@@ -87,11 +93,11 @@ def append_cache(
     [B, Hkv, room, D] that outlive the cache), holding ``layers``' keys and values (copied in) when given.
     Sliding-window layers, if any, stay as transformers makes them."""
     cache = DynamicCache(config=config)
-    storage = storage or [None] * len(cache.layers)
+    buffers: list[tuple[torch.Tensor, torch.Tensor] | None] = [*storage] if storage else [None] * len(cache.layers)
     cache.layers = [
-        AppendLayer(capacity, reserve, buffers) if type(layer) is DynamicLayer else layer
-        for layer, buffers in zip(cache.layers, storage)
+        AppendLayer(capacity, reserve, held) if type(layer) is DynamicLayer else layer
+        for layer, held in zip(cache.layers, buffers)
     ]
     for layer, (keys, values) in zip(cache.layers, layers or ()):
-        layer.update(keys, values)
+        layer.update(keys, values)  # type: ignore[union-attr]  # every layer a full-attention model has
     return cache

@@ -25,7 +25,7 @@ class BlockStored:
     parent_block_hash: BlockHash | None
     token_ids: list[int]
     block_size: int
-    extra_keys: list[tuple | None] | None = None  # one per block: the positions' key (``common.blocks``), ...
+    extra_keys: list[tuple[Any, ...] | None] | None = None  # one per block: the positions' key (``common.blocks``), ...
     medium: str | None = None  # "GPU" (the engine's own cache), or an offloading tier's "CPU" / "STORAGE"
     lora_name: str | None = None
 
@@ -84,7 +84,8 @@ def encode_batch(batch: EventBatch) -> bytes:
     fields: list[Any] = [batch.ts, events]
     if batch.data_parallel_rank is not None:
         fields.append(batch.data_parallel_rank)
-    return msgpack.packb(fields, use_bin_type=True)
+    packed: bytes = msgpack.packb(fields, use_bin_type=True)
+    return packed
 
 
 def decode_batch(payload: bytes) -> EventBatch:

@@ -15,12 +15,13 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, Hashable
 from typing import Any, Literal
 
 import jinja2
 import jinja2.sandbox
 from pydantic import Field, field_validator
+from transformers import PreTrainedTokenizerBase
 
 from common.errors import APIError, InvalidRequestError, parse_body
 from common.protocol import ChatCompletionRequest, SpecPrefillOptions, WireModel
@@ -169,7 +170,7 @@ class Conversation(WireModel):
                 definition = ToolParam.model_validate(change.get("definition") or {})
                 name, tools[definition.name] = definition.name, definition
             else:
-                name = change.get("name")
+                name = str(change.get("name"))
                 if name not in tools:
                     raise InvalidRequestError(
                         f"{block.type} names the tool {name!r}, which is not in tools", param="messages"
@@ -230,7 +231,7 @@ def _chat(fields: dict[str, Any]) -> ChatCompletionRequest:
 def _chat_tool(tool: ToolParam) -> dict[str, Any]:
     schema = dict(tool.input_schema)
     schema.setdefault("type", "object")  # as vLLM fills it in: last
-    function = {"name": tool.name, "description": tool.description, "parameters": schema}
+    function: dict[str, Any] = {"name": tool.name, "description": tool.description, "parameters": schema}
     if tool.strict is not None:
         function["strict"] = tool.strict
     if tool.defer_loading is not None:
@@ -249,6 +250,7 @@ def _convert_blocks(message: MessageParam, chat: dict[str, Any], messages: list[
     parts: list[dict[str, Any]] = []
     calls: list[dict[str, Any]] = []
     reasoning: list[str] = []
+    assert not isinstance(message.content, str)  # text content is converted whole
     for block in message.content:
         if block.type == "text" and block.text:
             parts.append({"type": "text", "text": block.text})
@@ -305,14 +307,15 @@ def _append_tool_result(block: ContentBlock, messages: list[dict[str, Any]]) -> 
 
 def _image_url(source: dict[str, Any]) -> str:
     if source.get("type") == "url":
-        return source.get("url", "")
+        return str(source.get("url", ""))
     return f"data:{source.get('media_type', 'image/jpeg')};base64,{source.get('data', '')}"
 
 
-def merges_inline_system(tokenizer) -> bool:
+def merges_inline_system(tokenizer: PreTrainedTokenizerBase) -> bool:
     """Whether the model's chat template refuses a system message after the first turn (vLLM then merges
     them into the leading system prompt): the template is rendered with one, as vLLM probes it."""
-    templates = []
+    templates: list[str | None] = []
+    tools: list[dict[str, Any]] | None
     for tools in (None, []):
         try:
             templates.append(tokenizer.get_chat_template(tools=tools))
@@ -338,7 +341,7 @@ def _refuses_inline_system(template: str | None) -> bool:
 # --- answers ---
 
 
-def usage(chat_usage: dict | None) -> dict:
+def usage(chat_usage: dict[str, Any] | None) -> dict[str, Any]:
     """A chat usage in Anthropic's terms: ``input_tokens`` are those not read from the cache."""
     chat_usage = chat_usage or {}
     out: dict[str, Any] = {"output_tokens": chat_usage.get("completion_tokens") or 0}
@@ -364,7 +367,7 @@ def stop_reason(finish_reason: str | None, matched: Any, tool_used: bool) -> tup
     return "end_turn", None
 
 
-def chat_to_message(chat: dict, model: str) -> dict:
+def chat_to_message(chat: dict[str, Any], model: str) -> dict[str, Any]:
     """A ``chat.completion`` as a Messages answer."""
     choice = (chat.get("choices") or [{}])[0]
     message = choice.get("message") or {}
@@ -397,7 +400,9 @@ def chat_to_message(chat: dict, model: str) -> dict:
     }
 
 
-async def message_events(chunks: AsyncIterator[dict], model: str) -> AsyncIterator[dict]:
+async def message_events(
+    chunks: AsyncGenerator[dict[str, Any], None], model: str
+) -> AsyncGenerator[dict[str, Any], None]:
     """``chat.completion.chunk`` objects as Anthropic's stream events: ``message_start``, ``ping``, then per
     content block ``content_block_start`` / ``_delta`` (``text_delta``, ``input_json_delta``) / ``_stop``, then
     ``message_delta`` (stop reason, usage) and ``message_stop``. The chat stream must carry its usage."""
@@ -407,19 +412,7 @@ async def message_events(chunks: AsyncIterator[dict], model: str) -> AsyncIterat
         async for chunk in chunks:
             if not started:
                 started = True
-                yield {
-                    "type": "message_start",
-                    "message": {
-                        "id": _message_id(chunk.get("id")),
-                        "type": "message",
-                        "role": "assistant",
-                        "content": [],
-                        "model": model,
-                        "stop_reason": None,
-                        "stop_sequence": None,
-                        "usage": usage(chunk.get("usage")),
-                    },
-                }
+                yield _message_start(chunk, model)
                 yield {"type": "ping"}
             chat_usage = chunk.get("usage") or chat_usage
             for choice in chunk.get("choices") or ():
@@ -459,13 +452,21 @@ async def message_events(chunks: AsyncIterator[dict], model: str) -> AsyncIterat
         await chunks.aclose()
 
 
+def _message_start(chunk: dict[str, Any], model: str) -> dict[str, Any]:
+    message: dict[str, Any] = {"id": _message_id(chunk.get("id")), "type": "message", "role": "assistant"}
+    message |= {"content": [], "model": model, "stop_reason": None, "stop_sequence": None}
+    message["usage"] = usage(chunk.get("usage"))
+    return {"type": "message_start", "message": message}
+
+
 class _Blocks:
     """The content block being streamed: a new kind (or another tool call) closes it and opens the next."""
 
     def __init__(self) -> None:
-        self.index, self.kind, self.tool_used = -1, None, False
+        self.index, self.tool_used = -1, False
+        self.kind: Hashable | None = None  # "text", "thinking", or ("tool", its index)
 
-    def open(self, kind, block: dict) -> list[dict]:
+    def open(self, kind: Hashable, block: dict[str, Any]) -> list[dict[str, Any]]:
         if kind == self.kind:
             return []
         events = self.close()
@@ -473,17 +474,17 @@ class _Blocks:
         self.tool_used |= block["type"] == "tool_use"
         return [*events, {"type": "content_block_start", "index": self.index, "content_block": block}]
 
-    def delta(self, delta: dict) -> dict:
+    def delta(self, delta: dict[str, Any]) -> dict[str, Any]:
         return {"type": "content_block_delta", "index": self.index, "delta": delta}
 
-    def close(self) -> list[dict]:
+    def close(self) -> list[dict[str, Any]]:
         if self.kind is None:
             return []
         self.kind = None
         return [{"type": "content_block_stop", "index": self.index}]
 
 
-def _arguments(arguments: Any) -> dict:
+def _arguments(arguments: Any) -> dict[str, Any]:
     if isinstance(arguments, dict):
         return arguments
     try:
@@ -504,7 +505,7 @@ def _tool_id() -> str:
 # --- errors ---
 
 
-def error_body(exc: APIError) -> dict:
+def error_body(exc: APIError) -> dict[str, Any]:
     """Anthropic's error shape. The parameter goes in the message, as vLLM's Anthropic errors carry it."""
     message = exc.message
     if exc.param and f"parameter={exc.param}" not in message:
@@ -512,5 +513,5 @@ def error_body(exc: APIError) -> dict:
     return {"type": "error", "error": {"type": ERROR_TYPES.get(exc.status_code, "api_error"), "message": message}}
 
 
-def count_tokens_body(input_tokens: int) -> dict:
+def count_tokens_body(input_tokens: int) -> dict[str, Any]:
     return {"input_tokens": input_tokens, "context_management": {"original_input_tokens": input_tokens}}

@@ -8,6 +8,7 @@ import hashlib
 import inspect
 import json
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
@@ -23,14 +24,14 @@ class TokenizerMismatchError(ValueError):
     """The draft and target models do not share one tokenizer, so draft token indices mean nothing to the target."""
 
 
-def with_cache(model: PreTrainedModel, cache) -> dict:
+def with_cache(model: PreTrainedModel, cache: Any) -> dict[str, Any]:
     """The KV cache as a forward's keyword: ``cache`` from transformers 5.24 on (``past_key_values`` is deprecated
     there, and removed in 5.40), ``past_key_values`` before."""
-    return {_cache_keyword(type(model)): cache}
+    return {_cache_keyword(cast(Any, type(model))): cache}
 
 
 @functools.cache
-def _cache_keyword(model_class: type) -> str:
+def _cache_keyword(model_class: Any) -> str:
     return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
 
 
@@ -66,6 +67,7 @@ def load_causal_lm(
     ``RANDOM_WEIGHTS`` gets random weights made on ``device``, for timing only. ``layers``: only the first that
     many decoder layers, then the model's own final norm and head (``first_layers``)."""
     random_weights = Path(path_or_id) / RANDOM_WEIGHTS
+    model: Any
     if random_weights.is_file():
         model = _random_model(random_weights, device or default_device(), dtype, attn_implementation)
     else:
@@ -78,7 +80,8 @@ def load_causal_lm(
     model = model.to(device or default_device()).eval()
     if model.device.type == "cuda":
         avoid_cudnn_sdpa()
-    return model
+    loaded: PreTrainedModel = model
+    return loaded
 
 
 def first_layers(model: PreTrainedModel, layers: int) -> None:
@@ -103,7 +106,7 @@ def check_layers(total: int, layers: int | None, name: str = "the draft model") 
 
 def decoder_layers(path_or_id: str | Path) -> int:
     """The model's decoder layer count, from its config alone."""
-    return AutoConfig.from_pretrained(str(path_or_id)).num_hidden_layers
+    return int(AutoConfig.from_pretrained(str(path_or_id)).num_hidden_layers)
 
 
 def _random_model(
@@ -114,11 +117,12 @@ def _random_model(
     config = AutoConfig.from_pretrained(spec_file.parent)
     torch.manual_seed(spec["seed"])
     with torch.device(device):
-        return AutoModelForCausalLM.from_config(
+        model: PreTrainedModel = AutoModelForCausalLM.from_config(
             config,
             dtype=resolve_dtype(spec["dtype"]) if resolved == "auto" else resolved,
             attn_implementation=attn_implementation,
         )
+    return model
 
 
 def check_same_tokenizer(draft: PreTrainedTokenizerBase, target: PreTrainedTokenizerBase) -> None:

@@ -22,10 +22,11 @@ def free_port() -> int:
     """A port nothing listens on right now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
-def wait_healthy(url: str, process: subprocess.Popen | None = None, timeout: float = 600) -> None:
+def wait_healthy(url: str, process: subprocess.Popen[bytes] | None = None, timeout: float = 600) -> None:
     """Polls ``url/health`` until it answers 200; raises if ``process`` exits or ``timeout`` passes."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -13,19 +13,25 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterable
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
 
 from common.errors import InvalidRequestError
 from common.protocol import ChatCompletionRequest, CompletionRequest
 
 WHITESPACE = (" ", "\n", "\t", "\r")
-_longest: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> its longest entry, in characters
+_longest: weakref.WeakKeyDictionary[Any, Any] = (
+    weakref.WeakKeyDictionary()
+)  # tokenizer -> its longest entry, in characters
 
 
-def longest_piece(tokenizer) -> int:
+def longest_piece(tokenizer: PreTrainedTokenizerBase) -> int:
     """The most characters one of the tokenizer's tokens spells (computed once per tokenizer)."""
     if tokenizer not in _longest:
         _longest[tokenizer] = max((len(piece) for piece in tokenizer.get_vocab()), default=1) or 1
-    return _longest[tokenizer]
+    longest: int = _longest[tokenizer]
+    return longest
 
 
 def visible_chars(texts: Iterable[str]) -> int:
@@ -46,7 +52,10 @@ def prompt_texts(request: ChatCompletionRequest | CompletionRequest) -> list[str
 
 
 def refuse_unfittable(
-    request: ChatCompletionRequest | CompletionRequest, tokenizer, limit: int | None, holder: str = "this gateway"
+    request: ChatCompletionRequest | CompletionRequest,
+    tokenizer: PreTrainedTokenizerBase,
+    limit: int | None,
+    holder: str = "this gateway",
 ) -> int:
     """A 400 ``context_length_exceeded`` for a prompt whose characters alone exceed ``limit`` tokens; else the
     characters it has (to decide whether tokenizing it is long work)."""

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any
+from typing import Any, Self, cast
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from transformers import PreTrainedTokenizerBase
 
 from common.errors import InvalidRequestError
 
@@ -19,7 +20,7 @@ class WireModel(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     @model_validator(mode="after")
-    def _log_unknown_fields(self):
+    def _log_unknown_fields(self) -> Self:
         if self.model_extra:
             logger.debug("ignoring unknown fields in %s: %s", type(self).__name__, sorted(self.model_extra))
         return self
@@ -213,17 +214,17 @@ class CompletionRequest(SamplingFields):
             prompt = prompt[0]
         if not prompt:
             raise InvalidRequestError("the prompt is empty", param="prompt")
-        return prompt
+        return cast("str | list[int]", prompt)  # a batch of one unwrapped: text or token IDs
 
-    def prompt_token_ids(self, tokenizer, vocab_size: int | None = None) -> list[int]:
+    def prompt_token_ids(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int | None = None) -> list[int]:
         """The prompt's token IDs as an engine makes them: text through the tokenizer (special tokens added, as
         vLLM does), token IDs checked against the tokenizer's vocabulary (and the model's, if smaller)."""
         prompt = self.single_prompt()
         if isinstance(prompt, str):
-            prompt = tokenizer(prompt).input_ids
-            if not prompt:
+            ids: list[int] = tokenizer(prompt).input_ids
+            if not ids:
                 raise InvalidRequestError("the prompt is empty", param="prompt")
-            return prompt
+            return ids
         vocab = min(len(tokenizer), vocab_size or len(tokenizer))
         if any(not 0 <= t < vocab for t in prompt):
             raise InvalidRequestError(f"prompt token IDs must be in [0, {vocab})", param="prompt")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from pydantic import Field, field_validator
@@ -147,7 +147,7 @@ def _chat_tool(tool: dict[str, Any]) -> dict[str, Any]:
     return {"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}}
 
 
-def usage_from_chat(usage: dict | None) -> dict | None:
+def usage_from_chat(usage: dict[str, Any] | None) -> dict[str, Any] | None:
     """A chat usage as Responses usage (input/output tokens, cached input tokens)."""
     if usage is None:
         return None
@@ -169,9 +169,9 @@ def response_object(
     response_id: str,
     created: int,
     status: str = "completed",
-    usage: dict | None = None,
+    usage: dict[str, Any] | None = None,
     finish_reason: str | None = None,
-) -> dict:
+) -> dict[str, Any]:
     """A Response with one assistant message (empty while in progress)."""
     output = []
     if status != "in_progress":
@@ -199,7 +199,7 @@ def response_object(
     return body
 
 
-def _message_item(response_id: str, text: str, status: str) -> dict:
+def _message_item(response_id: str, text: str, status: str) -> dict[str, Any]:
     content = [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else []
     return {
         "id": "msg_" + response_id.removeprefix("resp_"),
@@ -210,7 +210,7 @@ def _message_item(response_id: str, text: str, status: str) -> dict:
     }
 
 
-def chat_to_response(request: ResponsesRequest, chat: dict, model: str) -> dict:
+def chat_to_response(request: ResponsesRequest, chat: dict[str, Any], model: str) -> dict[str, Any]:
     choice = (chat.get("choices") or [{}])[0]
     return response_object(
         request,
@@ -223,16 +223,20 @@ def chat_to_response(request: ResponsesRequest, chat: dict, model: str) -> dict:
     )
 
 
-async def response_events(request: ResponsesRequest, chunks: AsyncIterator[dict], model: str) -> AsyncIterator[dict]:
+async def response_events(
+    request: ResponsesRequest, chunks: AsyncGenerator[dict[str, Any], None], model: str
+) -> AsyncGenerator[dict[str, Any], None]:
     """Chat chunks as OpenAI's Responses stream events (created ... output_text.delta ... completed)."""
     response_id, created = f"resp_{uuid.uuid4().hex}", int(time.time())
     item_id = "msg_" + response_id.removeprefix("resp_")
     sequence = iter(range(1 << 62))
 
-    def event(kind: str, **fields) -> dict:
+    def event(kind: str, **fields: Any) -> dict[str, Any]:
         return {"type": kind, "sequence_number": next(sequence), **fields}
 
-    def response(status: str, text: str = "", usage=None, finish=None) -> dict:
+    def response(
+        status: str, text: str = "", usage: dict[str, Any] | None = None, finish: str | None = None
+    ) -> dict[str, Any]:
         return response_object(
             request,
             model,

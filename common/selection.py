@@ -38,7 +38,8 @@ class SelectionConfig:
 
 
 def validate_keep_rate(keep_rate: float) -> float:
-    """A keep rate is a finite number in (0, 1]."""
+    """A keep rate is a finite number in (0, 1]: checked once, where it comes in (the settings, the command line,
+    a request's header or body), with this one rule."""
     if not (0.0 < keep_rate <= 1.0):  # also false for NaN
         raise ConfigError(f"keep rate must be a number in (0, 1], got {keep_rate!r}")
     return float(keep_rate)
@@ -62,7 +63,7 @@ def select_tokens(
     markup: BOS, role headers), and the tokens ``keep`` marks (a boolean [S] mask: a system prompt kept
     whole). Keep rate 1 keeps everything.
     """
-    keep_rate = validate_keep_rate(keep_rate)
+    assert 0.0 < keep_rate <= 1.0, "validated where it came in (validate_keep_rate)"
     assert scores.dim() == 1 and scores.numel() == len(token_ids), "one score per token"
     if keep_rate >= 1.0:
         return list(range(len(token_ids)))
@@ -82,7 +83,9 @@ def always_kept(
     extra = keep.clone() if keep is not None else torch.zeros(length, dtype=torch.bool)
     if special_ids:
         extra |= torch.isin(torch.as_tensor(list(token_ids)), torch.as_tensor(sorted(special_ids)))
-    return protected_mask(length, config.protect_first, max(config.protect_last, 1), extra)
+    mask = protected_mask(length, config.protect_first, max(config.protect_last, 1), extra)
+    assert mask is not None  # the last token at least
+    return mask
 
 
 def extend_selection(
@@ -124,7 +127,7 @@ def fill_blocks(kept: Sequence[int], boundary: int, block: int, floor: int = 0) 
     missing = -below % block if block > 1 and boundary > 0 else 0
     if not missing:
         return list(kept)
-    taken, fill, position = set(kept[:below]), [], boundary - 1
+    taken, fill, position = set(kept[:below]), list[int](), boundary - 1
     while len(fill) < missing and position >= floor:
         if position not in taken:
             fill.append(position)

@@ -14,10 +14,15 @@ import ctypes.util
 import gc
 import json
 import logging
+import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from types import FrameType
+from typing import Any
 
 import uvicorn
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from common.errors import OverloadedError, error_body
 from common.messages import error_body as anthropic_error_body
@@ -28,11 +33,12 @@ logger = logging.getLogger("specprefill")
 TRIM_AFTER_BYTES = 1 << 20  # a body at least this big: the heap is trimmed once its request is done
 
 
-def _malloc_trim():
+def _malloc_trim() -> Callable[[int], int] | None:
     """glibc's ``malloc_trim`` (None elsewhere): hands freed heap pages back to the system. A refused 15 MB body
     left 30-130 MiB behind without it (its text, its parse, its pydantic copy: freed, but kept by the allocator)."""
     try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+        trim: Callable[[int], int] = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+        return trim
     except (OSError, AttributeError):
         return None
 
@@ -54,7 +60,7 @@ class GuardMiddleware:
     """Pure ASGI: caps request headers (431) and body (413), counts in-flight requests, refuses new ones while
     draining (503). Every refusal is in OpenAI's error shape."""
 
-    def __init__(self, app, max_body_bytes: int = 16 << 20, max_header_bytes: int = 64 << 10) -> None:
+    def __init__(self, app: ASGIApp, max_body_bytes: int = 16 << 20, max_header_bytes: int = 64 << 10) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.max_header_bytes = max_header_bytes
@@ -66,38 +72,24 @@ class GuardMiddleware:
         """Ends every request still in flight, each in its API's shape (the drain ran out of time): a 503 with
         ``Retry-After`` where nothing was sent yet, an error event (and ``[DONE]``, on OpenAI's chat and
         completions streams) where a stream had begun. Returns how many it ended."""
-        requests = [r for r in self.requests if r.task is not None and not r.task.done()]
-        for request in requests:
+        tasks = [(r, r.task) for r in self.requests if r.task is not None and not r.task.done()]
+        for request, task in tasks:
             request.cut = True
-            request.task.cancel()
+            task.cancel()
         deadline = asyncio.get_running_loop().time() + timeout
         while self.requests and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.01)
-        return len(requests)
+        return len(tasks)
 
-    async def __call__(self, scope, receive, send):
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        if self.draining:
-            return await _send_error(
-                send,
-                503,
-                "the server is shutting down; retry on another replica",
-                "overloaded_error",
-                {"retry-after": "1"},
-            )
-        if sum(len(k) + len(v) for k, v in scope["headers"]) > self.max_header_bytes:
-            return await _send_error(
-                send, 431, f"the request headers are larger than {self.max_header_bytes} bytes", "invalid_request_error"
-            )
-        length = dict(scope["headers"]).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
-            return await _send_error(
-                send, 413, f"the request body is larger than {self.max_body_bytes} bytes", "invalid_request_error"
-            )
+        if (refusal := self._refusal(scope)) is not None:
+            return await _send_error(send, *refusal)
+        request = _InFlight(scope.get("path", ""))
         received = 0
 
-        async def limited_receive():
+        async def limited_receive() -> Message:
             nonlocal received
             message = await receive()
             if message["type"] == "http.request":
@@ -109,34 +101,13 @@ class GuardMiddleware:
             return message
 
         self.in_flight += 1
-        request = _InFlight(scope.get("path", ""))
-
-        async def tracking_send(message):
-            if message["type"] == "http.response.start":
-                request.started = True
-                headers = message.get("headers", ())
-                if request.read_at is not None and not any(k.lower() == b"server-timing" for k, _ in headers):
-                    # an answer without the plan's timings (an error, above all): the gateway's own time for it,
-                    # from the body's last byte to this status line
-                    took = (time.perf_counter() - request.read_at) * 1e3
-                    message = {**message, "headers": [*headers, (b"server-timing", f"app;dur={took:.1f}".encode())]}
-                request.stream = any(
-                    k.lower() == b"content-type" and v.startswith(b"text/event-stream")
-                    for k, v in message.get("headers", ())
-                )
-            elif message["type"] == "http.response.body" and not message.get("more_body", False):
-                request.ended = True
-            await send(message)
-
         self.requests.add(request)
         try:
-            request.task = asyncio.ensure_future(self.app(scope, limited_receive, tracking_send))
+            request.task = asyncio.ensure_future(self.app(scope, limited_receive, _tracking(send, request)))
             await request.task
         except _BodyTooLarge:
             if not request.started:
-                await _send_error(
-                    send, 413, f"the request body is larger than {self.max_body_bytes} bytes", "invalid_request_error"
-                )
+                await _send_error(send, *self._too_large())
         except asyncio.CancelledError:
             if not request.cut:
                 raise
@@ -146,6 +117,48 @@ class GuardMiddleware:
             self.in_flight -= 1
             if received >= TRIM_AFTER_BYTES:
                 _give_back_memory()
+
+    def _refusal(self, scope: Scope) -> tuple[Any, ...] | None:
+        """Why a request is refused before the app sees it (``_send_error``'s arguments), or None."""
+        if self.draining:
+            return (
+                503,
+                "the server is shutting down; retry on another replica",
+                "overloaded_error",
+                {"retry-after": "1"},
+            )
+        if sum(len(k) + len(v) for k, v in scope["headers"]) > self.max_header_bytes:
+            return 431, f"the request headers are larger than {self.max_header_bytes} bytes", "invalid_request_error"
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            return self._too_large()
+        return None
+
+    def _too_large(self) -> tuple[Any, ...]:
+        return 413, f"the request body is larger than {self.max_body_bytes} bytes", "invalid_request_error"
+
+
+def _tracking(send: Send, request: _InFlight) -> Send:
+    """``send``, noting what the answer has sent so far in ``request``."""
+
+    async def tracking_send(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            request.started = True
+            headers = message.get("headers", ())
+            if request.read_at is not None and not any(k.lower() == b"server-timing" for k, _ in headers):
+                # an answer without the plan's timings (an error, above all): the gateway's own time for it,
+                # from the body's last byte to this status line
+                took = (time.perf_counter() - request.read_at) * 1e3
+                message = {**message, "headers": [*headers, (b"server-timing", f"app;dur={took:.1f}".encode())]}
+            request.stream = any(
+                k.lower() == b"content-type" and v.startswith(b"text/event-stream")
+                for k, v in message.get("headers", ())
+            )
+        elif message["type"] == "http.response.body" and not message.get("more_body", False):
+            request.ended = True
+        await send(message)
+
+    return tracking_send
 
 
 class _BodyTooLarge(Exception):
@@ -157,7 +170,7 @@ class _InFlight:
     """A request the guard is watching: where its answer stands, for ending it in shape if the drain runs out."""
 
     path: str
-    task: asyncio.Future | None = None
+    task: asyncio.Future[Any] | None = None
     started: bool = False  # the response's status line went out
     stream: bool = False  # as server-sent events
     ended: bool = False  # its last byte went out
@@ -168,7 +181,7 @@ class _InFlight:
 DRAIN_MESSAGE = "the server shut down before this request was answered; retry it on another replica"
 
 
-async def _cut_off(send, request: _InFlight) -> None:
+async def _cut_off(send: Send, request: _InFlight) -> None:
     """A request the drain cancelled, answered in its API's shape (Anthropic's on ``/v1/messages``, OpenAI's
     elsewhere)."""
     if request.ended:
@@ -201,7 +214,9 @@ async def _cut_off(send, request: _InFlight) -> None:
         await send({"type": "http.response.body", "body": b""})
 
 
-async def _send_error(send, status: int, message: str, error_type: str, headers: dict | None = None) -> None:
+async def _send_error(
+    send: Send, status: int, message: str, error_type: str, headers: dict[str, Any] | None = None
+) -> None:
     body = json.dumps(error_body(message, error_type)).encode()
     raw_headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     raw_headers += [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
@@ -214,13 +229,13 @@ class DrainingServer(uvicorn.Server):
         super().__init__(config)
         self.guard = guard
         self.drain_timeout = drain_timeout
-        self._drain_task: asyncio.Task | None = None
+        self._drain_task: asyncio.Task[Any] | None = None
 
-    async def startup(self, sockets=None) -> None:
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)  # the app's lifespan: models, tokenizers, caches
         freeze_startup_heap()
 
-    def handle_exit(self, sig, frame) -> None:
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self.guard.draining:  # a second signal: stop now
             return super().handle_exit(sig, frame)
         self.guard.draining = True
@@ -231,7 +246,7 @@ class DrainingServer(uvicorn.Server):
         )
         self._drain_task = asyncio.get_event_loop().create_task(self._drain(sig, frame))
 
-    async def _drain(self, sig, frame) -> None:
+    async def _drain(self, sig: int, frame: FrameType | None) -> None:
         deadline = asyncio.get_running_loop().time() + self.drain_timeout
         while self.guard.in_flight > 0 and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.05)
@@ -261,7 +276,7 @@ def freeze_startup_heap() -> None:
 
 
 def run_server(
-    app, options: ServerOptions, *, max_body_bytes: int = 16 << 20, max_header_bytes: int = 64 << 10
+    app: ASGIApp, options: ServerOptions, *, max_body_bytes: int = 16 << 20, max_header_bytes: int = 64 << 10
 ) -> None:
     """Serves ``app`` behind the guard, with logging configured the same way for every service."""
     logging.basicConfig(level=options.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

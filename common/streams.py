@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from common.errors import APIError, as_api_error
@@ -32,7 +32,9 @@ def sse_error(
     return sse(body)
 
 
-async def prepend(first: dict, rest: AsyncIterator[dict]) -> AsyncIterator[dict]:
+async def prepend(
+    first: dict[str, Any], rest: AsyncGenerator[dict[str, Any], None]
+) -> AsyncGenerator[dict[str, Any], None]:
     """``first``, then ``rest``; closing this closes ``rest`` (and whatever request it holds open)."""
     try:
         yield first
@@ -42,7 +44,7 @@ async def prepend(first: dict, rest: AsyncIterator[dict]) -> AsyncIterator[dict]
         await rest.aclose()
 
 
-async def merge(streams: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:
+async def merge(streams: list[AsyncGenerator[Any, None]]) -> AsyncGenerator[tuple[int, Any], None]:
     """``(index, item)`` from several streams as each comes; one stream is passed through without tasks.
     The first failure ends the merge; closing it closes every stream."""
     if len(streams) == 1:
@@ -52,10 +54,10 @@ async def merge(streams: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, A
         finally:
             await streams[0].aclose()
         return
-    queue: asyncio.Queue = asyncio.Queue()
+    queue: asyncio.Queue[Any] = asyncio.Queue()
     done = object()
 
-    async def pump(index: int, stream: AsyncIterator[Any]) -> None:
+    async def pump(index: int, stream: AsyncGenerator[Any, None]) -> None:
         try:
             async for item in stream:
                 await queue.put((index, item))
@@ -84,14 +86,14 @@ async def merge(streams: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, A
 
 
 async def sse_body(
-    chunks: AsyncIterator[dict],
+    chunks: AsyncGenerator[dict[str, Any], None],
     *,
     on_first: Callable[[], None] | None = None,
     on_error: Callable[[BaseException], None] | None = None,
     on_done: Callable[[], None] | None = None,
     named: bool = False,
     error_shape: Callable[[APIError], dict[str, Any]] | None = None,
-) -> AsyncIterator[bytes]:
+) -> AsyncGenerator[bytes, None]:
     """``chunks`` as SSE frames, then ``[DONE]``; the hooks observe the first chunk, a failure, a clean end.
     ``named``: an event name on each frame, and no ``[DONE]`` (OpenAI's Responses stream, Anthropic's Messages
     stream); ``error_shape``: the error event in another API's shape.

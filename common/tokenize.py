@@ -32,6 +32,7 @@ import threading
 from collections.abc import Sequence
 
 import numpy as np
+from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger("specprefill")
 
@@ -54,7 +55,7 @@ class PieceCache:
     """``encode(text) -> (ids, offsets)`` as ``tokenizer(text, add_special_tokens=False)`` gives them (offsets as an
     int64 array [N, 2])."""
 
-    def __init__(self, tokenizer, capacity_bytes: int = 16 << 20) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, capacity_bytes: int = 16 << 20) -> None:
         self.tokenizer = tokenizer
         self.capacity_bytes = capacity_bytes
         # piece -> (token IDs, spans [N, 2]), both int32, and what the entry holds in bytes
@@ -72,10 +73,12 @@ class PieceCache:
 
     def encode(self, text: str) -> tuple[list[int], np.ndarray]:
         """Token IDs, and each token's character span as an int64 array [N, 2]."""
-        if not self.enabled:
-            ids, offsets = self._whole(text)
-            return ids.tolist(), offsets.astype(np.int64)
-        ids, offsets, start = [], [], 0
+        if not self.enabled or self._split is None:
+            whole_ids, whole_offsets = self._whole(text)
+            return whole_ids.tolist(), whole_offsets.astype(np.int64)
+        ids: list[np.ndarray] = []
+        offsets: list[np.ndarray] = []
+        start = 0
         for piece in self._split.split(text):
             if piece:
                 piece_ids, piece_offsets = self._piece(piece)
@@ -88,19 +91,20 @@ class PieceCache:
 
     def _piece(self, piece: str) -> tuple[np.ndarray, np.ndarray]:
         with self._lock:
-            found = self._pieces.get(piece)
-            if found is not None:
+            held = self._pieces.get(piece)
+            if held is not None:
                 self._pieces.move_to_end(piece)
-                return found[:2]
+                return held[0], held[1]
             head = self._heads.get(piece[:HEAD_CHARS]) if len(piece) > LONG_PIECE else None
             earlier = self._pieces.get(head) if head is not None else None
-        found = (earlier is not None and self._extended(piece, head, *earlier[:2])) or self._segmented(piece)
+        extended = self._extended(piece, head, earlier[0], earlier[1]) if head is not None and earlier else None
+        found = extended or self._segmented(piece)
         size = sys.getsizeof(piece) + found[0].nbytes + found[1].nbytes
         if size <= self.capacity_bytes:
             with self._lock:
                 if (old := self._pieces.pop(piece, None)) is not None:  # tokenized twice at once
                     self.bytes -= old[2]
-                self._pieces[piece] = (*found, size)
+                self._pieces[piece] = (found[0], found[1], size)
                 self.bytes += size
                 if len(piece) > LONG_PIECE:
                     self._heads[piece[:HEAD_CHARS]] = piece
@@ -111,7 +115,9 @@ class PieceCache:
                         del self._heads[evicted[:HEAD_CHARS]]
         return found
 
-    def _extended(self, text: str, earlier: str, ids: np.ndarray, offsets: np.ndarray):
+    def _extended(
+        self, text: str, earlier: str, ids: np.ndarray, offsets: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray] | None:
         """``text``'s tokens from those of an ``earlier`` piece it begins like (the same document, then another
         question): the earlier tokens up to ``OVERLAP`` tokens before the point where the two texts part are
         kept, and the rest is tokenized again. Kept only where the new tokenization reproduces those
@@ -165,7 +171,7 @@ class PieceCache:
     def _agrees(self) -> bool:
         """A sample chat, then every added token between whitespace: split and whole must give one result."""
         try:
-            text = self.tokenizer.apply_chat_template(SAMPLE_CHAT, tokenize=False, add_generation_prompt=True)
+            text = str(self.tokenizer.apply_chat_template(SAMPLE_CHAT, tokenize=False, add_generation_prompt=True))
         except Exception:  # no chat template
             text = ""
         text += "".join(f" word {token}  word\n{token}\n " for token in self.tokenizer.get_added_vocab())
@@ -233,7 +239,7 @@ def _common_prefix(a: str, b: str) -> int:
 CONTEXT_TOKENS = 4  # tokens decoded before each one, so its text is what it adds (leading spaces, bytes)
 
 
-def token_pieces(tokenizer, token_ids: Sequence[int]) -> list[str]:
+def token_pieces(tokenizer: PreTrainedTokenizerBase, token_ids: Sequence[int]) -> list[str]:
     """Each token's text, such that the pieces joined read as the decoded prompt.
 
     A token's piece is what decoding it adds after a few tokens before it (a word-start marker's space
@@ -242,7 +248,7 @@ def token_pieces(tokenizer, token_ids: Sequence[int]) -> list[str]:
     """
 
     def decode(ids: Sequence[int]) -> str:
-        return tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        return str(tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False))
 
     pieces: list[str] = []
     pending = 0  # tokens before this one whose text is not out yet

@@ -28,7 +28,7 @@ class PrefixKVCache:
     def nbytes(self) -> int:
         return self._bytes
 
-    def reusable(self, prompt: Sequence[int]) -> int:
+    def reusable(self, prompt: Sequence[int] | np.ndarray) -> int:
         """How many of the prompt's tokens a lookup would reuse now (0 below ``min_prefix``); changes nothing."""
         query = np.asarray(prompt, dtype=np.int64)
         with self._lock:

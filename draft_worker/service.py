@@ -11,7 +11,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from common.errors import InvalidRequestError, install_error_handlers
@@ -25,6 +25,9 @@ from draft_worker.worker import DraftWorker
 
 class ScoreRequest(WireModel):
     token_ids: list[int]
+
+
+router = APIRouter()
 
 
 def create_app(settings: DraftWorkerSettings, *, worker: DraftWorker | None = None) -> FastAPI:
@@ -56,40 +59,43 @@ def create_app(settings: DraftWorkerSettings, *, worker: DraftWorker | None = No
 
     app = FastAPI(title="SpecPrefill draft worker", lifespan=lifespan)
     install_error_handlers(app)
-
-    @app.post("/v1/score")
-    async def score(request: ScoreRequest, raw_request: Request) -> JSONResponse:
-        start = time.perf_counter()
-        try:
-            scores = await raw_request.app.state.batcher.score(request.token_ids)
-        except ValueError as exc:
-            raise InvalidRequestError(str(exc), param="token_ids") from None
-        return JSONResponse(
-            {
-                "scores": scores_to_text(scores),
-                "dtype": "float32",
-                "length": scores.numel(),
-                "identity": raw_request.app.state.worker.identity,
-                "draft_ms": (time.perf_counter() - start) * 1e3,
-            }
-        )
-
-    @app.get("/v1/info")
-    async def info(raw_request: Request) -> JSONResponse:
-        worker_: DraftWorker = raw_request.app.state.worker
-        return JSONResponse(
-            {
-                "model": worker_.name,
-                "identity": worker_.identity,
-                "score_params": list(worker_.config.score_params),
-                "scoring": worker_.config.to_dict(),
-                "max_prompt_tokens": worker_.max_prompt_tokens,
-                "tokenizer_fingerprint": raw_request.app.state.fingerprint,
-            }
-        )
-
-    @app.get("/health")
-    async def health(raw_request: Request) -> JSONResponse:
-        return JSONResponse({"status": "ok", "batches": raw_request.app.state.batcher.batches})
-
+    app.include_router(router)
     return app
+
+
+@router.post("/v1/score")
+async def score(request: ScoreRequest, raw_request: Request) -> JSONResponse:
+    start = time.perf_counter()
+    try:
+        scores = await raw_request.app.state.batcher.score(request.token_ids)
+    except ValueError as exc:
+        raise InvalidRequestError(str(exc), param="token_ids") from None
+    return JSONResponse(
+        {
+            "scores": scores_to_text(scores),
+            "dtype": "float32",
+            "length": scores.numel(),
+            "identity": raw_request.app.state.worker.identity,
+            "draft_ms": (time.perf_counter() - start) * 1e3,
+        }
+    )
+
+
+@router.get("/v1/info")
+async def info(raw_request: Request) -> JSONResponse:
+    worker: DraftWorker = raw_request.app.state.worker
+    return JSONResponse(
+        {
+            "model": worker.name,
+            "identity": worker.identity,
+            "score_params": list(worker.config.score_params),
+            "scoring": worker.config.to_dict(),
+            "max_prompt_tokens": worker.max_prompt_tokens,
+            "tokenizer_fingerprint": raw_request.app.state.fingerprint,
+        }
+    )
+
+
+@router.get("/health")
+async def health(raw_request: Request) -> JSONResponse:
+    return JSONResponse({"status": "ok", "batches": raw_request.app.state.batcher.batches})

@@ -17,7 +17,7 @@ class EngineCompletionRequest(CompletionRequest):
     priority: int = 0
     """vLLM's extension: lower runs first; a running sequence waits while one of a lower value runs."""
 
-    def positions(self) -> list[int] | None:
+    def sent_position_ids(self) -> list[int] | None:
         """The token-ID wire format's positions (top-level, or in ``vllm_xargs`` so one body serves both)."""
         if self.position_ids is not None:
             return self.position_ids

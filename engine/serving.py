@@ -116,11 +116,11 @@ class EngineServing:
         refuse_unfittable(request, self.engine.tokenizer, self.engine.max_positions, "the engine")
         token_ids = request.prompt_token_ids(self.engine.tokenizer, self.engine.vocab_size)
         if (swap := requested_swap(request.vllm_xargs)) is not None:  # the kept tokens, in place of the prompt
-            token_ids, positions = swap_prompt(token_ids, *swap)
-        elif (positions := request.positions()) is None:
-            positions = list(range(len(token_ids)))
-        _check_positions(positions, len(token_ids), self.engine.max_positions)
-        last = positions[-1]
+            token_ids, position_ids = swap_prompt(token_ids, *swap)
+        elif (position_ids := request.sent_position_ids()) is None:
+            position_ids = list(range(len(token_ids)))
+        _check_positions(position_ids, len(token_ids), self.engine.max_positions)
+        last = position_ids[-1]
         room = self.engine.max_positions - 1 - last
         if request.max_tokens is not None and request.max_tokens <= 0:
             raise InvalidRequestError("max_tokens must be at least 1", param="max_tokens")
@@ -147,7 +147,7 @@ class EngineServing:
             logit_bias=_logit_bias(request.logit_bias, self.engine.vocab_size),
             json_parser=json_parser(request.response_format),
         )
-        return PreparedRequest(token_ids, positions, params, request.priority)
+        return PreparedRequest(token_ids, position_ids, params, request.priority)
 
     def _choices(self, request: EngineCompletionRequest, prepared: PreparedRequest) -> list[AsyncIterator[StepOutput]]:
         """One generation per choice (``n``); a seeded request's choices take consecutive seeds."""

@@ -8,16 +8,17 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI
 
 from common.errors import install_error_handlers
-from gateway.backends import Backend
-from gateway.draft import DraftClient
+from gateway.engines.backends import Backend
 from gateway.entrypoints import chat, completions, dry_run, messages, responses, service
 from gateway.metrics import GatewayMetrics
+from gateway.planning.draft import DraftClient
 from gateway.settings import GatewaySettings
 from gateway.wiring import build_serving
 
@@ -43,11 +44,11 @@ def create_app(
 
 @asynccontextmanager
 async def _lifespan(
-    draft: DraftClient | None, backend: Backend | None, surfaces: list, app: FastAPI
-) -> AsyncIterator[None]:
+    draft: DraftClient | None, backend: Backend | None, surfaces: list[Any], app: FastAPI
+) -> AsyncGenerator[None, None]:
     settings = app.state.settings
     serving = app.state.serving = await build_serving(settings, app.state.metrics, draft, backend)
-    built: dict = {}
+    built: dict[str, Any] = {}
     for surface in surfaces:
         built[surface.NAME] = surface.build(serving, built)
     app.state.surfaces = built

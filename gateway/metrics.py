@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 TOKEN_BUCKETS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
@@ -11,7 +14,13 @@ TOKEN_BUCKETS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 
 class GatewayMetrics:
     def __init__(self) -> None:
-        self.registry = r = CollectorRegistry()
+        self.registry = CollectorRegistry()
+        self._requests(self.registry)
+        self._planning(self.registry)
+        self._backends(self.registry)
+
+    def _requests(self, r: CollectorRegistry) -> None:
+        """What clients sent and got."""
         self.requests = Counter(
             "specprefill_requests", "Chat and completion requests", ["endpoint", "status", "reason"], registry=r
         )
@@ -49,6 +58,9 @@ class GatewayMetrics:
             buckets=(0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9, 1.0),
             registry=r,
         )
+
+    def _planning(self, r: CollectorRegistry) -> None:
+        """The draft, the score cache and the plans."""
         self.cache = Counter("specprefill_score_cache", "Score cache lookups", ["result"], registry=r)
         self.plans = Counter(
             "specprefill_plans", "Backend requests by plan (whole, fresh, extend, warm)", ["kind"], registry=r
@@ -67,6 +79,9 @@ class GatewayMetrics:
             ["kind"],
             registry=r,
         )
+
+    def _backends(self, r: CollectorRegistry) -> None:
+        """The engines: requests at them, the swap, warming and the replicas."""
         self.in_flight = Gauge(
             "specprefill_backend_requests_in_flight", "Backend requests under way", ["kind"], registry=r
         )
@@ -108,11 +123,11 @@ class GatewayMetrics:
             registry=r,
         )
 
-    def expose_replicas(self, replicas: list) -> None:
+    def expose_replicas(self, replicas: list[Any]) -> None:
         """Whether each replica is in the routing (1) or out (0), read at each scrape."""
 
         class Up:
-            def collect(self):
+            def collect(self) -> Iterator[GaugeMetricFamily]:
                 family = GaugeMetricFamily(
                     "specprefill_replica_up",
                     "1 while the replica is routed to, 0 while it "
@@ -125,20 +140,28 @@ class GatewayMetrics:
 
         self.registry.register(Up())
 
-    def expose_costs(self, models: dict) -> None:
+    def expose_costs(self, models: dict[str, Any]) -> None:
         """The cost models' current coefficients on /metrics (``models``: name -> CostModel)."""
         registry = self.registry
 
         class Costs:
-            def collect(self):
+            def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
                 family = GaugeMetricFamily(
                     "specprefill_cost_coefficient",
                     "Calibrated cost model coefficients (seconds per unit)",
                     labels=["model", "term"],
                 )
+                resets = CounterMetricFamily(
+                    "specprefill_cost_model_resets",
+                    "Times a cost model priced several prefills in a row far below what they took, and started "
+                    "again from those timings",
+                    labels=["model"],
+                )
                 for name, model in models.items():
                     for term, value in model.describe().items():
                         family.add_metric([name, term], value)
+                    resets.add_metric([name], model.resets)
                 yield family
+                yield resets
 
         registry.register(Costs())

@@ -1,6 +1,6 @@
 """The path every API surface shares, from its prologue: checks, tokens and the plan; the swap, and the whole
-prompt where the backend refuses it. ``gateway.dispatch`` takes the plan to a replica, ``gateway.feedback``
-learns from the answer.
+prompt where the backend refuses it. ``gateway.dispatch`` takes the plan to a replica and learns from the
+answer.
 
 A request flows one way: router -> API surface (``gateway/entrypoints``: chat, completions, Responses,
 Messages, each converting its request to a chat or completion and its answers back) -> policy -> planner ->
@@ -15,26 +15,30 @@ import logging
 import math
 import re
 import time
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from common.chat import RenderedChat, render_chat
 from common.errors import APIError, InvalidRequestError, NotFoundError, OverloadedError
 from common.prompt_bound import refuse_unfittable
-from common.protocol import ChatCompletionRequest, CompletionRequest
+from common.protocol import ChatCompletionRequest, CompletionRequest, WireModel
 from common.swap import KEPT_KEY, POSITIONS_KEY, SWAP_PARAM
 from common.tokenize import PieceCache
-from gateway.answer import Answer
-from gateway.backends import Backend, StreamRefused
-from gateway.dispatch import Dispatcher
-from gateway.draft import DraftClient
+from gateway.dispatch.answer import Answer, Endpoint
+from gateway.dispatch.dispatcher import Dispatcher
+from gateway.engines.backends import Backend, StreamRefused
+from gateway.engines.replicas import HealthWatch
 from gateway.metrics import GatewayMetrics
-from gateway.plan import Plan
-from gateway.planner import Planner
-from gateway.policy import Reason, request_options
-from gateway.replicas import HealthWatch
+from gateway.planning.draft import DraftClient
+from gateway.planning.plan import Plan
+from gateway.planning.planner import Planner
+from gateway.planning.policy import Reason, RequestOptions, request_options
+from gateway.planning.routing import Router
 from gateway.settings import GatewaySettings
 
 logger = logging.getLogger("specprefill.gateway")
@@ -56,7 +60,7 @@ class GatewayServing:
     def __init__(
         self,
         settings: GatewaySettings,
-        tokenizer,
+        tokenizer: PreTrainedTokenizerBase,
         draft: DraftClient,
         metrics: GatewayMetrics,
         served_names: list[str],
@@ -73,7 +77,8 @@ class GatewayServing:
         self.replicas = planner.replicas
         self.backend: Backend = self.replicas[0].backend  # the first: what every replica is (kind, model name)
         self.health = health
-        self.dispatch = Dispatcher(planner, metrics)
+        self.router = Router(planner)
+        self.dispatch = Dispatcher(planner, self.router, metrics)
         self._mismatch_causes: set[str] = set()  # swap mismatches already logged
         self.pieces = PieceCache(tokenizer)  # chats' repeated parts are tokenized once
 
@@ -183,7 +188,7 @@ class GatewayServing:
             )
 
     @contextlib.asynccontextmanager
-    async def arrival(self):
+    async def arrival(self) -> AsyncIterator[None]:
         """A client's request, from its arrival until it is at the backend (which then holds it until it is
         answered): the engines' idle gaps are measured between these, and no warming piece starts within one (it
         may go to any replica)."""
@@ -195,7 +200,9 @@ class GatewayServing:
             for replica in self.replicas:
                 replica.load.leave()
 
-    async def planned(self, request: ChatCompletionRequest | CompletionRequest, headers) -> tuple[Plan, Prompt]:
+    async def planned(
+        self, request: ChatCompletionRequest | CompletionRequest, headers: Mapping[str, str]
+    ) -> tuple[Plan, Prompt]:
         """The request checked, tokenized as the target reads it, and planned."""
         self.check_model(request.model)
         self.admit()
@@ -208,11 +215,32 @@ class GatewayServing:
         prompt = await asyncio.to_thread(self.prompt, request) if chars > OFF_LOOP_CHARS else self.prompt(request)
         tokenize_ms = (time.perf_counter() - start) * 1e3
         self.check_limits(request, prompt.token_ids)
-        plan = await self.planner.plan(
-            prompt.token_ids, options, self.unsupported(request), prompt.keep, boundary=prompt.boundary
+        plan = await self.plan(prompt, options, self.unsupported(request))
+        return plan.but(tokenize_ms=tokenize_ms), prompt
+
+    async def plan(
+        self,
+        prompt: Prompt,
+        options: RequestOptions,
+        unsupported: list[str],
+        *,
+        dry_run: bool = False,
+        scored: tuple[torch.Tensor, str] | None = None,
+    ) -> Plan:
+        """The prompt routed to a replica (``gateway.planning.routing``) and planned there."""
+        tokens = np.asarray(prompt.token_ids, dtype=np.int64)
+        replica, whole = await self.router.route(tokens, options, prompt.keep, dry_run=dry_run)
+        return await self.planner.plan(
+            prompt.token_ids,
+            options,
+            unsupported,
+            prompt.keep,
+            boundary=prompt.boundary,
+            dry_run=dry_run,
+            scored=scored,
+            replica=replica,
+            whole=whole,
         )
-        plan.tokenize_ms = tokenize_ms
-        return plan, prompt
 
     def unsupported(self, request: ChatCompletionRequest | CompletionRequest) -> list[str]:
         """What this backend kind cannot reproduce compressed: nothing where the backend renders the request
@@ -224,21 +252,23 @@ class GatewayServing:
         """Whether the backend renders requests itself and takes the swap on its own endpoints."""
         return self.backend.kind.takes_swap
 
-    async def backend_body(self, request) -> dict:
+    async def backend_body(self, request: WireModel) -> dict[str, Any]:
         """The client's request as the backend's own endpoint takes it: unchanged but for the model's name."""
-        body = request.model_dump(exclude_unset=True, exclude={"specprefill"})
+        body: dict[str, Any] = request.model_dump(exclude_unset=True, exclude={"specprefill"})
         body["model"] = await self.backend.model_name()
         return body
 
-    async def swapped(self, plan: Plan, body: dict, path: str) -> Answer:
+    async def swapped(self, plan: Plan, body: dict[str, Any], endpoint: Endpoint) -> Answer:
         """The client's body to the backend's own endpoint, plus the swap when compressed. A backend that renders
         the prompt differently from the gateway answers the swap with a mismatch 400: the request then goes
         whole, and the client never sees it."""
-        if plan.kept_indices is None:
-            return await self.forward(plan, body, path)
-        swap = {KEPT_KEY: plan.kept_token_ids(), POSITIONS_KEY: plan.kept_indices}
+        if plan.position_ids is None:
+            return await self.forward(plan, body, endpoint)
+        swap = {KEPT_KEY: plan.kept_token_ids(), POSITIONS_KEY: plan.position_ids}
         try:
-            return await self.forward(plan, {**body, "vllm_xargs": {**(body.get("vllm_xargs") or {}), **swap}}, path)
+            return await self.forward(
+                plan, {**body, "vllm_xargs": {**(body.get("vllm_xargs") or {}), **swap}}, endpoint
+            )
         except StreamRefused as exc:  # refused after its 200, before any content: the whole prompt, as a mismatch
             self._mismatched(exc.message)
         except APIError as exc:
@@ -253,8 +283,7 @@ class GatewayServing:
             tokenize_ms=plan.tokenize_ms,
             replica=plan.replica,
         )
-        await self.planner.priced(whole)
-        return await self.forward(whole, body, path)
+        return await self.forward(await self.planner.priced(whole), body, endpoint)
 
     def _mismatched(self, message: str) -> None:
         cause = re.sub(r"\d+", "N", message)
@@ -267,9 +296,9 @@ class GatewayServing:
                 message,
             )
 
-    async def forward(self, plan: Plan, body: dict, path: str) -> Answer:
-        """``body`` to the backend's endpoint ``path`` (``Dispatcher.forward``)."""
-        return await self.dispatch.forward(plan, body, path)
+    async def forward(self, plan: Plan, body: dict[str, Any], endpoint: Endpoint) -> Answer:
+        """``body`` to the backend's ``endpoint`` (``Dispatcher.forward``)."""
+        return await self.dispatch.forward(plan, body, endpoint)
 
 
 def _last_message_start(request: ChatCompletionRequest, rendered: RenderedChat) -> int | None:
@@ -280,11 +309,11 @@ def _last_message_start(request: ChatCompletionRequest, rendered: RenderedChat) 
     return int(np.searchsorted(rendered.offsets[:, 0], span[0]))
 
 
-def prompt_limit(settings: GatewaySettings, tokenizer) -> int | None:
+def prompt_limit(settings: GatewaySettings, tokenizer: PreTrainedTokenizerBase) -> int | None:
     """The longest prompt this gateway takes: ``--max-prompt-tokens``, else the target tokenizer's limit."""
     return settings.max_prompt_tokens or _tokenizer_limit(tokenizer)
 
 
-def _tokenizer_limit(tokenizer) -> int | None:
+def _tokenizer_limit(tokenizer: PreTrainedTokenizerBase) -> int | None:
     limit = getattr(tokenizer, "model_max_length", None)
     return limit if isinstance(limit, int) and 0 < limit < 10**9 else None

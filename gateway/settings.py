@@ -11,7 +11,7 @@ from pydantic_settings import NoDecode
 from common.options import DeviceOptions, ServerOptions
 from common.selection import validate_keep_rate
 from draft_worker.settings import ScoringOptions
-from gateway.costs import cost_models
+from gateway.planning.costs import cost_models
 
 BackendKind = Literal["reference", "vllm", "tokens", "text"]
 
@@ -145,6 +145,13 @@ class GatewaySettings(ServerOptions, DeviceOptions, ScoringOptions):
         description="engine time of one warming piece (at least one cache "
         "block): a request that arrives during a warm waits "
         "for at most one piece",
+    )
+    warming_quiet_blocks: int = Field(
+        1,
+        ge=1,
+        description="where one cache block takes the engine longer than a piece (a CPU engine on a long "
+        "prompt) and the engine is likely to stay quiet for twice that long, a piece takes this many "
+        "blocks' time: fewer requests for a warm, a longer wait for a request that meets one (1: one block)",
     )
     warming_confidence: float = Field(
         0.9,

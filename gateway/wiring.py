@@ -4,26 +4,32 @@ load, warming), score cache, planner."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
 from urllib.parse import urlsplit
+
+from transformers import PreTrainedTokenizerBase
 
 from common.models import TokenizerMismatchError, check_same_tokenizer, load_tokenizer, tokenizer_fingerprint
 from draft_worker.baselines import BaselineScorer, baseline_kind
 from draft_worker.worker import DraftWorker
-from gateway.backends import Backend, HTTPBackend, InProcessBackend
-from gateway.cache import MemoryScoreCache, RedisScoreCache, ScoreCache
-from gateway.costs import cost_models
-from gateway.draft import DraftClient, LocalDraft, RemoteDraft
-from gateway.engine_cache import EngineCacheModel, EventEngineCache, MemoryEngineCache, RedisEngineCache
-from gateway.engine_load import EngineLoad
-from gateway.kv_events import EventSubscriber
+from gateway.engines.backends import Backend, HTTPBackend, InProcessBackend
+from gateway.engines.cache import EngineCacheModel, EventEngineCache, MemoryEngineCache, RedisEngineCache
+from gateway.engines.kv_events import EventSubscriber
+from gateway.engines.load import EngineLoad
+from gateway.engines.replicas import HealthWatch, Replica
 from gateway.metrics import GatewayMetrics
-from gateway.planner import Planner
-from gateway.replicas import HealthWatch, Replica
-from gateway.scores import ScoreProvider
+from gateway.planning.calibration import calibrate
+from gateway.planning.costs import cost_models
+from gateway.planning.draft import DraftClient, LocalDraft, RemoteDraft
+from gateway.planning.plan import Plan
+from gateway.planning.planner import Planner
+from gateway.planning.score_cache import MemoryScoreCache, RedisScoreCache, ScoreCache
+from gateway.planning.scores import ScoreProvider
+from gateway.planning.token_mapping import MappedDraft, TokenMapping
+from gateway.planning.warming import Warmer
 from gateway.serving import GatewayServing, prompt_limit
 from gateway.settings import GatewaySettings
-from gateway.token_mapping import MappedDraft, TokenMapping
-from gateway.warming import Warmer
 
 logger = logging.getLogger("specprefill.gateway")
 
@@ -67,23 +73,11 @@ async def build_serving(
         replicas=replicas,
     )
     for replica in replicas:
-        cache = replica.cache
-        if settings.warming and cache is not None and cache.max_blocks > 0:
-            replica.warmer = Warmer(
-                _sender(replica.backend),
-                _landed_at(planner, replica),
-                replica.load,
-                cache,
-                planner.target_cost,
-                metrics,
-                piece_s=settings.warming_piece_ms / 1e3,
-                priority=settings.warming_priority,
-                confidence=settings.warming_confidence,
-            )
+        replica.warmer = _warmer(settings, planner, replica, metrics)
     if settings.calibrate and settings.cost_coefficients is None:  # replicas of one model: the first stands for all
         vocab = sorted(set(range(len(tokenizer))) - set(tokenizer.all_special_ids))
         first = _sender(replicas[0].backend)
-        await planner.calibrate(lambda ids: first(ids, None), vocab, limit=prompt_limit(settings, tokenizer))
+        await calibrate(planner, lambda ids: first(ids, None), vocab, limit=prompt_limit(settings, tokenizer))
     if settings.engine_poll_interval > 0 and kind.reads_tokens:
         for replica in replicas:
             replica.load.watch(replica.backend.load, settings.engine_poll_interval)
@@ -94,21 +88,42 @@ async def build_serving(
     return GatewayServing(settings, tokenizer, draft, metrics, names, planner, health)
 
 
+def _warmer(settings: GatewaySettings, planner: Planner, replica: Replica, metrics: GatewayMetrics) -> Warmer | None:
+    """The replica's warmer, where warming is on and the replica's cache is modelled."""
+    cache = replica.cache
+    if not settings.warming or cache is None or cache.max_blocks <= 0:
+        return None
+    return Warmer(
+        _sender(replica.backend),
+        _landed_at(planner, replica),
+        replica.load,
+        cache,
+        planner.target_cost,
+        metrics,
+        piece_s=settings.warming_piece_ms / 1e3,
+        priority=settings.warming_priority,
+        confidence=settings.warming_confidence,
+        quiet_blocks=settings.warming_quiet_blocks,
+    )
+
+
 async def _replicas(settings: GatewaySettings, backends: list[Backend], metrics: GatewayMetrics) -> list[Replica]:
     """One replica per backend, or per data-parallel rank of a backend whose events say it has several."""
     replicas: list[Replica] = []
     for url, backend in zip(settings.backend_url or ["in-process"], backends):
         sources = await _kv_events(settings, backend) if backend.kind.reads_tokens else {}
-        ranks = [(None, next(iter(sources.values()), None))]
+        ranks: list[tuple[int | None, tuple[str, str | None, str] | None]] = [
+            (None, next(iter(sources.values()), None))
+        ]
         if len(sources) > 1 and isinstance(backend, HTTPBackend):  # vLLM's data parallelism: one replica per rank
-            ranks = list(sources.items())
+            ranks = [(rank, source) for rank, source in sources.items()]
             logger.info(
                 "%s runs %d data-parallel ranks: each is a replica, its requests sent with X-data-parallel-rank",
                 url,
                 len(ranks),
             )
         for rank, source in ranks:
-            each = backend if rank is None else backend.for_rank(rank)
+            each = backend.for_rank(rank) if rank is not None and isinstance(backend, HTTPBackend) else backend
             name = url if rank is None else f"{url} rank {rank}"
             replicas.append(await _replica(settings, len(replicas), name, each, source, metrics))
         if ranks[0][0] is not None:
@@ -137,21 +152,20 @@ async def _replica(
     return replica
 
 
-def _sender(backend: Backend):
+def _sender(backend: Backend) -> Callable[[list[int], int | None], Awaitable[dict[str, Any]]]:
     return lambda ids, priority: _one_token(backend, ids, priority)
 
 
-def _landed_at(planner: Planner, replica: Replica):
+def _landed_at(planner: Planner, replica: Replica) -> Callable[..., Awaitable[None]]:
     """``Planner.completed`` for a warming piece that landed at ``replica``."""
 
-    async def landed(plan, usage, seconds, *, contended=False) -> None:
-        plan.replica = replica
-        await planner.completed(plan, usage, seconds, contended=contended)
+    async def landed(plan: Plan, usage: dict[str, Any] | None, seconds: float, *, contended: bool = False) -> None:
+        await planner.completed(plan.but(replica=replica), usage, seconds, contended=contended)
 
     return landed
 
 
-async def _one_token(backend: Backend, token_ids: list[int], priority: int | None) -> dict:
+async def _one_token(backend: Backend, token_ids: list[int], priority: int | None) -> dict[str, Any]:
     """The prompt through the target, one greedy token (a warm, a probe); the completion answer."""
     params = {"max_tokens": 1, "temperature": 0.0, "stream": False, **({"priority": priority} if priority else {})}
     return await backend.completion(backend.kind.token_body(await backend.model_name(), token_ids, None, params))
@@ -164,18 +178,18 @@ async def _kv_events(settings: GatewaySettings, backend: Backend) -> dict[int, t
         return {}
     if settings.backend_kv_events != "auto":
         return {0: (settings.backend_kv_events, settings.backend_kv_events_replay, settings.backend_kv_events_topic)}
-    found = {}
+    found: dict[int, tuple[str, str | None, str]] = {}
     host = urlsplit(getattr(backend, "base_url", "")).hostname or "127.0.0.1"
-    for rank, source in (await backend.kv_event_sources()).items():
-        if not str(rank).isdigit() or not isinstance(source, dict) or not source.get("endpoint"):
+    for key, source in (await backend.kv_event_sources()).items():
+        if not str(key).isdigit() or not isinstance(source, dict) or not source.get("endpoint"):
             continue
         endpoint, replay = (_reachable(source.get(key), host) for key in ("endpoint", "replay_endpoint"))
         if endpoint is not None:
-            found[int(rank)] = (endpoint, replay, source.get("topic") or "")
+            found[int(key)] = (endpoint, replay, source.get("topic") or "")
     for rank in sorted(found)[1:]:  # each rank publishes at the first's ports plus its rank, as vLLM offsets them
         if 0 in found and found[rank][:2] == found[0][:2]:
-            endpoint, replay, topic = found[rank]
-            found[rank] = (_offset(endpoint, rank), _offset(replay, rank), topic)
+            first, replay_first, topic = found[rank]
+            found[rank] = (_offset(first, rank) or first, _offset(replay_first, rank), topic)
     for rank, (endpoint, _, _) in sorted(found.items()):
         logger.info(
             "the backend publishes its KV cache events%s: following %s",
@@ -224,7 +238,7 @@ async def _engine_cache(settings: GatewaySettings, backend: Backend, url: str, e
     return MemoryEngineCache(block_size, capacity)
 
 
-async def _draft(settings: GatewaySettings, tokenizer, metrics: GatewayMetrics) -> DraftClient:
+async def _draft(settings: GatewaySettings, tokenizer: PreTrainedTokenizerBase, metrics: GatewayMetrics) -> DraftClient:
     if settings.draft_worker_url:
         draft = RemoteDraft(settings.draft_worker_url, settings.scoring_config(), timeout=settings.draft_timeout)
         if await _remote_tokenizer_matches(draft, tokenizer):
@@ -245,6 +259,7 @@ async def _draft(settings: GatewaySettings, tokenizer, metrics: GatewayMetrics) 
     if kind := baseline_kind(settings.draft_model):
         logger.info("the draft is the %s baseline: scores without a model (for evals)", kind)
         return LocalDraft(BaselineScorer(kind, settings.scoring_config()))
+    assert settings.draft_model is not None  # build_serving checked it
     worker = DraftWorker.from_pretrained(
         settings.draft_model,
         settings.scoring_config(),
@@ -254,6 +269,8 @@ async def _draft(settings: GatewaySettings, tokenizer, metrics: GatewayMetrics) 
         cuda_graphs=settings.cuda_graphs,
         layers=settings.draft_layers,
     )
+    if worker.tokenizer is None:
+        raise MissingModelError(f"the draft model {settings.draft_model} has no tokenizer: save one beside it")
     try:
         check_same_tokenizer(worker.tokenizer, tokenizer)
     except TokenizerMismatchError as exc:
@@ -263,7 +280,12 @@ async def _draft(settings: GatewaySettings, tokenizer, metrics: GatewayMetrics) 
     return LocalDraft(worker)
 
 
-def _mapped(draft: DraftClient, target_tokenizer, draft_tokenizer, metrics: GatewayMetrics) -> MappedDraft:
+def _mapped(
+    draft: DraftClient,
+    target_tokenizer: PreTrainedTokenizerBase,
+    draft_tokenizer: PreTrainedTokenizerBase,
+    metrics: GatewayMetrics,
+) -> MappedDraft:
     mapping = TokenMapping(target_tokenizer, draft_tokenizer)
     logger.info(
         "the draft's tokenizer differs from the target's: it scores its own tokens of the prompt's text, "
@@ -305,7 +327,7 @@ def score_cache(settings: GatewaySettings) -> ScoreCache | None:
     return None
 
 
-async def _remote_tokenizer_matches(draft: RemoteDraft, tokenizer) -> bool:
+async def _remote_tokenizer_matches(draft: RemoteDraft, tokenizer: PreTrainedTokenizerBase) -> bool:
     """Whether the draft workers that answer share the target's tokenizer (they must all share one)."""
     expected = tokenizer_fingerprint(tokenizer)
     found = {info.get("tokenizer_fingerprint") for info in (await draft.infos()).values()} - {None}

@@ -231,7 +231,7 @@ class FCFSEngine:
     def __init__(
         self, *, block_size: int = 16, fixed: float = 0.01, per_token: float = 1e-4, per_cached: float = 1e-6
     ) -> None:
-        from gateway.engine_cache import MemoryEngineCache
+        from gateway.engines.cache import MemoryEngineCache
 
         self.cache = MemoryEngineCache(block_size, 1 << 20)
         self.coefficients = (fixed, per_token, per_cached)

@@ -114,6 +114,41 @@ def test_no_import_circles(graph):
     assert circle(graph) is None
 
 
+# the gateway's floors, in the order a request passes them read from the bottom: the engines as the gateway knows
+# them, planning, dispatch, the shared prologue, the API surfaces, the app; its settings, metrics and the
+# builder (``wiring``) stand beside them
+GATEWAY_FLOORS = [
+    "gateway.engines",
+    "gateway.planning",
+    "gateway.dispatch",
+    "gateway.serving",
+    "gateway.entrypoints",
+    "gateway.app",
+]
+
+
+def floor_of(module: str) -> int | None:
+    return next((i for i, f in enumerate(GATEWAY_FLOORS) if module == f or module.startswith(f + ".")), None)
+
+
+def gateway_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Every import in the gateway that runs up a floor."""
+    found = []
+    for module, targets in graph.items():
+        here = floor_of(module)
+        for target in sorted(targets):
+            there = floor_of(target)
+            if here is not None and there is not None and there > here:
+                found.append(f"{module} imports {target} ({GATEWAY_FLOORS[here]} is below {GATEWAY_FLOORS[there]})")
+    return found
+
+
+def test_the_gateway_reads_as_its_floors(graph):
+    assert {floor_of(m) for m in graph if m.startswith("gateway.")} >= set(range(len(GATEWAY_FLOORS)))
+    assert gateway_violations(graph) == []
+    assert gateway_violations({"gateway.engines.replicas": {"gateway.planning.warming"}})
+
+
 def test_the_checks_catch_what_they_look_for():
     upward = {"common.errors": {"gateway.app"}, "gateway.app": set()}
     sideways = {"engine.engine": {"draft_worker.worker"}, "draft_worker.worker": set()}

@@ -3,15 +3,16 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
+from typing import Any
 
-from gateway.answer import Answer
-from gateway.plan import Plan
+from gateway.dispatch.answer import Answer
+from gateway.planning.plan import Plan
 
-Rewrite = Callable[[dict, Plan, str], dict]
+Rewrite = Callable[[dict[str, Any], Plan, str], dict[str, Any]]
 
 
-def openai(body: dict, plan: Plan, model: str) -> dict:
+def openai(body: dict[str, Any], plan: Plan, model: str) -> dict[str, Any]:
     """A chat or completion answer or chunk, a Response or a Responses stream event."""
     if isinstance(body.get("response"), dict):  # a Responses stream event
         openai(body["response"], plan, model)
@@ -28,7 +29,7 @@ def openai(body: dict, plan: Plan, model: str) -> dict:
     return body
 
 
-def anthropic(body: dict, plan: Plan, model: str) -> dict:
+def anthropic(body: dict[str, Any], plan: Plan, model: str) -> dict[str, Any]:
     """A Messages answer or stream event. Anthropic's ``input_tokens`` are those not read from the cache: the
     original prompt's, less what the engine served from its prefix cache (``cache_read_input_tokens``)."""
     if isinstance(body.get("message"), dict):  # message_start
@@ -54,8 +55,8 @@ def shaped(answer: Answer, rewrite: Rewrite, model: str, *, ping: bool = False) 
 
 
 async def _stream(
-    stream: AsyncIterator[dict], rewrite: Rewrite, plan: Plan, model: str, ping: bool
-) -> AsyncIterator[dict]:
+    stream: AsyncGenerator[dict[str, Any], None], rewrite: Rewrite, plan: Plan, model: str, ping: bool
+) -> AsyncGenerator[dict[str, Any], None]:
     pinged = False
     try:
         async for event in stream:
@@ -71,5 +72,5 @@ async def _stream(
         await stream.aclose()
 
 
-def _kept(plan: Plan) -> dict:
+def _kept(plan: Plan) -> dict[str, Any]:
     return {"original_prompt_tokens": plan.original_tokens, "kept_prompt_tokens": plan.kept_tokens}

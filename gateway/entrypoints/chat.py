@@ -4,33 +4,35 @@ positions as a completion whose answers come back as chat."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from common.cancellation import with_cancellation
 from common.chat import ChatChunkConverter, as_chat_chunks, completion_to_chat
 from common.protocol import ChatCompletionRequest
-from gateway.answer import CHAT, COMPLETIONS, Answer
+from gateway.dispatch.answer import CHAT, COMPLETIONS, Answer
+from gateway.engines.kinds import Kept
 from gateway.entrypoints.http import AUTH, respond
 from gateway.entrypoints.surface import Surface
-from gateway.text_kind import kept_messages
+from gateway.serving import GatewayServing
 
 
-class ChatAPI(Surface):
-    async def answer(self, request: ChatCompletionRequest, headers) -> Answer:
+class ChatAPI(Surface[ChatCompletionRequest]):
+    async def answer(self, request: ChatCompletionRequest, headers: Mapping[str, str]) -> Answer:
         """The chat's answer in chat's shape, not yet rewritten for the client (other surfaces that convert
         their requests to chat, on backends without the swap, take it from here)."""
         serving, model = self.serving, self.serving.model_name
         plan, prompt = await serving.planned(request, headers)
         body = await serving.backend_body(request)
-        if serving.swaps or plan.passthrough or plan.kept_indices is None:
+        if serving.swaps or plan.passthrough or plan.position_ids is None:
             return await serving.swapped(plan, body, CHAT)
-        if not serving.backend.kind.reads_tokens:
-            body["messages"] = kept_messages(serving.tokenizer, request.messages, prompt.rendered, plan.kept_indices)
+        kept = Kept(plan.token_ids, plan.position_ids, request.completion_params(), request.messages, prompt.rendered)
+        body, chat = serving.backend.kind.kept_body(body, kept, serving.tokenizer)
+        if chat:
             return await serving.forward(plan, body, CHAT)
-        body = serving.backend.kind.token_body(
-            body["model"], plan.kept_token_ids(), plan.kept_indices, request.completion_params()
-        )
         answer = await serving.forward(plan, body, COMPLETIONS)
         return answer.map(
             lambda b: completion_to_chat(b, model), lambda s: as_chat_chunks(s, ChatChunkConverter(model))
@@ -41,7 +43,7 @@ NAME = "chat"
 router = APIRouter(dependencies=AUTH)
 
 
-def build(serving, built: dict) -> ChatAPI:
+def build(serving: GatewayServing, built: dict[str, Any]) -> ChatAPI:
     return ChatAPI(serving)
 
 

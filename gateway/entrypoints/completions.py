@@ -3,37 +3,30 @@ endpoint with the swap, or the kept text, or the kept tokens at their positions.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from common.cancellation import with_cancellation
 from common.protocol import CompletionRequest
-from gateway.answer import COMPLETIONS, Answer
+from gateway.dispatch.answer import COMPLETIONS, Answer
+from gateway.engines.kinds import Kept
 from gateway.entrypoints.http import AUTH, respond
 from gateway.entrypoints.surface import Surface
-from gateway.text_kind import kept_text
+from gateway.serving import GatewayServing
 
 
-class CompletionsAPI(Surface):
-    async def answer(self, request: CompletionRequest, headers) -> Answer:
+class CompletionsAPI(Surface[CompletionRequest]):
+    async def answer(self, request: CompletionRequest, headers: Mapping[str, str]) -> Answer:
         serving = self.serving
         plan, _ = await serving.planned(request, headers)
         body = await serving.backend_body(request)
-        if serving.swaps or plan.passthrough or plan.kept_indices is None:
+        if serving.swaps or plan.passthrough or plan.position_ids is None:
             return await serving.swapped(plan, body, COMPLETIONS)
-        if not serving.backend.kind.reads_tokens:
-            body = {
-                "model": body["model"],
-                "prompt": kept_text(serving.tokenizer, plan.token_ids, plan.kept_indices),
-                **request.completion_params(),
-            }
-        else:
-            body = serving.backend.kind.token_body(
-                body["model"],
-                plan.kept_token_ids(),
-                plan.kept_indices,
-                request.completion_params(),
-            )
+        kept = Kept(plan.token_ids, plan.position_ids, request.completion_params())
+        body, _ = serving.backend.kind.kept_body(body, kept, serving.tokenizer)
         return await serving.forward(plan, body, COMPLETIONS)
 
 
@@ -41,7 +34,7 @@ NAME = "completions"
 router = APIRouter(dependencies=AUTH)
 
 
-def build(serving, built: dict) -> CompletionsAPI:
+def build(serving: GatewayServing, built: dict[str, Any]) -> CompletionsAPI:
     return CompletionsAPI(serving)
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from fastapi import APIRouter, Depends, Request
@@ -16,31 +18,25 @@ from common.protocol import ChatCompletionRequest, CompletionRequest
 from common.selection import always_kept, select_tokens
 from common.tokenize import token_pieces
 from gateway.entrypoints.http import AUTH, require_key_in_browser
-from gateway.inspector import KEEP_RATES, inspection, page, runs
-from gateway.policy import RequestOptions, request_options
-from gateway.serving import GatewayServing
+from gateway.entrypoints.inspector import KEEP_RATES, inspection, page, runs
+from gateway.planning.policy import RequestOptions, request_options
+from gateway.serving import GatewayServing, Prompt
 
 
 class DryRunAPI:
     def __init__(self, serving: GatewayServing) -> None:
         self.serving = serving
 
-    async def compress(self, body: dict, headers, return_scores: bool = False) -> dict:
+    async def compress(
+        self, body: dict[str, Any], headers: Mapping[str, str], return_scores: bool = False
+    ) -> dict[str, Any]:
         """What would be sent to the backend for this chat or completion body, without sending it; with
         ``return_scores`` (or ``"return_scores": true`` in the body) also the draft's score of every prompt token."""
         serving = self.serving
         return_scores = bool(body.pop("return_scores", False)) or return_scores
         request, options, prompt = self._dry_request(body, headers)
         scored = await self._scores(prompt.token_ids) if return_scores else None
-        plan = await serving.planner.plan(
-            prompt.token_ids,
-            options,
-            serving.unsupported(request),
-            prompt.keep,
-            boundary=prompt.boundary,
-            dry_run=True,
-            scored=scored,
-        )
+        plan = await serving.plan(prompt, options, serving.unsupported(request), dry_run=True, scored=scored)
         answer = {
             "original_tokens": plan.original_tokens,
             "kept_tokens": plan.kept_tokens,
@@ -49,15 +45,15 @@ class DryRunAPI:
             "reason": plan.reason,
             "plan": plan.kind,
             "token_ids": plan.kept_token_ids(),
-            "position_ids": plan.position_ids(),
+            "position_ids": plan.sent_position_ids(),
         }
         if scored is not None:
             answer["scores"] = [float(s) for s in scored[0].tolist()]
         return answer
 
-    async def inspect(self, body: dict, headers) -> dict:
+    async def inspect(self, body: dict[str, Any], headers: Mapping[str, str]) -> dict[str, Any]:
         """The inspector's data: the prompt's tokens and scores, and the dry-run plan at every keep rate of
-        the slider's grid, all from one draft call (``gateway.inspector``)."""
+        the slider's grid, all from one draft call (``gateway.entrypoints.inspector``)."""
         serving = self.serving
         request, options, prompt = self._dry_request(body, headers)
         unsupported = serving.unsupported(request)
@@ -67,16 +63,15 @@ class DryRunAPI:
         config = serving.draft.config
         plans = {}
         for rate in KEEP_RATES:
-            plan = await serving.planner.plan(
-                prompt.token_ids,
-                RequestOptions(rate, options.enabled),
-                unsupported,
-                prompt.keep,
-                boundary=prompt.boundary,
-                dry_run=True,
-                scored=(scores, cache),
+            plan = await serving.plan(
+                prompt, RequestOptions(rate, options.enabled), unsupported, dry_run=True, scored=(scores, cache)
             )
-            entry = {"status": plan.status, "reason": plan.reason, "plan": plan.kind, "kept": runs(plan.position_ids())}
+            entry = {
+                "status": plan.status,
+                "reason": plan.reason,
+                "plan": plan.kind,
+                "kept": runs(plan.sent_position_ids()),
+            }
             if plan.status != "compressed" and rate < 1:  # sent whole: what the rule would have dropped
                 entry["selected"] = runs(
                     select_tokens(prompt.token_ids, scores, rate, config, serving.planner.special_ids, prompt.keep)
@@ -113,7 +108,9 @@ class DryRunAPI:
                 code="draft_unavailable",
             ) from None
 
-    def _dry_request(self, body: dict, headers):
+    def _dry_request(
+        self, body: dict[str, Any], headers: Mapping[str, str]
+    ) -> tuple[ChatCompletionRequest | CompletionRequest, RequestOptions, Prompt]:
         """A chat or completion body checked as for a real request (the model name may be left out)."""
         if not isinstance(body, dict):
             raise InvalidRequestError(
@@ -121,7 +118,9 @@ class DryRunAPI:
             )
         serving = self.serving
         body = {"model": serving.model_name, **body}
-        request = parse_body(ChatCompletionRequest if "messages" in body else CompletionRequest, body)
+        request: ChatCompletionRequest | CompletionRequest = (
+            parse_body(ChatCompletionRequest, body) if "messages" in body else parse_body(CompletionRequest, body)
+        )
         options = request_options(headers, request.specprefill, serving.settings.keep_rate)
         prompt = serving.prompt(request)
         serving.check_limits(request, prompt.token_ids)
@@ -132,12 +131,12 @@ NAME = "dry_run"
 router = APIRouter()
 
 
-def build(serving: GatewayServing, built: dict) -> DryRunAPI:
+def build(serving: GatewayServing, built: dict[str, Any]) -> DryRunAPI:
     return DryRunAPI(serving)
 
 
 @router.post("/v1/specprefill/compress", dependencies=AUTH)
-async def compress(body: dict, raw_request: Request, return_scores: bool = False) -> JSONResponse:
+async def compress(body: dict[str, Any], raw_request: Request, return_scores: bool = False) -> JSONResponse:
     """A dry run: what a chat or completion body would send to the backend (kept token IDs and their
     positions; ``return_scores``: every token's score too), without calling it."""
     dry_run = raw_request.app.state.surfaces[NAME]
@@ -145,7 +144,7 @@ async def compress(body: dict, raw_request: Request, return_scores: bool = False
 
 
 @router.post("/v1/specprefill/inspect", dependencies=AUTH)
-async def inspect_data(body: dict, raw_request: Request) -> JSONResponse:
+async def inspect_data(body: dict[str, Any], raw_request: Request) -> JSONResponse:
     """The inspector's data for a prompt: tokens, scores, and the kept tokens at each keep rate."""
     return JSONResponse(await raw_request.app.state.surfaces[NAME].inspect(body, raw_request.headers))
 

@@ -8,13 +8,14 @@ import hmac
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from fastapi import Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from common.errors import APIError, AuthenticationError
 from common.streams import sse_body
-from gateway.answer import Answer
+from gateway.dispatch.answer import Answer
 from gateway.metrics import GatewayMetrics
 
 logger = logging.getLogger("specprefill.gateway")
@@ -26,7 +27,7 @@ async def respond(
     work: Awaitable[Answer],
     *,
     named: bool = False,
-    error_shape: Callable[[APIError], dict] | None = None,
+    error_shape: Callable[[APIError], dict[str, Any]] | None = None,
 ) -> Response:
     """``named``: a stream of named events without ``[DONE]`` (Responses, Messages); ``error_shape``: its error
     event in that API's shape."""
@@ -52,10 +53,10 @@ async def respond(
         return StreamingResponse(
             sse_body(answer.stream, on_first=first_byte, on_error=failed, named=named, error_shape=error_shape),
             media_type="text/event-stream",
-            headers=plan.headers(),
+            headers=answer.trace.headers(),
         )
     first_byte()
-    return JSONResponse(answer.body, headers=plan.headers())
+    return JSONResponse(answer.body, headers=answer.trace.headers())
 
 
 def _expected(request: Request) -> bytes | None:

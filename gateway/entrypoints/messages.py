@@ -5,6 +5,9 @@ the chat path, and its answers come back as Messages answers and events."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
@@ -12,7 +15,7 @@ from common import messages as anthropic
 from common.cancellation import with_cancellation
 from common.errors import shaped_errors
 from common.messages import Conversation, MessagesRequest, chat_to_message, merges_inline_system, message_events
-from gateway.answer import MESSAGES, Answer
+from gateway.dispatch.answer import MESSAGES, Answer
 from gateway.entrypoints import answers
 from gateway.entrypoints.chat import ChatAPI
 from gateway.entrypoints.http import AUTH, respond
@@ -20,7 +23,7 @@ from gateway.entrypoints.surface import Surface
 from gateway.serving import GatewayServing
 
 
-class MessagesAPI(Surface):
+class MessagesAPI(Surface[MessagesRequest]):
     rewrite = staticmethod(answers.anthropic)
     ping = True
 
@@ -29,7 +32,7 @@ class MessagesAPI(Surface):
         self.chat = chat
         self.merge_inline_system = merges_inline_system(serving.tokenizer)  # as vLLM decides it for the template
 
-    async def answer(self, request: MessagesRequest, headers) -> Answer:
+    async def answer(self, request: MessagesRequest, headers: Mapping[str, str]) -> Answer:
         serving, model = self.serving, self.serving.model_name
         chat = request.as_chat(self.merge_inline_system)
         chat.specprefill = request.specprefill
@@ -49,7 +52,7 @@ NAME = "messages"
 router = APIRouter(route_class=shaped_errors(anthropic.error_body), dependencies=AUTH)
 
 
-def build(serving: GatewayServing, built: dict) -> MessagesAPI:
+def build(serving: GatewayServing, built: dict[str, Any]) -> MessagesAPI:
     return MessagesAPI(serving, built["chat"])
 
 

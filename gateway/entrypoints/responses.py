@@ -5,6 +5,8 @@ cannot render (reasoning items, a stored previous response), or a backend kind w
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
@@ -12,17 +14,18 @@ from fastapi.responses import Response
 from common.cancellation import with_cancellation
 from common.errors import InvalidRequestError
 from common.responses import ResponsesRequest, engine_input
-from gateway.answer import RESPONSES, Answer
+from gateway.dispatch.answer import RESPONSES, Answer
 from gateway.entrypoints.http import AUTH, respond
 from gateway.entrypoints.surface import Surface
-from gateway.plan import Plan
-from gateway.policy import Reason
+from gateway.planning.plan import Plan
+from gateway.planning.policy import Reason
+from gateway.serving import GatewayServing
 
 logger = logging.getLogger("specprefill.gateway")
 
 
-class ResponsesAPI(Surface):
-    async def answer(self, request: ResponsesRequest, headers) -> Answer:
+class ResponsesAPI(Surface[ResponsesRequest]):
+    async def answer(self, request: ResponsesRequest, headers: Mapping[str, str]) -> Answer:
         serving = self.serving
         body = await serving.backend_body(request)
         try:
@@ -44,7 +47,7 @@ NAME = "responses"
 router = APIRouter(dependencies=AUTH)
 
 
-def build(serving, built: dict) -> ResponsesAPI:
+def build(serving: GatewayServing, built: dict[str, Any]) -> ResponsesAPI:
     return ResponsesAPI(serving)
 
 

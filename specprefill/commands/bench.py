@@ -154,6 +154,11 @@ class Bench(BaseSettings):
     agent_sessions: int = Field(1, ge=1, description="agents: sessions per agent and path")
     agent_turns: int = Field(5, ge=1, description="agents: turns per session")
     agent_think: float = Field(5.0, ge=0, description="agents: seconds between an answer and the next turn")
+    agent_direct: str = Field(
+        "session",
+        description="agents: the direct path's requests: session (the agent's own session against the engine) or "
+        "replay (the requests the agent sent through the gateway, as it sent them: the same prompts on both paths)",
+    )
     agent_max_new_tokens: int = Field(
         512,
         gt=0,
@@ -167,10 +172,35 @@ class Bench(BaseSettings):
         "output_length, hash_ids): each hash ID one block of text wherever it appears, through the gateway and "
         "directly, each path on its own engine (trace.json)",
     )
-    trace_requests: int = Field(100, ge=1, description="trace: its first N requests")
+    trace_requests: int = Field(100, ge=1, description="trace: its first N requests (after the two below)")
+    trace_seconds: float | None = Field(None, gt=0, description="trace: only its first S seconds (its own clock)")
+    trace_conversations_every: int = Field(
+        1,
+        ge=1,
+        description="trace: one conversation in N, each whole (all its turns: what recurs still recurs, at a "
+        "load this machine can serve)",
+    )
     trace_block_tokens: int = Field(64, ge=1, description="trace: tokens per hash ID (the trace's are 512)")
     trace_clock: float = Field(1.0, gt=0, description="trace: how many times faster than the trace's time")
+    trace_clocks: list[float] = Field(
+        [],
+        description="trace: one replay (both paths, fresh engines) at each of these clocks instead, and the "
+        "max-QPS ratio: the fastest clock at which each path's p90 TTFT stays under --trace-slo (max-qps.json)",
+    )
+    trace_slo: float = Field(10.0, gt=0, description="trace: the p90 TTFT objective in seconds for the max-QPS ratio")
     trace_max_output: int = Field(32, ge=1, description="trace: each answer's tokens at most")
+    trace_foreign_tokens: int = Field(
+        0,
+        ge=0,
+        description="trace: a second client sends prompts of this many random token IDs straight to each path's "
+        "engine during its replay (0: none)",
+    )
+    trace_foreign_every: float = Field(10.0, gt=0, description="trace: seconds between the second client's prompts")
+    vllm_flags: str = Field(
+        "readme",
+        description="launched vLLM: readme (the README's flags: prompt-token details; the gateway's with KV "
+        "events) or stock (prefix caching only, as an existing deployment runs it; the gateway's keeps the plugin)",
+    )
     merge: list[str] = Field(
         [],
         description="merge these sweeps' bench.json files (one per length, say) into one "
@@ -196,13 +226,7 @@ class Bench(BaseSettings):
 
 def run_bench(options: Bench) -> int:
     if options.merge:
-        from specprefill.lab.bench import Row, format_table
-        from specprefill.lab.report import merge_outputs
-
-        written = merge_outputs(Path(options.out), [Path(source) for source in options.merge])
-        rows = [Row(**r) for r in json.loads(written[0].read_text())["rows"]]
-        print(format_table(rows) + "\nwrote " + ", ".join(str(p) for p in written))
-        return 0
+        return _merge(options)
     if (options.base_url is None) != (options.backend_url is None):
         print("specprefill bench: give --base-url with --backend-url (or neither, to launch the demo)", file=sys.stderr)
         return 2
@@ -214,61 +238,82 @@ def run_bench(options: Bench) -> int:
         return _run_agents(options, out)
     if options.trace:
         return _run_trace(options, out)
-    if options.base_url is not None:
-        urls = (options.base_url.rstrip("/"), options.backend_url.rstrip("/"))
-        context = contextlib.nullcontext(Stack(*urls, list(urls)))
-    else:
-        engines = 1 if options.workloads and options.shared_engine else 2
-        if options.vllm_scheduling not in ("fcfs", "priority"):
-            print("specprefill bench: --vllm-scheduling is fcfs or priority", file=sys.stderr)
-            return 2
-        if options.router not in ("round-robin", "prefix"):
-            print("specprefill bench: --router is round-robin or prefix", file=sys.stderr)
-            return 2
-        vllm_args = ("--scheduling-policy", "priority") if options.vllm_scheduling == "priority" else ()
-        target, draft = _models(options)
-        context = launched(
-            engines,
-            gateway_args(options),
-            options.vllm_python,
-            out,
-            Path(options.pair) if options.pair else None,
-            vllm_args=vllm_args,
-            kv_events=options.kv_events,
-            cache_tokens=options.engine_cache_tokens,
-            replicas=options.replicas,
-            router=options.router,
-            target=target,
-            draft=draft,
-        )
+    context = _stack(options, out)
+    if context is None:
+        return 2
     with context as stack, httpx.Client(timeout=60) as client:
         model = options.model or client.get(f"{stack.gateway_url}/v1/models").json()["data"][0]["id"]
         direct_model = options.backend_model or client.get(f"{stack.direct_url}/v1/models").json()["data"][0]["id"]
         from specprefill.lab.bench import PromptMaker
 
         prompts = PromptMaker(client, stack.gateway_url, model)
-        meta = {
-            "gateway_url": stack.gateway_url,
-            "backend_url": stack.direct_url,
-            "model": model,
-            "launched": options.base_url is None,
-            "engine": "vllm" if options.vllm_python else "reference",
-            "baseline": options.baseline,
-            "gateway_warming": options.gateway_warming,
-            "gateway_keep_system_whole": options.gateway_keep_system_whole,
-            "replicas": options.replicas,
-            "router": options.router if options.replicas > 1 else None,
-            "pair": _pair_description(options.pair) if options.base_url is None else None,
-            "target_model": options.target_model,
-            "draft_model": options.draft_model,
-            "draft_layers": options.draft_layers,
-        }
+        meta = _meta(options, stack, model)
         if options.workloads:
             written = _workloads(options, stack, prompts, (model, direct_model), meta)
         else:
             written = _sweep_and_load(options, stack, prompts, (model, direct_model), meta)
     print("wrote " + ", ".join(str(p) for p in written))
     return 0
+
+
+def _merge(options: Bench) -> int:
+    from specprefill.lab.bench import Row, format_table
+    from specprefill.lab.report import merge_outputs
+
+    written = merge_outputs(Path(options.out), [Path(source) for source in options.merge])
+    rows = [Row(**r) for r in json.loads(written[0].read_text())["rows"]]
+    print(format_table(rows) + "\nwrote " + ", ".join(str(p) for p in written))
+    return 0
+
+
+def _stack(options: Bench, out: Path):
+    """The stack to measure, as a context: the given servers, or launched ones (None: options that do not fit)."""
+    if options.base_url is not None:
+        urls = (options.base_url.rstrip("/"), options.backend_url.rstrip("/"))
+        return contextlib.nullcontext(Stack(*urls, list(urls)))
+    engines = 1 if options.workloads and options.shared_engine else 2
+    if options.vllm_scheduling not in ("fcfs", "priority"):
+        print("specprefill bench: --vllm-scheduling is fcfs or priority", file=sys.stderr)
+        return None
+    if options.router not in ("round-robin", "prefix"):
+        print("specprefill bench: --router is round-robin or prefix", file=sys.stderr)
+        return None
+    vllm_args = ("--scheduling-policy", "priority") if options.vllm_scheduling == "priority" else ()
+    target, draft = _models(options)
+    return launched(
+        engines,
+        gateway_args(options),
+        options.vllm_python,
+        out,
+        Path(options.pair) if options.pair else None,
+        vllm_args=vllm_args,
+        kv_events=options.kv_events,
+        cache_tokens=options.engine_cache_tokens,
+        replicas=options.replicas,
+        router=options.router,
+        target=target,
+        draft=draft,
+    )
+
+
+def _meta(options: Bench, stack: Stack, model: str) -> dict:
+    """What the run measured, written beside its results."""
+    return {
+        "gateway_url": stack.gateway_url,
+        "backend_url": stack.direct_url,
+        "model": model,
+        "launched": options.base_url is None,
+        "engine": "vllm" if options.vllm_python else "reference",
+        "baseline": options.baseline,
+        "gateway_warming": options.gateway_warming,
+        "gateway_keep_system_whole": options.gateway_keep_system_whole,
+        "replicas": options.replicas,
+        "router": options.router if options.replicas > 1 else None,
+        "pair": _pair_description(options.pair) if options.base_url is None else None,
+        "target_model": options.target_model,
+        "draft_model": options.draft_model,
+        "draft_layers": options.draft_layers,
+    }
 
 
 def _models(options: Bench) -> tuple[Path | None, str | None]:
@@ -306,7 +351,6 @@ def gateway_args(options: Bench) -> list[str]:
 
 def _sweep_and_load(options: Bench, stack: Stack, prompts, models: tuple[str, str], meta: dict) -> list[Path]:
     from specprefill.lab.bench import BenchConfig, format_table, run_sweep
-    from specprefill.lab.load import max_rate_meeting, run_load
     from specprefill.lab.report import write_outputs
 
     model, direct_model = models
@@ -327,49 +371,7 @@ def _sweep_and_load(options: Bench, stack: Stack, prompts, models: tuple[str, st
         samples, rows = asyncio.run(run_sweep(config, prompts, stack.idle_urls))
         print(format_table(rows))
     if options.load or options.load_only:
-        # a different document per request, as real traffic: no cache hit flatters the gateway
-        n_bodies = max(8, int(max(options.rates) * options.duration * 1.5))
-        bodies = [
-            {"messages": prompts.make(options.load_tokens), "max_tokens": options.max_tokens, "temperature": 0}
-            for _ in range(n_bodies)
-        ]
-        results = {
-            "gateway": asyncio.run(
-                run_load(
-                    f"{stack.gateway_url}/v1/chat/completions",
-                    [{**b, "model": model} for b in bodies],
-                    {"x-keep-rate": f"{options.load_keep_rate:g}"},
-                    options.rates,
-                    options.duration,
-                    idle_urls=stack.idle_urls,
-                )
-            )
-        }
-        if options.load_direct:
-            results["direct"] = asyncio.run(
-                run_load(
-                    f"{stack.direct_url}/v1/chat/completions",
-                    [{**b, "model": direct_model} for b in bodies],
-                    {},
-                    options.rates,
-                    options.duration,
-                    idle_urls=stack.idle_urls,
-                )
-            )
-        load = {
-            "slo_s": options.ttft_slo,
-            "tokens": options.load_tokens,
-            "keep_rate": options.load_keep_rate,
-            "results": results,
-            "max_rate": {name: max_rate_meeting(r, options.ttft_slo) for name, r in results.items()},
-        }
-        for name, result in results.items():
-            for r in result:
-                print(
-                    f"load {name:>7} {r['rate']:>6g} req/s: p50 {r['p50_s']:.3f} s, p99 {r['p99_s']:.3f} s, "
-                    f"{r['errors']} errors"
-                )
-        print(f"highest rate with p99 TTFT <= {options.ttft_slo:g} s: {load['max_rate']}")
+        load = _load(options, stack, prompts, models)
     meta |= {
         "lengths": options.lengths,
         "keep_rates": options.keep_rates,
@@ -381,13 +383,62 @@ def _sweep_and_load(options: Bench, stack: Stack, prompts, models: tuple[str, st
     return write_outputs(Path(options.out), rows, samples, load, meta)
 
 
+def _load(options: Bench, stack: Stack, prompts, models: tuple[str, str]) -> dict:
+    """The Poisson load mode: each path at each offered rate, and the highest rate meeting the objective."""
+    from specprefill.lab.load import max_rate_meeting, run_load
+
+    model, direct_model = models
+    # a different document per request, as real traffic: no cache hit flatters the gateway
+    n_bodies = max(8, int(max(options.rates) * options.duration * 1.5))
+    bodies = [
+        {"messages": prompts.make(options.load_tokens), "max_tokens": options.max_tokens, "temperature": 0}
+        for _ in range(n_bodies)
+    ]
+    results = {
+        "gateway": asyncio.run(
+            run_load(
+                f"{stack.gateway_url}/v1/chat/completions",
+                [{**b, "model": model} for b in bodies],
+                {"x-keep-rate": f"{options.load_keep_rate:g}"},
+                options.rates,
+                options.duration,
+                idle_urls=stack.idle_urls,
+            )
+        )
+    }
+    if options.load_direct:
+        results["direct"] = asyncio.run(
+            run_load(
+                f"{stack.direct_url}/v1/chat/completions",
+                [{**b, "model": direct_model} for b in bodies],
+                {},
+                options.rates,
+                options.duration,
+                idle_urls=stack.idle_urls,
+            )
+        )
+    load = {
+        "slo_s": options.ttft_slo,
+        "tokens": options.load_tokens,
+        "keep_rate": options.load_keep_rate,
+        "results": results,
+        "max_rate": {name: max_rate_meeting(r, options.ttft_slo) for name, r in results.items()},
+    }
+    for name, result in results.items():
+        for r in result:
+            print(
+                f"load {name:>7} {r['rate']:>6g} req/s: p50 {r['p50_s']:.3f} s, p99 {r['p99_s']:.3f} s, "
+                f"{r['errors']} errors"
+            )
+    print(f"highest rate with p99 TTFT <= {options.ttft_slo:g} s: {load['max_rate']}")
+    return load
+
+
 def _workloads(options: Bench, stack: Stack, prompts, models: tuple[str, str], meta: dict) -> list[Path]:
     from specprefill.lab.report import write_workloads
     from specprefill.lab.sessions import format_sessions
     from specprefill.lab.workloads import (
-        PathTarget,
         build_workloads,
-        compare_engines,
         format_workloads,
         last_whole_request,
         run_workloads,
@@ -397,31 +448,15 @@ def _workloads(options: Bench, stack: Stack, prompts, models: tuple[str, str], m
     unknown = sorted(set(options.arrivals) - {*MODES, "poisson"})
     if unknown:
         raise SystemExit(f"specprefill bench: unknown arrival mode {unknown[0]!r}: use {', '.join(MODES)} or poisson")
-    paths = [
-        PathTarget(
-            "gateway",
-            stack.gateway_url,
-            models[0],
-            {"x-keep-rate": f"{options.workload_keep_rate:g}"},
-            stack.gateway_engine_url,
-        ),
-        PathTarget("direct", stack.direct_url, models[1], {}, stack.direct_url),
-    ]
+    paths = _paths(options, stack, models)
     modes: dict[str, list[dict]] = {}
     samples, last = [], None
+    sizes = (options.workload_names, options.workload_requests, options.workload_tokens, options.step_tokens)
     for number, mode in enumerate(m for m in options.arrivals if m != "poisson"):
         # new documents for every mode (the engines have seen none of them); the direct path's over other
         # documents when both paths share one engine
-        workloads = build_workloads(
-            prompts, options.workload_names, options.workload_requests, options.workload_tokens, options.step_tokens
-        )
-        direct = (
-            build_workloads(
-                prompts, options.workload_names, options.workload_requests, options.workload_tokens, options.step_tokens
-            )
-            if options.shared_engine
-            else workloads
-        )
+        workloads = build_workloads(prompts, *sizes)
+        direct = build_workloads(prompts, *sizes) if options.shared_engine else workloads
         mode_samples = asyncio.run(
             run_workloads(
                 mode,
@@ -448,23 +483,29 @@ def _workloads(options: Bench, stack: Stack, prompts, models: tuple[str, str], m
         sessions = _poisson(options, stack, prompts, paths)
         print("arrivals: poisson, mixed sessions\n" + format_sessions(sessions["summary"]))
     if stack.gateway_engine_url is not None and last is not None and "kill" not in options.workload_names:
-        engines = asyncio.run(
-            compare_engines(
-                {"gateway's engine": stack.gateway_engine_url, "direct's engine": stack.direct_url},
-                models[1],
-                last,
-                stack.idle_urls,
-                max_tokens=options.max_tokens,
-            )
-        )
-        meta["engines"] = engines
-        print(
-            "the last request sent whole, with a new last line each time, directly to each engine (alternating, "
-            "8 each): median "
-            + ", ".join(f"{name} {s * 1e3:.0f} ms" for name, s in engines["medians_s"].items())
-            + f"; ratio {engines['ratio']:.2f} (the engines' difference, no gateway in it)"
-        )
-    meta |= {
+        meta["engines"] = _engines_compared(options, stack, models[1], last)
+    meta |= _workload_meta(options, stack)
+    return write_workloads(Path(options.out), modes, samples, sessions, meta)
+
+
+def _paths(options: Bench, stack: Stack, models: tuple[str, str]) -> list:
+    """The two paths the workloads go through: the gateway (at the workloads' keep rate) and the engine."""
+    from specprefill.lab.workloads import PathTarget
+
+    return [
+        PathTarget(
+            "gateway",
+            stack.gateway_url,
+            models[0],
+            {"x-keep-rate": f"{options.workload_keep_rate:g}"},
+            stack.gateway_engine_url,
+        ),
+        PathTarget("direct", stack.direct_url, models[1], {}, stack.direct_url),
+    ]
+
+
+def _workload_meta(options: Bench, stack: Stack) -> dict:
+    return {
         "workload_tokens": options.workload_tokens,
         "step_tokens": options.step_tokens,
         "keep_rate": options.workload_keep_rate,
@@ -476,7 +517,28 @@ def _workloads(options: Bench, stack: Stack, prompts, models: tuple[str, str], m
         "cost_coefficients": _cost_coefficients(stack.gateway_url),
         "gateway_counters": _gateway_counters(stack.gateway_url),
     }
-    return write_workloads(Path(options.out), modes, samples, sessions, meta)
+
+
+def _engines_compared(options: Bench, stack: Stack, model: str, last) -> dict:
+    """The last request sent whole straight to each path's engine, alternating: the engines' own difference."""
+    from specprefill.lab.workloads import compare_engines
+
+    engines = asyncio.run(
+        compare_engines(
+            {"gateway's engine": stack.gateway_engine_url, "direct's engine": stack.direct_url},
+            model,
+            last,
+            stack.idle_urls,
+            max_tokens=options.max_tokens,
+        )
+    )
+    print(
+        "the last request sent whole, with a new last line each time, directly to each engine (alternating, "
+        "8 each): median "
+        + ", ".join(f"{name} {s * 1e3:.0f} ms" for name, s in engines["medians_s"].items())
+        + f"; ratio {engines['ratio']:.2f} (the engines' difference, no gateway in it)"
+    )
+    return engines
 
 
 def _engine_actions(options: Bench, stack: Stack, model: str):
@@ -620,29 +682,19 @@ def _run_chaos(options: Bench, out: Path) -> int:
 def _run_agents(options: Bench, out: Path) -> int:
     """Each agent's sessions through each path's timing proxy: the direct path's engine stock, the gateway's with
     the plugin (vLLM), the same turns in the same order, one path after the other (which first alternating)."""
-    import subprocess
-
-    from specprefill.lab.agents import (
-        AGENT_MODELS,
-        TimingProxy,
-        as_dicts,
-        ending_target,
-        format_turns,
-        run_session,
-        summarize_turns,
-    )
+    from specprefill.lab.agents import AGENT_MODELS, as_dicts, ending_target, format_turns, summarize_turns
     from specprefill.lab.demo_models import ensure_demo_models
 
     unknown = sorted(set(options.agent_names) - {"claude", "codex"})
     if unknown:
         print(f"specprefill bench: unknown agent {unknown[0]!r}: use claude or codex", file=sys.stderr)
         return 2
-    script = Path(__file__).resolve().parents[2] / "scripts" / "agent-clis.sh"
-    installed = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=1800)
-    if installed.returncode != 0:
-        print(f"specprefill bench: the agents could not be installed:\n{installed.stderr[-2000:]}", file=sys.stderr)
+    if options.agent_direct not in ("session", "replay"):
+        print("specprefill bench: --agent-direct is session or replay", file=sys.stderr)
+        return 2
+    bin_dir = _agent_clis()
+    if bin_dir is None:
         return 1
-    bin_dir = Path(installed.stdout.strip().splitlines()[-1])
     target, draft = _models(options)
     pair = Path(options.pair) if options.pair else ensure_demo_models()
     target = ending_target(target or pair / "target", out)
@@ -652,6 +704,7 @@ def _run_agents(options: Bench, out: Path) -> int:
     meta = {
         "engine": "vllm" if options.vllm_python else "reference",
         "think_s": options.agent_think,
+        "direct": options.agent_direct,
         "turns": options.agent_turns,
         "sessions": options.agent_sessions,
         "max_new_tokens": cap,
@@ -665,112 +718,161 @@ def _run_agents(options: Bench, out: Path) -> int:
         )
         return rows
 
+    served = ("--served-model-name", "specprefill-demo")
     with launched(
         2,
         args,
         options.vllm_python,
         out,
         pair,
-        vllm_args=(
-            "--override-generation-config",
-            json.dumps({"max_new_tokens": cap}),
-            "--served-model-name",
-            "specprefill-demo",
-            *AGENT_MODELS,
-        ),
+        vllm_args=("--override-generation-config", json.dumps({"max_new_tokens": cap}), *served, *AGENT_MODELS),
         kv_events=options.kv_events,
         target=target,
         draft=draft,
         max_model_len=131_072,
-        engine_args=(
-            "--max-new-tokens",
-            str(cap),
-            "--served-model-name",
-            "specprefill-demo",
-            *(arg for name in AGENT_MODELS for arg in ("--model-alias", name)),
-        ),
+        engine_args=("--max-new-tokens", str(cap), *served, *(a for n in AGENT_MODELS for a in ("--model-alias", n))),
     ) as stack:
-        proxies = {"gateway": TimingProxy(stack.gateway_url), "direct": TimingProxy(stack.direct_url)}
-        with contextlib.ExitStack() as running:
-            urls = {name: running.enter_context(proxy.serving()) for name, proxy in proxies.items()}
-            for agent in options.agent_names:
-                for session in range(options.agent_sessions):
-                    order = ("direct", "gateway") if session % 2 == 0 else ("gateway", "direct")
-                    for path in order:
-                        print(f"agents: {agent} session {session + 1} through {path}", flush=True)
-                        done, error = run_session(
-                            agent,
-                            bin_dir,
-                            path,
-                            urls[path],
-                            proxies[path],
-                            out / "sessions",
-                            session,
-                            options.agent_turns,
-                            options.agent_think,
-                        )
-                        turns += done
-                        if error is not None:
-                            print(
-                                f"agents: {agent} session {session + 1} through {path} failed at {error[:600]}",
-                                flush=True,
-                            )
-                            failures.append({"agent": agent, "path": path, "session": session, "error": error})
-                        write()
+        _agent_sessions(options, stack, bin_dir, out, turns, failures, write)
         meta["gateway_counters"] = _gateway_counters(stack.gateway_url)
     print(format_turns(write()))
     print(f"wrote {out / 'agents.json'}")
     return 0 if not failures else 1
 
 
-def _run_trace(options: Bench, out: Path) -> int:
-    """The trace's first requests at their times (scaled), through the gateway, then directly, each path on its
-    own engine; the same texts for both."""
+def _agent_clis() -> Path | None:
+    """The agent CLIs' bin folder, installed once (``scripts/agent-clis.sh``); None where they cannot be."""
+    import subprocess
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "agent-clis.sh"
+    installed = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=1800)
+    if installed.returncode != 0:
+        print(f"specprefill bench: the agents could not be installed:\n{installed.stderr[-2000:]}", file=sys.stderr)
+        return None
+    return Path(installed.stdout.strip().splitlines()[-1])
+
+
+def _agent_sessions(options: Bench, stack: Stack, bin_dir: Path, out: Path, turns: list, failures: list, write) -> None:
+    """Every agent's sessions, each through both paths' timing proxies (which first alternating; with
+    ``--agent-direct replay``, the gateway's session, then its requests again directly); ``write`` after each."""
+    from specprefill.lab.agents import TimingProxy, replay_session, run_session
+
+    proxies = {"gateway": TimingProxy(stack.gateway_url), "direct": TimingProxy(stack.direct_url)}
+    replay = options.agent_direct == "replay"
+    with contextlib.ExitStack() as running:
+        urls = {name: running.enter_context(proxy.serving()) for name, proxy in proxies.items()}
+        for agent in options.agent_names:
+            for session in range(options.agent_sessions):
+                order = ("direct", "gateway") if session % 2 == 0 else ("gateway", "direct")
+                for path in ("gateway",) if replay else order:
+                    print(f"agents: {agent} session {session + 1} through {path}", flush=True)
+                    first = len(proxies[path].sent)
+                    done, error = run_session(
+                        agent, bin_dir, path, urls[path], proxies[path], out / "sessions", session,
+                        options.agent_turns, options.agent_think,
+                    )  # fmt: skip
+                    turns += done
+                    if error is not None:
+                        print(f"agents: {agent} session {session + 1} through {path} failed at {error[:600]}")
+                        failures.append({"agent": agent, "path": path, "session": session, "error": error})
+                    if replay:
+                        print(f"agents: {agent} session {session + 1}: its requests again, directly", flush=True)
+                        sent = proxies[path].sent[first:]
+                        turns += replay_session(done, sent, "direct", urls["direct"], proxies["direct"])
+                    write()
+
+
+def _trace_meta(options: Bench, requests: int, clock: float) -> dict:
+    """What a trace replay measured, written beside its results."""
+    return {
+        "trace": str(options.trace),
+        "requests": requests,
+        "seconds": options.trace_seconds,
+        "conversations_every": options.trace_conversations_every,
+        "block_tokens": options.trace_block_tokens,
+        "clock": clock,
+        "max_output": options.trace_max_output,
+        "foreign": {"tokens": options.trace_foreign_tokens, "every_s": options.trace_foreign_every}
+        if options.trace_foreign_tokens
+        else None,
+        "engine": "vllm" if options.vllm_python else "reference",
+        "vllm_flags": options.vllm_flags if options.vllm_python else None,
+        "pair": _pair_description(options.pair),
+    }
+
+
+def _trace_schedule(options: Bench, stack: Stack, requests: list, clock: float) -> tuple[list, list]:
+    """The trace's requests as the stack's chats (texts made through its gateway), and the two paths."""
     from specprefill.lab.bench import PromptMaker
-    from specprefill.lab.trace import TraceReport, format_trace, load_trace, plot_trace, replay, replay_schedule
+    from specprefill.lab.trace import replay_schedule
     from specprefill.lab.workloads import PathTarget
 
+    with httpx.Client(timeout=120) as client:
+        urls = (stack.gateway_url, stack.direct_url)
+        models = [client.get(f"{url}/v1/models").json()["data"][0]["id"] for url in urls]
+        prompts = PromptMaker(client, stack.gateway_url, models[0])
+        scaling = {"clock": clock, "max_output": options.trace_max_output}
+        schedule = replay_schedule(requests, prompts, block_tokens=options.trace_block_tokens, **scaling)
+    paths = [
+        PathTarget("gateway", stack.gateway_url, models[0], {}, stack.gateway_engine_url),
+        PathTarget("direct", stack.direct_url, models[1], {}, stack.direct_url),
+    ]
+    return schedule, paths
+
+
+def _run_trace(options: Bench, out: Path) -> int:
+    """The trace's requests at their times (scaled), through the gateway, then directly, each path on its own
+    engine, the same texts for both; with ``--trace-clocks``, one such replay at each clock and the max-QPS
+    ratio."""
+    from specprefill.lab.trace import format_trace, load_trace, max_qps, plot_trace, select
+
     try:
-        requests = load_trace(Path(options.trace), options.trace_requests)
+        requests = load_trace(Path(options.trace))
     except (OSError, ValueError) as exc:
         print(f"specprefill bench: {exc}", file=sys.stderr)
         return 2
+    if options.vllm_flags not in ("readme", "stock"):
+        print("specprefill bench: --vllm-flags is readme or stock", file=sys.stderr)
+        return 2
+    cut = {"seconds": options.trace_seconds, "every": options.trace_conversations_every}
+    requests = select(requests, **cut, limit=options.trace_requests)
+    if not options.trace_clocks:
+        summary, written = _replay_trace(options, requests, options.trace_clock, out)
+        print(format_trace(summary))
+        print(f"wrote {written}, {plot_trace(json.loads(written.read_text()), out / 'trace.png')}")
+        return 0
+    runs = {}
+    for clock in options.trace_clocks:
+        runs[clock], written = _replay_trace(options, requests, clock, out / f"clock-{clock:g}")
+        print(f"clock x{clock:g}:\n{format_trace(runs[clock])}")
+        plot_trace(json.loads(written.read_text()), written.parent / "trace.png")
+        result = max_qps(runs, options.trace_slo)
+        (out / "max-qps.json").write_text(json.dumps(result, indent=1))  # after each clock: a stop keeps what ran
+    print(f"max-QPS: {json.dumps(result)}\nwrote {out / 'max-qps.json'}")
+    return 0
+
+
+def _replay_trace(options: Bench, requests: list, clock: float, out: Path) -> tuple[dict, Path]:
+    """One replay at ``clock``: both paths, each on its own freshly launched engine."""
+    from specprefill.lab.trace import Foreign, TraceReport, replay
+
     target, draft = _models(options)
-    meta = {
-        "trace": str(options.trace),
-        "requests": len(requests),
-        "block_tokens": options.trace_block_tokens,
-        "clock": options.trace_clock,
-        "max_output": options.trace_max_output,
-        "engine": "vllm" if options.vllm_python else "reference",
-        "pair": _pair_description(options.pair),
-    }
+    meta = _trace_meta(options, len(requests), clock)
     report = TraceReport(meta)
     args = ["--draft-layers", str(options.draft_layers)] if options.draft_layers else []  # else its defaults
     pair = Path(options.pair) if options.pair else None
-    with launched(2, args, options.vllm_python, out, pair, target=target, draft=draft) as stack:
-        with httpx.Client(timeout=120) as client:
-            models = [
-                client.get(f"{url}/v1/models").json()["data"][0]["id"] for url in (stack.gateway_url, stack.direct_url)
-            ]
-            prompts = PromptMaker(client, stack.gateway_url, models[0])
-            schedule = replay_schedule(
-                requests,
-                prompts,
-                block_tokens=options.trace_block_tokens,
-                clock=options.trace_clock,
-                max_output=options.trace_max_output,
-            )
-        paths = [
-            PathTarget("gateway", stack.gateway_url, models[0], {}),
-            PathTarget("direct", stack.direct_url, models[1], {}),
-        ]
+    readme = options.vllm_flags == "readme"
+    foreign = (
+        Foreign(options.trace_foreign_tokens, options.trace_foreign_every) if options.trace_foreign_tokens else None
+    )
+    launch = {"target": target, "draft": draft, "kv_events": readme, "readme_flags": readme}
+    with launched(2, args, options.vllm_python, out, pair, **launch) as stack:
+        schedule, paths = _trace_schedule(options, stack, requests, clock)
         for path in paths:
-            print(f"trace: {len(schedule)} requests through {path.name}", flush=True)
-            report.samples += asyncio.run(replay(path, schedule))
+            print(f"trace: {len(schedule)} requests through {path.name} (clock x{clock:g})", flush=True)
+            samples, sent = asyncio.run(replay(path, schedule, foreign, paths[1].model))
+            report.samples += samples
+            if foreign is not None:
+                meta.setdefault("foreign_sent", {})[path.name] = sent
             report.write(out)
         meta["gateway_counters"] = _gateway_counters(stack.gateway_url)
-    print(format_trace(report.summary()))
-    written = report.write(out)
-    print(f"wrote {written}, {plot_trace(json.loads(written.read_text()), out / 'trace.png')}")
-    return 0
+    return report.summary(), report.write(out)

@@ -85,10 +85,10 @@ def run_score(options: Score) -> int:
 def write_html(
     path: str, tokenizer, token_ids: list[int], scores, config, special: list[int], keep_rate: float, model: str
 ) -> None:
-    """The inspector's page with this prompt's scores and selections inlined (``gateway.inspector``)."""
+    """The inspector's page with this prompt's scores and selections inlined (``gateway.entrypoints.inspector``)."""
     from common.selection import always_kept, select_tokens
     from common.tokenize import token_pieces
-    from gateway.inspector import inspection, page, selections
+    from gateway.entrypoints.inspector import inspection, page, selections
 
     plans = selections(lambda rate: select_tokens(token_ids, scores, rate, config, special))
     data = inspection(

@@ -49,6 +49,17 @@ class Exchange:
     kept_tokens: int | None = None
     prompt_tokens: int | None = None  # the whole prompt (input + cache read + cache creation)
     cached_tokens: int | None = None
+    ended: float | None = None  # the answer's last byte
+
+
+@dataclass(frozen=True)
+class Sent:
+    """A request as the agent sent it (to send it again elsewhere)."""
+
+    method: str
+    path_qs: str
+    headers: dict[str, str]
+    body: bytes
 
 
 @dataclass
@@ -68,6 +79,7 @@ class TimingProxy:
     def __init__(self, upstream: str) -> None:
         self.upstream = upstream.rstrip("/")
         self.exchanges: list[Exchange] = []
+        self.sent: list[Sent] = []  # each exchange's request, in the same order
         self._session: aiohttp.ClientSession | None = None
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
@@ -91,6 +103,7 @@ class TimingProxy:
                 seen += chunk
                 await response.write(chunk)
             await response.write_eof()
+        exchange.ended = time.perf_counter()
         exchange.status = answer.status
         exchange.plan = answer.headers.get("x-specprefill-plan")
         exchange.reason = answer.headers.get("x-specprefill-reason")
@@ -99,6 +112,7 @@ class TimingProxy:
         if request.path.endswith(("/messages", "/responses")):
             exchange.prompt_tokens, exchange.cached_tokens = _usage(seen)
             self.exchanges.append(exchange)
+            self.sent.append(Sent(request.method, request.path_qs, headers, body))
         return response
 
     @contextlib.contextmanager
@@ -133,6 +147,7 @@ class TimingProxy:
             asyncio.run_coroutine_threadsafe(stop(), loop).result(30)
             loop.call_soon_threadsafe(loop.stop)
             thread.join(30)
+            loop.close()
 
 
 def _usage(stream: bytes) -> tuple[int | None, int | None]:
@@ -270,6 +285,36 @@ def run_session(
             return out, f"turn {number + 1}: {exc}"
         out.append(Turn(agent, path, session, number + 1, proxy.exchanges[before:], reported, seconds))
     return out, None
+
+
+def replay_session(turns: list[Turn], sent: list[Sent], path: str, url: str, proxy: TimingProxy) -> list[Turn]:
+    """Another path gets the requests one path's session sent, as the agent sent them: each after the answer
+    before it ends and the pause the agent left there (its tools, the user's think time), through ``url`` (that
+    path's timing proxy). The same prompts on both paths, whatever the answers: an agent's next request depends
+    on its last answer, and a compressed prompt's answer differs."""
+    import httpx
+
+    requests = iter(sent)
+    out, previous_end = [], None
+    with httpx.Client(timeout=httpx.Timeout(3600.0)) as client:
+        for turn in turns:
+            before, start = len(proxy.exchanges), time.perf_counter()
+            for exchange in turn.exchanges:
+                request = next(requests)
+                if previous_end is not None and exchange.ended is not None:
+                    time.sleep(max(0.0, exchange.started - previous_end))
+                previous_end = exchange.ended
+                with client.stream(
+                    request.method, url + request.path_qs, content=request.body, headers=request.headers
+                ) as answer:
+                    for _ in answer.iter_bytes():
+                        pass
+            seconds = time.perf_counter() - start
+            deadline = time.monotonic() + 30
+            while len(proxy.exchanges) < before + len(turn.exchanges) and time.monotonic() < deadline:
+                time.sleep(0.01)  # the proxy records an exchange once it has sent the answer's last byte
+            out.append(Turn(turn.agent, path, turn.session, turn.turn, proxy.exchanges[before:], {}, seconds))
+    return out
 
 
 def as_dicts(turns: list[Turn]) -> list[dict]:

@@ -54,7 +54,7 @@ import httpx
 
 from common.process import free_port, quiet_openmp, rss_mib, wait_healthy
 from common.swap import KEPT_KEY, MISMATCH_CODE, SWAP_PARAM
-from gateway.costs import target_features
+from gateway.planning.costs import target_features
 from specprefill.lab.bench import parse_server_timing, predicted_cached
 from specprefill.lab.demo_models import synthetic_corpus
 from specprefill.lab.launch import CLI
@@ -222,15 +222,21 @@ class ChaosReport:
     proxy_failures: dict[str, int] = field(default_factory=dict)  # "phase: what failed" -> how often
 
     def growth(self, warm_up_s: float) -> dict[str, float] | None:
-        """Resident memory and open file descriptors at the end over their values once ``warm_up_s`` passed."""
+        """Resident memory and open file descriptors late in the run over their values once ``warm_up_s`` passed.
+
+        Each is the floor (the least sample) of its half of the samples: a socket in flight when one sample is
+        taken is traffic, not a leak, and a leak raises the floor."""
         after = [r for r in self.resources if r[0] >= warm_up_s]
-        if len(after) < 2:
+        if len(after) < 4:
             return None
+        early, late = after[: len(after) // 2], after[len(after) // 2 :]
+        rss = [min(r[1] for r in early), min(r[1] for r in late)]
+        fds = [min(r[2] for r in early), min(r[2] for r in late)]
         return {
-            "rss_mib": [after[0][1], after[-1][1]],
-            "fds": [after[0][2], after[-1][2]],
-            "rss_growth": round(after[-1][1] / after[0][1], 3),
-            "fd_growth": round(after[-1][2] / after[0][2], 3),
+            "rss_mib": rss,
+            "fds": fds,
+            "rss_growth": round(rss[1] / rss[0], 3),
+            "fd_growth": round(fds[1] / fds[0], 3),
         }
 
     def restart_mispredicted(self) -> int:
@@ -265,6 +271,16 @@ class ChaosReport:
         """The share of compressed answers whose predicted backend time was within 2x of the measured one, before
         the first fault and in the calm after each: the cost models must come out of a fault unpoisoned. In the
         burst, of every answer admitted (its prediction holds the queue ahead of it)."""
+        return {
+            phase: round(sum(1 for s in timed if 0.5 <= s.predicted_ms / s.backend_ms <= 2) / len(timed), 2)
+            for phase, timed in self._timed().items()
+        }
+
+    def predicted_counts(self) -> dict[str, int]:
+        """How many answers each phase's share in ``predicted_within_2x`` is of."""
+        return {phase: len(timed) for phase, timed in self._timed().items()}
+
+    def _timed(self) -> dict[str, list[ChaosSample]]:
         out = {}
         for phase in ("calm", "burst", *(f"after {fault}" for fault in FAULTS)):
             timed = [
@@ -277,7 +293,7 @@ class ChaosReport:
                 and s.backend_ms
             ]
             if timed:
-                out[phase] = round(sum(1 for s in timed if 0.5 <= s.predicted_ms / s.backend_ms <= 2) / len(timed), 2)
+                out[phase] = timed
         return out
 
     def target_prices(self) -> dict[str, list[float]]:
@@ -294,10 +310,17 @@ class ChaosReport:
             for phase, coefficients in self.coefficients.items()
         }
 
+    def window(self, sample: ChaosSample) -> str:
+        """The last fault whose window the request's life overlapped, else the phase it was sent in: a request
+        sent just before the engine is killed and cut off by it is the engine's doing, not its phase's."""
+        end = sample.sent_s + sample.seconds
+        hit = [f["fault"] for f in self.faults if sample.sent_s <= f["returned_s"] and end >= f["broken_s"]]
+        return hit[-1] if hit else sample.phase
+
     def summary(self) -> dict:
         lost = [s for s in self.samples if s.status is None]
         errors = Counter(
-            f"{s.phase}: {s.status} {s.cause}"
+            f"{self.window(s)}: {s.status} {s.cause}"
             for s in self.samples
             if s.status and s.status >= 500 and s.cause != "queue_full" and s.phase != "sigterm"
         )  # the drain's: ``sigterm``
@@ -310,6 +333,7 @@ class ChaosReport:
             "statuses": dict(Counter(str(s.status) for s in self.samples)),
             "restart_mispredicted": self.restart_mispredicted(),
             "predicted_within_2x": self.predicted_within_2x(),
+            "predicted_counts": self.predicted_counts(),
             "unshaped_errors": sum(1 for s in self.samples if s.status and s.status >= 400 and not s.shaped),
             "compressed": sum(1 for s in self.samples if s.specprefill == "compressed"),
             "errors_5xx": dict(errors),
@@ -350,233 +374,211 @@ async def run_chaos(
     redis_server = shutil.which("redis-server")
     if redis_server is None:
         raise RuntimeError("the chaos run needs redis-server on PATH (Debian: apt-get install redis-server)")
-    ports = {name: free_port() for name in ("redis", "engine", "proxy", "gateway", "draft0", "draft1", "oracle")}
-    url = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
-    model = ["--device", "cpu"]
-    parts = {
-        "redis": Part("redis", [redis_server, "--port", str(ports["redis"]), "--save", "", "--appendonly", "no"], None),
-        "engine": Part(
-            "engine",
-            CLI
-            + [
-                "engine",
-                "--port",
-                str(ports["engine"]),
-                "--model",
-                str(root / "target"),
-                "--log-level",
-                "warning",
-                *model,
-            ],
-            url["engine"],
-        ),
-        **{
-            f"draft{i}": Part(
-                f"draft{i}",
-                CLI
-                + [
-                    "draft-worker",
-                    "--port",
-                    str(ports[f"draft{i}"]),
-                    "--model",
-                    str(root / "draft"),
-                    "--log-level",
-                    "warning",
-                    *model,
-                ],
-                url[f"draft{i}"],
-            )
-            for i in range(2)
-        },
-    }
-    gateway = Part(
-        "gateway",
-        CLI
-        + [
-            "serve",
-            "--port",
-            str(ports["gateway"]),
-            "--backend-url",
-            url["proxy"],
-            "--backend-kind",
-            "reference",
-            "--target-model",
-            str(root / "target"),
-            "--draft-model",
-            str(root / "draft"),
-            "--draft-worker-url",
-            f"{url['draft0']},{url['draft1']}",
-            "--redis-url",
-            f"redis://127.0.0.1:{ports['redis']}/0",
-            "--served-model-name",
-            "chaos",
-            "--min-prompt-tokens",
-            "512",
-            "--log-level",
-            "warning",
-            "--drain-timeout",
-            str(DRAIN_S),
-            *model,
-            *(["--max-queue-wait", str(max_queue_wait)] if max_queue_wait else []),
-        ],
-        None,
-    )
-    proxy = FaultProxy(url["engine"])
-    import uvicorn
-
-    server = uvicorn.Server(uvicorn.Config(proxy, host="127.0.0.1", port=ports["proxy"], log_level="error"))
-    proxy_task = asyncio.ensure_future(server.serve())
-    for part in parts.values():
-        await asyncio.to_thread(part.start)
-    await asyncio.to_thread(gateway.start)
-    await asyncio.to_thread(wait_healthy, url["gateway"], gateway.process, 300)
-    load = Load(tokens, seed)
-    samples: list[ChaosSample] = []
-    broken: list[dict] = []
-    resources: list[tuple[float, float, int]] = []
-    tasks: list[asyncio.Task] = []
-    phase = "calm"
-    start = time.perf_counter()
-    rng = random.Random(seed)
-    health = HealthWatch(url["gateway"], lambda: phase)
-    health.start()
-    bodies: dict = {}
+    run = ChaosRun(root, redis_server, Load(tokens, seed), random.Random(seed), rate, max_queue_wait)
+    await run.start()
     try:
         async with httpx.AsyncClient(timeout=httpx.Timeout(120.0), limits=httpx.Limits(max_connections=256)) as client:
-            coefficients = {"start": await _coefficients(client, url["gateway"])}
-
-            async def traffic(until: float) -> None:
-                speed = BURST if phase == "burst" else 1
-                while time.perf_counter() < until:
-                    number = len(samples)
-                    api, stream, long, body, context = load(number)
-                    sample = ChaosSample(
-                        number,
-                        phase,
-                        api,
-                        stream,
-                        long,
-                        time.perf_counter() - start,
-                        user=f"chaos-{number}",
-                        context=context,
-                    )
-                    samples.append(sample)
-                    tasks.append(asyncio.ensure_future(_request(client, url["gateway"], sample, body)))
-                    await asyncio.sleep(rng.expovariate(rate * speed))
-
-            async def hold(name: str, seconds: float) -> None:
-                nonlocal phase
-                phase = name
-                await traffic(time.perf_counter() + seconds)
-                if name not in FAULTS:
-                    coefficients[name] = await _coefficients(client, url["gateway"])
-
-            async def watch() -> None:
-                while True:
-                    resources.append((round(time.perf_counter() - start, 1), *_resources(gateway.process.pid)))
-                    await asyncio.sleep(sample_s)
-
-            watcher = asyncio.ensure_future(watch())
-            await hold("calm", calm_s)
+            run.client = client
+            run.coefficients["start"] = await _coefficients(client, run.url["gateway"])
+            watcher = asyncio.ensure_future(run.watch(sample_s))
+            await run.hold("calm", calm_s)
             for fault in faults:
-                broken_at = time.perf_counter() - start
-                await asyncio.to_thread(_fault, fault, parts, proxy, on=True)
-                if fault == "bodies":
-                    sender = asyncio.ensure_future(
-                        asyncio.to_thread(_big_bodies, url["gateway"], gateway.process.pid, fault_s)
-                    )
-                await hold(fault, fault_s)
-                if fault == "bodies":
-                    bodies = await sender
-                await asyncio.to_thread(_fault, fault, parts, proxy, on=False)
-                returned = time.perf_counter() - start
-                broken.append({"fault": fault, "broken_s": round(broken_at, 2), "returned_s": round(returned, 2)})
-                await hold(f"after {fault}", calm_s)
-            await asyncio.gather(*tasks)
+                await run.broken(fault, fault_s, calm_s)
+            await asyncio.gather(*run.tasks)
             watcher.cancel()
-            coefficients["end"] = await _coefficients(client, url["gateway"])
-            warming = {
-                outcome: int(float(n))
-                for outcome, n in WARMING.findall((await client.get(f"{url['gateway']}/metrics")).text)
-            }
-            # a SIGTERM while requests are in flight: the short ones finish, the long ones are cut off at the
-            # drain's limit in their shape, later ones get 503, nothing is lost
-            phase = "sigterm"
-            terms = [
-                ChaosSample(
-                    len(samples) + i,
-                    "sigterm",
-                    *load(len(samples) + i)[:3],
-                    time.perf_counter() - start,
-                    user=f"chaos-{len(samples) + i}",
-                )
-                for i in range(8)
-            ]
-            samples.extend(terms)
-            bodies_at_signal = [load(s.number)[3] for s in terms]
-            for sample, body in list(zip(terms, bodies_at_signal))[1::2]:
-                sample.api, bodies_at_signal[sample.number - terms[0].number] = _long(sample.api, body)
-            in_flight = [
-                asyncio.ensure_future(_request(client, url["gateway"], s, body))
-                for s, body in zip(terms, bodies_at_signal)
-            ]
-            await asyncio.sleep(0.3)
-            gateway.signal(signal.SIGTERM)
-            await asyncio.sleep(0.3)
-            api, stream, long, body, _ = load(len(samples))
-            refused = ChaosSample(-1, "sigterm", api, stream, long, time.perf_counter() - start)
-            await _request(client, url["gateway"], refused, body)
-            finished = await asyncio.gather(*in_flight)
-            exit_status = await asyncio.to_thread(gateway.process.wait, 60)
+            run.coefficients["end"] = await _coefficients(client, run.url["gateway"])
+            metrics = (await client.get(f"{run.url['gateway']}/metrics")).text
+            run.warming = {outcome: int(float(n)) for outcome, n in WARMING.findall(metrics)}
+            sigterm = await run.sigterm()
     finally:
-        health.stop.set()
-        proxy.closing = True  # what fails from here on is the run's own teardown
-        for part in (gateway, *parts.values()):
+        await run.stop()
+    report = run.report(sigterm)
+    await _check_answers(report, run.proxy, root, run.ports["oracle"])
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "chaos.json").write_text(
+        json.dumps({"summary": report.summary(), "samples": [asdict(s) for s in run.samples]}, indent=1)
+    )
+    return report
+
+
+def _parts(root: Path, redis_server: str, ports: dict[str, int], max_queue_wait: float | None) -> dict[str, Part]:
+    """The stack's processes on ``ports``: Redis, the engine (behind the fault proxy), two draft workers and the
+    gateway, all on the CPU."""
+    url = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
+    model = ["--device", "cpu"]
+    quiet = ["--log-level", "warning", *model]
+
+    def server(name: str, command: str, folder: str) -> Part:
+        return Part(name, [*CLI, command, "--port", str(ports[name]), "--model", str(root / folder), *quiet], url[name])
+
+    gateway = [
+        *("serve", "--port", str(ports["gateway"]), "--backend-url", url["proxy"], "--backend-kind", "reference"),
+        *("--target-model", str(root / "target"), "--draft-model", str(root / "draft")),
+        *("--draft-worker-url", f"{url['draft0']},{url['draft1']}"),
+        *("--redis-url", f"redis://127.0.0.1:{ports['redis']}/0", "--served-model-name", "chaos"),
+        *("--min-prompt-tokens", "512", "--drain-timeout", str(DRAIN_S), *quiet),
+        *(["--max-queue-wait", str(max_queue_wait)] if max_queue_wait else []),
+    ]
+    return {
+        "redis": Part("redis", [redis_server, "--port", str(ports["redis"]), "--save", "", "--appendonly", "no"], None),
+        "engine": server("engine", "engine", "target"),
+        "draft0": server("draft0", "draft-worker", "draft"),
+        "draft1": server("draft1", "draft-worker", "draft"),
+        "gateway": Part("gateway", [*CLI, *gateway], None),
+    }
+
+
+class ChaosRun:
+    """One chaos run's stack, its load and what it saw."""
+
+    def __init__(
+        self,
+        root: Path,
+        redis_server: str,
+        load: Load,
+        rng: random.Random,
+        rate: float,
+        max_queue_wait: float | None,
+    ) -> None:
+        self.ports = {
+            name: free_port() for name in ("redis", "engine", "proxy", "gateway", "draft0", "draft1", "oracle")
+        }
+        self.url = {name: f"http://127.0.0.1:{port}" for name, port in self.ports.items()}
+        self.parts = _parts(root, redis_server, self.ports, max_queue_wait)
+        self.gateway = self.parts.pop("gateway")
+        self.proxy = FaultProxy(self.url["engine"])
+        self.load, self.rng, self.rate = load, rng, rate
+        self.samples: list[ChaosSample] = []
+        self.broken_parts: list[dict] = []
+        self.resources: list[tuple[float, float, int]] = []
+        self.tasks: list[asyncio.Task] = []
+        self.coefficients: dict[str, dict[str, float]] = {}
+        self.warming: dict[str, int] = {}
+        self.bodies: dict = {}
+        self.phase = "calm"
+        self.start_s = time.perf_counter()
+        self.health = HealthWatch(self.url["gateway"], lambda: self.phase)
+        self.client: httpx.AsyncClient | None = None
+
+    async def start(self) -> None:
+        import uvicorn
+
+        config = uvicorn.Config(self.proxy, host="127.0.0.1", port=self.ports["proxy"], log_level="error")
+        self.server = uvicorn.Server(config)
+        self.proxy_task = asyncio.ensure_future(self.server.serve())
+        for part in self.parts.values():
+            await asyncio.to_thread(part.start)
+        await asyncio.to_thread(self.gateway.start)
+        await asyncio.to_thread(wait_healthy, self.url["gateway"], self.gateway.process, 300)
+        self.start_s = time.perf_counter()
+        self.health.start()
+
+    async def stop(self) -> None:
+        self.health.stop.set()
+        self.proxy.closing = True  # what fails from here on is the run's own teardown
+        for part in (self.gateway, *self.parts.values()):
             part.signal(signal.SIGCONT)
             part.kill()
-        server.should_exit = True
-        await proxy_task
-        await proxy.client.aclose()
-    for fault in broken:  # the first request compressed again after the part's return
-        back = [s.sent_s for s in samples if s.sent_s >= fault["returned_s"] and s.specprefill == "compressed"]
-        fault["compressing_again_after_s"] = round(min(back) - fault["returned_s"], 2) if back else None
-    phase_at = sorted(((s.sent_s + start, s.phase) for s in samples if s.number >= 0), key=lambda x: x[0])
-    failures = Counter(f"{_phase_at(phase_at, when)}: {what}" for when, what in proxy.failures)
-    report = ChaosReport(
-        samples,
-        broken,
-        coefficients,
-        resources=resources,
-        warming=warming,
-        health=health.slowest,
-        bodies=bodies,
-        proxy_failures=dict(failures),
-        sigterm={
+        self.server.should_exit = True
+        await self.proxy_task
+        await self.proxy.client.aclose()
+
+    def now(self) -> float:
+        return time.perf_counter() - self.start_s
+
+    async def traffic(self, until: float) -> None:
+        """The load (``BURST`` times as fast in the burst) until ``until``, each request its own task."""
+        speed = BURST if self.phase == "burst" else 1
+        while time.perf_counter() < until:
+            number = len(self.samples)
+            api, stream, long, body, context = self.load(number)
+            sample = ChaosSample(
+                number, self.phase, api, stream, long, self.now(), user=f"chaos-{number}", context=context
+            )
+            self.samples.append(sample)
+            self.tasks.append(asyncio.ensure_future(_request(self.client, self.url["gateway"], sample, body)))
+            await asyncio.sleep(self.rng.expovariate(self.rate * speed))
+
+    async def hold(self, name: str, seconds: float) -> None:
+        self.phase = name
+        await self.traffic(time.perf_counter() + seconds)
+        if name not in FAULTS:
+            self.coefficients[name] = await _coefficients(self.client, self.url["gateway"])
+
+    async def watch(self, sample_s: float) -> None:
+        while True:
+            self.resources.append((round(self.now(), 1), *_resources(self.gateway.process.pid)))
+            await asyncio.sleep(sample_s)
+
+    async def broken(self, fault: str, fault_s: float, calm_s: float) -> None:
+        """``fault`` for ``fault_s`` under the load, then ``calm_s`` after it is undone."""
+        broken_at = self.now()
+        await asyncio.to_thread(_fault, fault, self.parts, self.proxy, on=True)
+        if fault == "bodies":
+            big = asyncio.to_thread(_big_bodies, self.url["gateway"], self.gateway.process.pid, fault_s)
+            sender = asyncio.ensure_future(big)
+        await self.hold(fault, fault_s)
+        if fault == "bodies":
+            self.bodies = await sender
+        await asyncio.to_thread(_fault, fault, self.parts, self.proxy, on=False)
+        self.broken_parts.append({"fault": fault, "broken_s": round(broken_at, 2), "returned_s": round(self.now(), 2)})
+        await self.hold(f"after {fault}", calm_s)
+
+    async def sigterm(self) -> dict:
+        """A SIGTERM while requests are in flight: the short ones finish, the long ones are cut off at the
+        drain's limit in their shape, later ones get 503, nothing is lost."""
+        self.phase = "sigterm"
+        first = len(self.samples)
+        terms = [
+            ChaosSample(first + i, "sigterm", *self.load(first + i)[:3], self.now(), user=f"chaos-{first + i}")
+            for i in range(8)
+        ]
+        self.samples.extend(terms)
+        bodies = [self.load(s.number)[3] for s in terms]
+        for sample, body in list(zip(terms, bodies))[1::2]:
+            sample.api, bodies[sample.number - first] = _long(sample.api, body)
+        gateway = self.url["gateway"]
+        in_flight = [asyncio.ensure_future(_request(self.client, gateway, s, body)) for s, body in zip(terms, bodies)]
+        await asyncio.sleep(0.3)
+        self.gateway.signal(signal.SIGTERM)
+        await asyncio.sleep(0.3)
+        api, stream, long, body, _ = self.load(len(self.samples))
+        refused = ChaosSample(-1, "sigterm", api, stream, long, self.now())
+        await _request(self.client, gateway, refused, body)
+        finished = await asyncio.gather(*in_flight)
+        return {
             "sent_around_the_signal": len(finished),
             "statuses": dict(Counter(str(s.status) for s in finished)),
             "cut_off": [
-                {
-                    "api": s.api,
-                    "stream": s.stream,
-                    "status": s.status,
-                    "cause": s.cause,
-                    "shaped": s.shaped,
-                    "retry_after": s.retry_after,
-                    "done": s.done,
-                }
+                {key: getattr(s, key) for key in ("api", "stream", "status", "cause", "shaped", "retry_after", "done")}
                 for s in finished
                 if s.status != 200
             ],
             "sent_after_the_signal": refused.status,
-            "exit_status": exit_status,
-        },
-    )
-    await _check_answers(report, proxy, root, ports["oracle"])
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "chaos.json").write_text(
-        json.dumps({"summary": report.summary(), "samples": [asdict(s) for s in samples]}, indent=1)
-    )
-    return report
+            "exit_status": await asyncio.to_thread(self.gateway.process.wait, 60),
+        }
+
+    def report(self, sigterm: dict) -> ChaosReport:
+        samples = self.samples
+        for fault in self.broken_parts:  # the first request compressed again after the part's return
+            back = [s.sent_s for s in samples if s.sent_s >= fault["returned_s"] and s.specprefill == "compressed"]
+            fault["compressing_again_after_s"] = round(min(back) - fault["returned_s"], 2) if back else None
+        phase_at = sorted(((s.sent_s + self.start_s, s.phase) for s in samples if s.number >= 0), key=lambda x: x[0])
+        failures = Counter(
+            f"{_fault_at(self.broken_parts, when - self.start_s) or _phase_at(phase_at, when)}: {what}"
+            for when, what in self.proxy.failures
+        )
+        return ChaosReport(
+            samples,
+            self.broken_parts,
+            self.coefficients,
+            resources=self.resources,
+            warming=self.warming,
+            health=self.health.slowest,
+            bodies=self.bodies,
+            proxy_failures=dict(failures),
+            sigterm=sigterm,
+        )
 
 
 def _fault(fault: str, parts: dict[str, Part], proxy: FaultProxy, *, on: bool) -> None:
@@ -724,6 +726,11 @@ def _long(api: str, body: dict) -> tuple[str, dict]:
     return api, {**body, "max_tokens": 4000, "ignore_eos": True}
 
 
+def _fault_at(faults: list[dict], when: float) -> str | None:
+    """The fault whose window (seconds from the run's start) holds ``when``, if any."""
+    return next((f["fault"] for f in faults if f["broken_s"] <= when <= f["returned_s"]), None)
+
+
 def _phase_at(phases: list[tuple[float, str]], when: float) -> str:
     """The phase of the last request sent before ``when``."""
     i = bisect.bisect_right([t for t, _ in phases], when)
@@ -826,7 +833,10 @@ def format_chaos(summary: dict) -> str:
     lines.append(f"big bodies: {summary['bodies'] or 'not sent'}")
     lines.append(f"SIGTERM: {summary['sigterm']}")
     lines.append(f"warming over the run, by outcome: {summary['warming']}")
-    lines.append(f"compressed answers predicted within 2x, by phase: {summary['predicted_within_2x']}")
+    lines.append(
+        f"compressed answers predicted within 2x, by phase: {summary['predicted_within_2x']} "
+        f"(of {summary['predicted_counts']} answers)"
+    )
     lines.append(
         f"the target's price of (new, cached) tokens {', '.join(map(str, PRICED))} at each phase's end, "
         f"over the calm phase's: "

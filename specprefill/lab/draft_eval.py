@@ -3,8 +3,8 @@ OpenAI SDK; and what mapping a prompt costs next to scoring it.
 
 Each gateway serves the retrieval pair's target (in-process reference engine) with one draft: the pair's own
 (same tokenizer), or one with another tokenizer, whose scores the gateway maps onto the target's tokens
-(``gateway.token_mapping``). Planner ``fresh``: this target costs about what its draft does, so the cost planner
-would send every prompt whole and measure nothing.
+(``gateway.planning.token_mapping``). Planner ``fresh``: this target costs about what its draft does, so the cost
+planner would send every prompt whole and measure nothing.
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def mapping_cost(target: Path, draft: Path, *, tokens: int = 4096, repeats: int 
     """Seconds to map one ~``tokens``-token prompt onto the draft and its scores back (``TokenMapping``),
     against the draft's scoring of it, medians of ``repeats`` runs in this process."""
     from draft_worker import DraftWorker
-    from gateway.token_mapping import TokenMapping
+    from gateway.planning.token_mapping import TokenMapping
 
     target_tokenizer = load_tokenizer(target)
     worker = DraftWorker.from_pretrained(draft, device="cpu", prefix_cache_bytes=0)

@@ -30,6 +30,16 @@ class Stack:
 # as the README's deployment section starts vLLM: cached-token counts in every answer, tool calls as without the
 # gateway (a Messages request with tools asks for automatic tool choice)
 README_VLLM_ARGS = ("--enable-prompt-tokens-details", "--enable-auto-tool-choice", "--tool-call-parser", "llama3_json")
+TOOL_MARKER = "<|python_tag|>"  # what vLLM's llama3_json tool parser needs in the tokenizer
+
+
+def readme_vllm_args(target: Path | str) -> tuple[str, ...]:
+    """The README's flags for this target: its tool-call parser only where the target's tokenizer has the parser's
+    marker (vLLM refuses to start otherwise: SmolLM2 has none, and no tool parser of vLLM's fits it)."""
+    tokens = Path(target) / "tokenizer.json"
+    if tokens.exists() and TOOL_MARKER not in tokens.read_text():
+        return README_VLLM_ARGS[:1]
+    return README_VLLM_ARGS
 
 
 def kv_events_config() -> str:
@@ -92,70 +102,38 @@ def launched(
     draft: str | None = None,
     max_model_len: int | None = None,
     engine_args: tuple[str, ...] = (),
+    readme_flags: bool = True,
 ) -> Iterator[Stack]:
-    """The pair's target (``pair/target``; default: the demo pair) on ``engines`` engines (reference engines, or
-    vLLM: the gateway's with the plugin, the direct one stock, both with ``vllm_args``) and a gateway in front
-    of the first with ``pair/draft``, as local processes. With two, the direct path has its own engine, so
-    neither warms the other's prefix cache. ``kv_events``: the gateway's engine publishes its KV cache events
-    and the gateway follows them; ``cache_tokens``: each engine's prefix cache holds this many tokens.
-    ``replicas``: each path's engine is that many replicas: the gateway routes over its own, the direct path's
-    are behind a ``router`` of that policy. ``target``, ``draft``: instead of the pair's; ``max_model_len``:
-    vLLM's (default: the target's positions, at most 32,768); ``engine_args``: the reference engines' flags."""
-    from specprefill.lab.demo_models import ensure_demo_models
-    from specprefill.lab.vllm_server import VLLMServer
-
-    root = pair or ensure_demo_models()
-    target = target or root / "target"
-    draft = draft or str(root / "draft")
-    max_len = max_model_len or min(32768, json.loads((target / "config.json").read_text())["max_position_embeddings"])
+    """The target on ``engines`` engines (reference engines, or vLLM: the gateway's with the plugin, the direct one
+    without, both with ``vllm_args`` after the README's flags where ``readme_flags``) and a gateway in front of
+    the first, as local processes; with two, neither path warms the other's cache. ``kv_events``: the gateway
+    follows its engine's; ``cache_tokens``: each prefix cache's size; ``replicas`` per path (the direct path's
+    behind a ``router``); ``pair``, ``target``, ``draft``, ``max_model_len``: ``_pair``."""
+    target, draft, max_len = _pair(pair, target, draft, max_model_len)
     servers: list = []
-    gateway_extra = [] if kv_events else ["--backend-kv-events", "off"]
+    size = ("--kv-cache-tokens", str(cache_tokens)) if cache_tokens else ()
+    assert not (vllm_python and cache_tokens), "vLLM's cache is sized in GiB here (VLLM_CPU_KVCACHE_SPACE)"
     try:
         for index in range(engines * replicas):
-            gateways = index < replicas  # the gateway's replicas first, then the direct path's
-            events = ("--kv-events-config", kv_events_config()) if gateways and kv_events else ()
-            if vllm_python:
-                assert cache_tokens is None, "vLLM's cache is sized in GiB here (VLLM_CPU_KVCACHE_SPACE)"
-                servers.append(
-                    VLLMServer(
-                        vllm_python,
-                        target,
-                        out / f"vllm-{index}.log",
-                        plugin=gateways,
-                        served_name="specprefill-demo",
-                        max_model_len=max_len,
-                        kv_cache_gib=4 if replicas == 1 else 2,
-                        extra_args=(*README_VLLM_ARGS, *vllm_args, *events),
-                    )
-                )
+            events = ("--kv-events-config", kv_events_config()) if index < replicas and kv_events else ()
+            if vllm_python:  # the gateway's with the plugin, the direct path's stock
+                log = out / f"vllm-{index}.log"
+                flags = (*(readme_vllm_args(target) if readme_flags else ()), *vllm_args, *events)
+                servers.append(_vllm(vllm_python, target, log, index < replicas, max_len, replicas, flags))
             else:
-                size = ("--kv-cache-tokens", str(cache_tokens)) if cache_tokens else ()
                 servers.append(Engine(["--model", str(target), *events, *size, *engine_args]))
         for server in servers:
             server.wait()
         urls = [server.url for server in servers]
-        by_url = {server.url: server for server in servers}
         mine, direct = urls[:replicas], urls[-replicas:]
-        backends = [arg for url in mine for arg in ("--backend-url", url)]
+        kind = "vllm" if vllm_python else "reference"
+        command = [*(a for url in mine for a in ("--backend-url", url)), "--backend-kind", kind, "--target-model"]
+        command += [str(target), "--draft-model", draft, "--served-model-name", "specprefill-demo"]
+        command += [] if kv_events else ["--backend-kv-events", "off"]
         with contextlib.ExitStack() as stack:
-            gateway_url = stack.enter_context(
-                launched_gateway(
-                    [
-                        *backends,
-                        "--backend-kind",
-                        "vllm" if vllm_python else "reference",
-                        "--target-model",
-                        str(target),
-                        "--draft-model",
-                        draft,
-                        "--served-model-name",
-                        "specprefill-demo",
-                        *gateway_extra,
-                        *gateway_args,
-                    ]
-                )
-            )
+            gateway_url = stack.enter_context(launched_gateway([*command, *gateway_args]))
             direct_url = direct[0] if replicas == 1 else stack.enter_context(launched_router(direct, router))
+            by_url = {server.url: server for server in servers}
             yield Stack(
                 gateway_url,
                 direct_url,
@@ -168,6 +146,36 @@ def launched(
     finally:
         for server in servers:
             server.stop()
+
+
+def _pair(
+    pair: Path | None, target: Path | None, draft: str | None, max_model_len: int | None
+) -> tuple[Path, str, int]:
+    """The target's folder, the draft, and the longest sequence vLLM takes (default: the target's positions, at
+    most 32,768): the pair's (default: the demo pair) where not given."""
+    from specprefill.lab.demo_models import ensure_demo_models
+
+    root = pair or ensure_demo_models()
+    target = target or root / "target"
+    max_len = max_model_len or min(32768, json.loads((target / "config.json").read_text())["max_position_embeddings"])
+    return target, draft or str(root / "draft"), max_len
+
+
+def _vllm(python: str, target: Path, log: Path, plugin: bool, max_len: int, replicas: int, args: tuple[str, ...]):
+    """One vLLM server with ``args`` (the README's flags among them, where asked) and ``plugin``: the gateway's,
+    with the project's plugin (else without)."""
+    from specprefill.lab.vllm_server import VLLMServer
+
+    return VLLMServer(
+        python,
+        target,
+        log,
+        plugin=plugin,
+        served_name="specprefill-demo",
+        max_model_len=max_len,
+        kv_cache_gib=4 if replicas == 1 else 2,
+        extra_args=args,
+    )
 
 
 @contextlib.contextmanager

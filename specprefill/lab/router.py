@@ -72,27 +72,40 @@ class Router:
         return best
 
 
-def create_app(urls: list[str], policy: str) -> Starlette:
-    router = Router(urls, policy)
-    session: dict[str, aiohttp.ClientSession] = {}
+class Proxy:
+    """The router's HTTP side: each request relayed to the replica its policy chooses."""
 
-    def client() -> aiohttp.ClientSession:
-        if "s" not in session:
-            session["s"] = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_read=3600))
-        return session["s"]
+    def __init__(self, urls: list[str], policy: str) -> None:
+        self.router = Router(urls, policy)
+        self._session: aiohttp.ClientSession | None = None
 
-    async def forward(request: Request) -> Response:
+    def client(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_read=3600))
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def forward(self, request: Request) -> Response:
         body = await request.json()
+        router = self.router
         index = router.choose(body)
         for _ in range(len(router.urls)):
             try:
-                response = await client().post(router.urls[index] + request.url.path, json=body)
+                response = await self.client().post(router.urls[index] + request.url.path, json=body)
                 break
             except aiohttp.ClientConnectorError:
                 index = (index + 1) % len(router.urls)
         else:
             return JSONResponse({"error": {"message": "no replica answers", "type": "upstream_error"}}, 502)
         router._in_flight[index] += 1
+        return await self._relayed(response, index, bool(body.get("stream")))
+
+    async def _relayed(self, response: aiohttp.ClientResponse, index: int, streamed: bool) -> Response:
+        """The replica's answer, passed on; the replica's count of requests under way kept until its end."""
+        in_flight = self.router._in_flight
 
         async def relay():
             try:
@@ -100,41 +113,37 @@ def create_app(urls: list[str], policy: str) -> Starlette:
                     yield piece
             finally:
                 response.release()
-                router._in_flight[index] -= 1
+                in_flight[index] -= 1
 
-        headers = {"x-replica": str(index)}
-        if body.get("stream"):
-            return StreamingResponse(
-                relay(), status_code=response.status, headers=headers, media_type=response.headers.get("content-type")
-            )
+        headers, media_type = {"x-replica": str(index)}, response.headers.get("content-type")
+        if streamed:
+            return StreamingResponse(relay(), status_code=response.status, headers=headers, media_type=media_type)
         try:
-            return Response(
-                await response.read(),
-                status_code=response.status,
-                headers=headers,
-                media_type=response.headers.get("content-type"),
-            )
+            return Response(await response.read(), status_code=response.status, headers=headers, media_type=media_type)
         finally:
             response.release()
-            router._in_flight[index] -= 1
+            in_flight[index] -= 1
 
-    async def first(request: Request) -> Response:
-        async with client().get(router.urls[0] + request.url.path) as response:
+    async def first(self, request: Request) -> Response:
+        async with self.client().get(self.router.urls[0] + request.url.path) as response:
             return Response(
                 await response.read(), status_code=response.status, media_type=response.headers.get("content-type")
             )
 
+
+def create_app(urls: list[str], policy: str) -> Starlette:
+    proxy = Proxy(urls, policy)
+
     @contextlib.asynccontextmanager
     async def lifespan(app):
         yield
-        if "s" in session:
-            await session["s"].close()
+        await proxy.close()
 
     return Starlette(
         routes=[
-            Route("/v1/{path:path}", forward, methods=["POST"]),
-            Route("/v1/models", first),
-            Route("/health", first),
+            Route("/v1/{path:path}", proxy.forward, methods=["POST"]),
+            Route("/v1/models", proxy.first),
+            Route("/health", proxy.first),
         ],
         lifespan=lifespan,
     )

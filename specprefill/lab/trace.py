@@ -17,7 +17,9 @@ before (its blocks in an earlier request).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import random
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -58,6 +60,35 @@ def load_trace(path: Path, limit: int | None = None) -> list[TraceRequest]:
         if limit is not None and len(requests) >= limit:
             break
     return sorted(requests, key=lambda r: r.arrival_s)
+
+
+def conversations(requests: list[TraceRequest]) -> list[int]:
+    """Per request, the number of its conversation: the earliest request whose second block it shares (every
+    request in Mooncake's traces begins with the same block 0, and a conversation's next turn repeats its earlier
+    turns' blocks). A request of one block is a conversation of its own."""
+    first: dict[int, int] = {}
+    out = []
+    for number, request in enumerate(requests):
+        key = request.hash_ids[1] if len(request.hash_ids) > 1 else None
+        if key is None:
+            out.append(number)
+            continue
+        out.append(first.setdefault(key, number))
+    return out
+
+
+def select(
+    requests: list[TraceRequest], *, seconds: float | None = None, every: int = 1, limit: int | None = None
+) -> list[TraceRequest]:
+    """A trace cut to this machine without breaking its conversations: the requests of its first ``seconds``,
+    one conversation in ``every`` (whole: every turn of a conversation kept, so what recurs still recurs), then
+    the first ``limit`` of those."""
+    if seconds is not None and requests:
+        requests = [r for r in requests if r.arrival_s - requests[0].arrival_s < seconds]
+    if every > 1:
+        order = {c: i for i, c in enumerate(dict.fromkeys(conversations(requests)))}
+        requests = [r for r, c in zip(requests, conversations(requests)) if order[c] % every == 0]
+    return requests[:limit] if limit is not None else requests
 
 
 def seen_shares(requests: list[TraceRequest]) -> list[float]:
@@ -121,8 +152,38 @@ class ReplaySample:
     error: str = ""
 
 
-async def replay(path: PathTarget, schedule: list[ReplayRequest]) -> list[ReplaySample]:
-    """Every request of ``schedule`` through ``path`` at its time (open loop), streamed and read to its end."""
+@dataclass(frozen=True)
+class Foreign:
+    """A second client sending its own long prompts straight to a path's engine: ``tokens`` random token IDs
+    (one answer token) every ``every_s`` seconds from the replay's start until its last request is answered, the
+    same prompts at the same times for both paths."""
+
+    tokens: int
+    every_s: float
+    seed: int = 0
+
+    async def run(self, client: httpx.AsyncClient, engine_url: str, model: str, done: asyncio.Event) -> int:
+        """Sends until ``done``; how many prompts it sent."""
+        rng, tasks = random.Random(self.seed), []
+        while not done.is_set():
+            prompt = [rng.randrange(100, 4000) for _ in range(self.tokens)]
+            body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0}
+            # open loop, as traffic: each prompt goes at its time whatever is still running
+            tasks.append(asyncio.ensure_future(client.post(f"{engine_url}/v1/completions", json=body)))
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(done.wait(), self.every_s)
+        for task in tasks:
+            task.cancel()  # the replay is over: what is still at the engine does not matter now
+        await asyncio.gather(*tasks, return_exceptions=True)
+        return len(tasks)
+
+
+async def replay(
+    path: PathTarget, schedule: list[ReplayRequest], foreign: Foreign | None = None, engine_model: str | None = None
+) -> tuple[list[ReplaySample], int]:
+    """Every request of ``schedule`` through ``path`` at its time (open loop), streamed and read to its end; with
+    ``foreign``, a second client's prompts at ``path``'s engine meanwhile (``engine_model``: its model's name).
+    The samples, and how many prompts the second client sent."""
     samples = [ReplaySample(path.name, r.number, r.send_s, r.seen) for r in schedule]
     start = time.perf_counter()
     limits = httpx.Limits(max_connections=1024)
@@ -165,8 +226,14 @@ async def replay(path: PathTarget, schedule: list[ReplayRequest]) -> list[Replay
             sample.prompt_tokens = usage.get("prompt_tokens")
             sample.reported_cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
 
+        done = asyncio.Event()
+        second = None
+        if foreign is not None and path.engine_url is not None:
+            second = asyncio.ensure_future(foreign.run(client, path.engine_url, engine_model or path.model, done))
         await asyncio.gather(*(one(r, s) for r, s in zip(schedule, samples)))
-    return samples
+        done.set()
+        sent = await second if second is not None else 0
+    return samples, sent
 
 
 @dataclass
@@ -212,6 +279,32 @@ class TraceReport:
             )
         )
         return path
+
+
+def max_qps(runs: dict[float, dict], slo_s: float) -> dict:
+    """From one replay's summary per clock factor: the fastest clock at which each path's p90 TTFT stays under
+    ``slo_s`` with no request failed (how much traffic it serves within the objective), and the gateway's over
+    direct's. A path under the objective at no clock tried has none; where only one path has one, the ratio is
+    bounded by the slowest clock tried (``bound``: "at least" or "under")."""
+    out: dict = {"slo_s": slo_s, "p90": {}, "max_clock": {}}
+    for path in ("gateway", "direct"):
+        p90s = {}
+        for clock, summary in sorted(runs.items()):
+            stats = summary["paths"][path]
+            p90s[clock] = stats["all"]["p90"] if "all" in stats and not stats["failed"] else None
+        out["p90"][path] = p90s
+        under = [clock for clock, p90 in p90s.items() if p90 is not None and p90 <= slo_s]
+        out["max_clock"][path] = max(under) if under else None
+    gateway, direct = out["max_clock"]["gateway"], out["max_clock"]["direct"]
+    if gateway is not None and direct is not None:
+        out["ratio"] = round(gateway / direct, 3)
+    elif gateway is not None:
+        out["ratio"], out["bound"] = round(gateway / min(runs), 3), "at least"
+    elif direct is not None:
+        out["ratio"], out["bound"] = round(min(runs) / direct, 3), "under"
+    else:
+        out["ratio"] = None
+    return out
 
 
 def format_trace(summary: dict) -> str:

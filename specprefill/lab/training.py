@@ -192,13 +192,7 @@ def train(
     _prepare_for_training(config)
     model = init if init is not None else LlamaForCausalLM(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
-    warmup, decay = max(1, steps // 20), int(steps * 0.75)  # constant through the curriculum, then cosine to 0.1
-
-    def lr_at(step: int) -> float:
-        tail = max(0.0, (step - decay) / max(1, steps - decay))
-        return min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * tail)))
-
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_at)
+    scheduler = _scheduler(optimizer, steps)
     bounds, total = [], 0.0
     for fraction, words in schedule:
         total += fraction
@@ -208,19 +202,7 @@ def train(
     for step in range(steps):
         n_words = next((words for bound, words in bounds if step < bound), schedule[-1][1])
         batch = batch_fn(rng, tokenizer, tokens_per_batch, n_words)
-        ids = batch.ids
-        head_zero: dict[int, torch.Tensor] = {}
-        hidden = model.model(input_ids=ids, head_zero=head_zero).last_hidden_state  # causal: right padding
-        logits = model.lm_head(hidden[batch.answer_rows, batch.answer_pos - 1])  # never reaches an answer
-        answers = ids[batch.answer_rows, batch.answer_pos]
-        eos_logits = model.lm_head(hidden[batch.eos_rows, batch.eos_pos - 1])  # and after the answer, EOS
-        previous, induction = circuit_losses(head_zero[0], head_zero[1], ids)
-        answer_loss = F.cross_entropy(logits, answers)
-        loss = (
-            answer_loss
-            + F.cross_entropy(eos_logits, ids[batch.eos_rows, batch.eos_pos])
-            + circuit_weight * (previous + induction)
-        )
+        loss, answer_loss, logits, answers, previous, induction = _losses(model, batch, circuit_weight)
         optimizer.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -236,6 +218,36 @@ def train(
             )
     model.config._attn_implementation = "sdpa"
     return model.eval()
+
+
+def _scheduler(optimizer: torch.optim.Optimizer, steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """Warm-up over a twentieth of the steps, constant through the curriculum, then cosine to a tenth."""
+    warmup, decay = max(1, steps // 20), int(steps * 0.75)
+
+    def lr_at(step: int) -> float:
+        tail = max(0.0, (step - decay) / max(1, steps - decay))
+        return min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * tail)))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_at)
+
+
+def _losses(model: LlamaForCausalLM, batch, circuit_weight: float):
+    """One batch's loss (answers, the EOS after each, the circuit losses), its answer loss, the answers' logits
+    and tokens, and the two circuit losses."""
+    ids = batch.ids
+    head_zero: dict[int, torch.Tensor] = {}
+    hidden = model.model(input_ids=ids, head_zero=head_zero).last_hidden_state  # causal: right padding
+    logits = model.lm_head(hidden[batch.answer_rows, batch.answer_pos - 1])  # never reaches an answer
+    answers = ids[batch.answer_rows, batch.answer_pos]
+    eos_logits = model.lm_head(hidden[batch.eos_rows, batch.eos_pos - 1])  # and after the answer, EOS
+    previous, induction = circuit_losses(head_zero[0], head_zero[1], ids)
+    answer_loss = F.cross_entropy(logits, answers)
+    loss = (
+        answer_loss
+        + F.cross_entropy(eos_logits, ids[batch.eos_rows, batch.eos_pos])
+        + circuit_weight * (previous + induction)
+    )
+    return loss, answer_loss, logits, answers, previous, induction
 
 
 def save(model: LlamaForCausalLM, tokenizer, out_dir: Path) -> None:

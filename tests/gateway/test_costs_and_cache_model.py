@@ -7,8 +7,8 @@ import logging
 import numpy as np
 import pytest
 
-from gateway.costs import _nonnegative_fit, cost_models
-from gateway.engine_cache import MemoryEngineCache, RedisEngineCache
+from gateway.engines.cache import MemoryEngineCache, RedisEngineCache
+from gateway.planning.costs import _nonnegative_fit, cost_models
 
 
 def test_the_fit_recovers_the_coefficients_and_never_goes_negative():
@@ -154,9 +154,64 @@ def test_the_block_hasher_reuses_chains_and_gives_exactly_the_block_hashes(monke
 
 def test_the_cost_coefficients_help_names_each_term_in_order():
     """--help and the generated reference say what the validator wants (they named 3 target terms of 4)."""
-    from gateway.costs import DRAFT_TERMS, TARGET_TERMS
+    from gateway.planning.costs import DRAFT_TERMS, TARGET_TERMS
     from gateway.settings import GatewaySettings
 
     help_text = GatewaySettings.model_fields["cost_coefficients"].description
     for name, terms in (("target", TARGET_TERMS), ("draft", DRAFT_TERMS)):
         assert f'"{name}": [{", ".join(terms)}]' in help_text
+
+
+def _seconds(coefficients, new: int, cached: int) -> float:
+    return float(np.dot(coefficients, [1, new, cached, new * (cached + new / 2)]))
+
+
+def test_cold_prefills_priced_far_below_what_they_took_reset_a_fit_of_cached_contexts():
+    """The case seen once: a window of cached contexts (a few hundred new tokens after 10,000), then the engine
+    shares its hardware with another client's work and a cold 10,000-token prefill takes 40x its price, every
+    45 s. The rule keeps each one out (the window's median speed does not explain it); from the third on, the
+    fit starts again from them, and a cold prompt is priced at what it took."""
+    truth = np.array([0.02, 4e-4, 5e-6, 2e-8])
+    rng = np.random.default_rng(1)
+    now = [0.0]
+    target = cost_models()[0]
+    target.clock = lambda: now[0]
+    for _ in range(150):
+        new, cached = int(rng.integers(50, 500)), int(rng.integers(8000, 12000))
+        target.observe(new, cached, _seconds(truth, new, cached) * rng.uniform(0.9, 1.1))
+    cold = 40 * _seconds(truth, 10_000, 0)
+    for _ in range(2):
+        now[0] += 45.0
+        target.observe(10_000, 0, cold)
+    assert target.predict(10_000, 0) < cold / 10 and target.resets == 0  # two: not yet
+    now[0] += 45.0
+    target.observe(10_000, 0, cold)
+    assert target.resets == 1 and target.predict(10_000, 0) == pytest.approx(cold, rel=0.1)
+
+
+def test_a_fit_wrong_for_good_is_reset_logged_and_counted(caplog):
+    """Prefills the fit has evidence for, three in a row over more than a minute, each taking 20x its price (the
+    engine shares its hardware with another client's work): the fit starts again from them. The same timings
+    within seconds (an engine stopped for a moment) are waited out."""
+    truth = np.array([0.02, 4e-4, 5e-6, 2e-8])
+    rng = np.random.default_rng(2)
+    now = [0.0]
+    target = cost_models()[0]
+    target.clock = lambda: now[0]
+    shapes = [(int(rng.integers(600, 4000)), int(rng.integers(0, 8000))) for _ in range(200)]
+    for new, cached in shapes[:120]:
+        target.observe(new, cached, _seconds(truth, new, cached) * rng.uniform(0.9, 1.1))
+    for new, cached in shapes[120:130]:  # a stall: 20x, all at once
+        target.observe(new, cached, 20 * _seconds(truth, new, cached))
+    assert target.resets == 0 and target.predict(2000, 0) == pytest.approx(_seconds(truth, 2000, 0), rel=0.2)
+    with caplog.at_level(logging.WARNING, logger="specprefill.gateway"):
+        for new, cached in shapes[130:133]:
+            now[0] += 40.0
+            target.observe(new, cached, 20 * _seconds(truth, new, cached))
+    assert target.resets == 1 and "starts again" in caplog.text
+    assert target.predict(2000, 1000) == pytest.approx(20 * _seconds(truth, 2000, 1000), rel=0.5)
+    for new, cached in shapes[133:200]:  # and goes on learning at the new speed
+        now[0] += 40.0
+        target.observe(new, cached, 20 * _seconds(truth, new, cached) * rng.uniform(0.9, 1.1))
+    assert target.predict(2000, 1000) == pytest.approx(20 * _seconds(truth, 2000, 1000), rel=0.2)
+    assert target.resets == 1

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from gateway.engine_load import EngineLoad
+from gateway.engines.load import EngineLoad
 
 
 class Clock:

@@ -222,7 +222,7 @@ async def test_client_disconnects_cancel_the_backend_request(gateway_url, engine
 async def test_an_idle_backend_connection_is_not_reused_past_vllms_keep_alive():
     """vLLM closes a connection idle for 5 s; a request sent on it just then fails before it is read. The gateway
     sends a request after 4.3 s of quiet on a new connection, not on the one vLLM may be closing."""
-    from gateway.backends import KEEPALIVE_S, HTTPBackend
+    from gateway.engines.backends import KEEPALIVE_S, HTTPBackend
 
     ports = []
     app = FastAPI()
@@ -245,8 +245,9 @@ async def test_an_idle_backend_connection_is_not_reused_past_vllms_keep_alive():
 
 
 def test_each_kind_says_how_kept_tokens_travel():
-    """A backend's kind is read in one place (``gateway.kinds``): what it takes, and the body that carries it."""
-    from gateway.kinds import KINDS
+    """A backend's kind is read in one place (``gateway.engines.kinds``): what it takes, and the body that carries
+    it."""
+    from gateway.engines.kinds import KINDS
 
     params = {"max_tokens": 1}
     bodies = {name: kind.token_body("m", [5, 6], [0, 9], params) for name, kind in KINDS.items()}

@@ -17,7 +17,7 @@ import pytest
 from common.models import load_tokenizer
 from common.tokenize import token_pieces
 from gateway.app import create_app
-from gateway.inspector import page, runs
+from gateway.entrypoints.inspector import page, runs
 from tests.browser import Browser, find_chromium
 from tests.helpers import LONG_DOC, gateway_settings, serve
 

@@ -22,8 +22,8 @@ from engine.kv_events import EventPublisher, KVEventsConfig
 from engine.prefix_cache import PrefixCache
 from engine.sampling import SamplingParams
 from gateway.app import create_app
-from gateway.engine_cache import EventEngineCache, MemoryEngineCache
-from gateway.kv_events import EventSubscriber
+from gateway.engines.cache import EventEngineCache, MemoryEngineCache
+from gateway.engines.kv_events import EventSubscriber
 from gateway.metrics import GatewayMetrics
 from tests.helpers import LONG_DOC, engine_app, gateway_settings, serve
 

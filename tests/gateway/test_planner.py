@@ -18,17 +18,18 @@ from draft_worker import ScoringConfig
 from engine.engine import ReferenceEngine
 from engine.sampling import SamplingParams
 from gateway.app import create_app
-from gateway.costs import cost_models
-from gateway.engine_cache import MemoryEngineCache
-from gateway.engine_load import EngineLoad
+from gateway.engines.cache import MemoryEngineCache
+from gateway.engines.load import EngineLoad
+from gateway.engines.replicas import Replica
 from gateway.metrics import GatewayMetrics
-from gateway.plan import Plan
-from gateway.planner import Planner
-from gateway.policy import RequestOptions
-from gateway.replicas import Replica
-from gateway.scores import ScoreProvider
+from gateway.planning.calibration import calibrate
+from gateway.planning.costs import cost_models
+from gateway.planning.plan import Plan
+from gateway.planning.planner import Planner
+from gateway.planning.policy import RequestOptions
+from gateway.planning.scores import ScoreProvider
+from gateway.planning.warming import Warmer
 from gateway.settings import GatewaySettings
-from gateway.warming import Warmer
 from specprefill.lab.bench import parse_server_timing
 from tests.helpers import (
     LONG_DOC,
@@ -152,8 +153,8 @@ async def test_a_growing_context_extends_the_earlier_selection():
     second = await planner.plan(first_prompt + _ids(1500, 5), OPTIONS, [])
     assert second.kind == "extend" and second.status == "compressed"
     start = (4000 // CHUNK) * CHUNK
-    assert [i for i in second.kept_indices if i < start] == [i for i in first.kept_indices if i < start]
-    assert second.engine_cached >= 0.9 * sum(1 for i in first.kept_indices if i < start) - 16
+    assert [i for i in second.position_ids if i < start] == [i for i in first.position_ids if i < start]
+    assert second.engine_cached >= 0.9 * sum(1 for i in first.position_ids if i < start) - 16
     assert second.kept_tokens >= 0.29 * second.original_tokens  # never fewer than the keep rate asks
 
 
@@ -163,12 +164,12 @@ async def test_an_earlier_selection_that_misses_what_matters_now_is_not_reused()
     draft.peaks = [10, 20]
     first = await planner.plan(first_prompt, OPTIONS, [])
     await planner.completed(first, None, 1.0)
-    assert all(10 * CHUNK + i in first.kept_indices for i in range(CHUNK))
+    assert all(10 * CHUNK + i in first.position_ids for i in range(CHUNK))
     draft.peaks = [150, 200]  # the new last token attends elsewhere: chunks the first selection dropped
-    assert 150 * CHUNK not in first.kept_indices
+    assert 150 * CHUNK not in first.position_ids
     second = await planner.plan(first_prompt + _ids(1500, 7), OPTIONS, [])
     assert second.kind == "fresh"
-    assert 150 * CHUNK in second.kept_indices and 200 * CHUNK in second.kept_indices
+    assert 150 * CHUNK in second.position_ids and 200 * CHUNK in second.position_ids
     # reused below a lower keep rate would keep fewer tokens than asked: never
     lower, _ = _planner()
     first = await lower.plan(first_prompt, RequestOptions(keep_rate=0.1, enabled=True), [])
@@ -182,14 +183,14 @@ async def test_a_system_prompt_stays_whole_where_affordable():
     short = torch.zeros(4000, dtype=torch.bool)
     short[:200] = True
     plan = await planner.plan(prompt, OPTIONS, [], short)
-    assert plan.kind == "fresh" and plan.protected and set(range(200)) <= set(plan.kept_indices)
+    assert plan.kind == "fresh" and plan.protected and set(range(200)) <= set(plan.position_ids)
     long = torch.zeros(4000, dtype=torch.bool)
     long[:3500] = True  # a long system prompt the engine has not seen: keeping it whole costs far more
     plan = await planner.plan(prompt, OPTIONS, [], long)
     assert plan.kind == "fresh" and not plan.protected and plan.kept_tokens < 0.5 * 4000
     await planner.replicas[0].cache.record(prompt[:3520], None)  # warmed: the system prompt now stays whole
     plan = await planner.plan(prompt, OPTIONS, [], long)
-    assert plan.kind == "fresh" and plan.protected and set(range(3500)) <= set(plan.kept_indices)
+    assert plan.kind == "fresh" and plan.protected and set(range(3500)) <= set(plan.position_ids)
     assert plan.engine_cached >= 3488 and plan.kept_tokens < 3500 + 0.5 * 500
 
 
@@ -200,7 +201,7 @@ async def test_the_outcome_teaches_the_cost_model_and_the_cache_model():
     before = planner.target_cost.coefficients.copy()
     sent = plan.kept_token_ids()
     await planner.completed(plan, {"prompt_tokens_details": {"cached_tokens": 0}}, 0.5)
-    assert await planner.replicas[0].cache.cached_tokens(sent, plan.kept_indices) == (len(sent) - 1) // 16 * 16
+    assert await planner.replicas[0].cache.cached_tokens(sent, plan.position_ids) == (len(sent) - 1) // 16 * 16
     for seconds in (0.6, 0.7, 0.8):
         await planner.completed(plan, None, seconds)
     assert not (planner.target_cost.coefficients == before).all()
@@ -345,13 +346,13 @@ async def test_a_system_prompt_the_engine_does_not_hold_extends_the_earlier_sele
     prompt = _ids(3968, 14)
     draft.values = {5: 0.02}
     first = await planner.plan(prompt + _ids(32, 15), OPTIONS, [], system)
-    assert (first.kind, first.protected) == ("fresh", False) and 5 * CHUNK in first.kept_indices
+    assert (first.kind, first.protected) == ("fresh", False) and 5 * CHUNK in first.position_ids
     await planner.completed(first, None, 1.0)
     draft.values = {6: 0.02}  # the next question: another chunk of the system prompt a little higher
     second = await planner.plan(prompt + _ids(32, 16), OPTIONS, [], system)
     assert (second.kind, second.protected) == ("extend", False)
-    reused = [i for i in first.kept_indices if i < 3968]
-    assert second.kept_indices[: len(reused)] == reused and second.engine_cached >= len(reused) - CHUNK
+    reused = [i for i in first.position_ids if i < 3968]
+    assert second.position_ids[: len(reused)] == reused and second.engine_cached >= len(reused) - CHUNK
 
 
 async def test_kept_tokens_fill_whole_engine_blocks_up_to_where_the_next_user_leaves():
@@ -368,7 +369,7 @@ async def test_kept_tokens_fill_whole_engine_blocks_up_to_where_the_next_user_le
     await planner.completed(other, None, 1.0)
     first = await planner.plan(prompt + _ids(40, 18), OPTIONS, [], system, boundary=3000)
     unfilled = select_tokens(prompt + _ids(40, 18), await draft.score(prompt + _ids(40, 18)), 0.3, draft.config)
-    below = sum(i < 3000 for i in first.kept_indices)
+    below = sum(i < 3000 for i in first.position_ids)
     assert below % 64 == 0 and sum(i < 3000 for i in unfilled) % 64 != 0  # it took filling
     await planner.completed(first, None, 1.0)
     second = await planner.plan(prompt + _ids(40, 19), OPTIONS, [], system, boundary=3000)
@@ -390,13 +391,13 @@ async def test_filling_blocks_never_moves_tokens_the_engine_already_holds():
     assert first.kind == "fresh"
     await planner.completed(first, None, 1.0)
     second = await planner.plan(document + _ids(40, 23), OPTIONS, [])
-    head = [i for i in first.kept_indices if i < 3000]
-    assert second.kind == "extend" and second.kept_indices[: len(head)] == head
+    head = [i for i in first.position_ids if i < 3000]
+    assert second.kind == "extend" and second.position_ids[: len(head)] == head
     assert second.engine_cached >= len(head) // 64 * 64
 
 
 def test_where_the_next_request_leaves_follows_how_this_one_left_the_last():
-    from gateway.selections import Selection
+    from gateway.planning.selections import Selection
 
     system = torch.zeros(3040, dtype=torch.bool)
     system[:3000] = True
@@ -409,8 +410,8 @@ def test_where_the_next_request_leaves_follows_how_this_one_left_the_last():
     grown = Selection((0, 1, 2), 0.3, False, length=2900)
     assert Planner._divergence(system, 3005, (grown, 2900)) is None  # a chat's next turn: it leaves at the end
     # only an earlier prompt this one shares most of counts: not one that shares the chat template's head
-    assert Planner._began_like((earlier, 5), 3040) is None
-    assert Planner._began_like((earlier, 2000), 3040) == (earlier, 2000)
+    assert Planner.began_like((earlier, 5), 3040) is None
+    assert Planner.began_like((earlier, 2000), 3040) == (earlier, 2000)
 
 
 async def test_a_held_system_prompt_that_ends_inside_a_block_does_not_wake_the_draft():
@@ -442,7 +443,7 @@ def _timed_engine(planner: Planner, lengths: list[int]):
 async def test_the_start_up_probe_prices_cached_reads():
     planner, _ = _planner(cost_coefficients=None)
     lengths: list[int] = []
-    await planner.calibrate(_timed_engine(planner, lengths), list(range(10, 5000)))
+    await calibrate(planner, _timed_engine(planner, lengths), list(range(10, 5000)))
     assert lengths[0] == 64  # the warm-up, not measured
     assert lengths[1:4] == [256, 1024, 4096]  # 4,096 tokens take 0.84 s: no larger probe
     assert lengths[4:] == [4096 + 32, 4096 + 32 + 512, 1024 + 16, 1024 + 16, 4096 + 16, 4096 + 16]
@@ -462,7 +463,7 @@ async def test_the_start_up_probe_grows_while_the_engine_answers_fast():
         await asyncio.sleep(0.005 + 1e-5 * len(token_ids))
         return {"usage": None}
 
-    await planner.calibrate(fast, list(range(10, 5000)), limit=20_000)
+    await calibrate(planner, fast, list(range(10, 5000)), limit=20_000)
     room = 20_000 - 32 - 512
     assert lengths[:7] == [64, 256, 1024, 4096, 8192, 16384, room]
     assert lengths[7:9] == [room + 32, room + 32 + 512]
@@ -471,7 +472,7 @@ async def test_the_start_up_probe_grows_while_the_engine_answers_fast():
 async def test_the_start_up_probe_fits_the_prompt_limit_and_a_refused_probe_does_not_stop_the_gateway():
     planner, _ = _planner(cost_coefficients=None)
     lengths: list[int] = []
-    await planner.calibrate(_timed_engine(planner, lengths), list(range(10, 5000)), limit=2048)
+    await calibrate(planner, _timed_engine(planner, lengths), list(range(10, 5000)), limit=2048)
     assert max(lengths) == 2048 and len(lengths) == 10
 
     async def refuses_long_prompts(token_ids: list[int]) -> dict:
@@ -480,7 +481,7 @@ async def test_the_start_up_probe_fits_the_prompt_limit_and_a_refused_probe_does
         return {"usage": None}
 
     refusing, _ = _planner(cost_coefficients=None)
-    await refusing.calibrate(refuses_long_prompts, list(range(10, 5000)))  # returns: the gateway starts
+    await calibrate(refusing, refuses_long_prompts, list(range(10, 5000)))  # returns: the gateway starts
     assert len(refusing.target_cost._probe) == 2  # the two prompts it took
 
 
@@ -495,7 +496,7 @@ async def test_timings_that_shared_the_engine_never_enter_the_fit():
 
     planner, _ = _planner(cost_coefficients=None)
     engine = FCFSEngine(fixed=0.005, per_token=2e-5, per_cached=1e-6)
-    await planner.calibrate(lambda ids: engine.complete(ids), list(range(10, 5000)), limit=8192)
+    await calibrate(planner, lambda ids: engine.complete(ids), list(range(10, 5000)), limit=8192)
     truth = engine.seconds(8000, 0)
     assert planner.target_cost.predict(8000, 0) == pytest.approx(truth, rel=0.2)
     before = planner.target_cost.coefficients.copy()
@@ -554,11 +555,11 @@ async def test_a_shared_system_prompt_warmed_between_requests_lands_and_then_sta
         load.enter()
         plan = await planner.plan(system + _ids(30, 100 + i), OPTIONS, [], keep)
         ticket = load.begin(plan.target_s)
-        answer = await engine.complete(plan.kept_token_ids(), None, plan.kept_indices)
+        answer = await engine.complete(plan.kept_token_ids(), None, plan.position_ids)
         load.answered(ticket), load.end(ticket)
         await planner.completed(plan, answer["usage"], 0.01, contended=ticket.contended)
         if plan.status == "compressed" and plan.recurring:
-            warmer.offer(plan)
+            warmer.offer(plan.token_ids)
         load.leave()
         plans.append((plan.kind, plan.protected))
         await asyncio.sleep(0.25)  # the user's think time: warming's window
@@ -576,7 +577,7 @@ async def test_an_engine_that_does_not_report_its_cache_hits_is_named(caplog):
         return {"usage": {"prompt_tokens": len(token_ids)}}
 
     with caplog.at_level("WARNING", logger="specprefill.gateway"):
-        await planner.calibrate(silent, list(range(10, 5000)), limit=1024)
+        await calibrate(planner, silent, list(range(10, 5000)), limit=1024)
     assert any("--enable-prompt-tokens-details" in r.message for r in caplog.records)
 
 
@@ -593,3 +594,22 @@ async def test_a_prompt_the_engine_holds_nine_tenths_of_goes_whole_though_compre
     other, _ = _planner(cost_coefficients=costs)
     await other.replicas[0].cache.record(prompt[:3200], None)
     assert (await other.plan(prompt, OPTIONS, [])).status == "compressed"
+
+
+async def test_a_late_draft_is_waited_for_while_it_can_still_save_time():
+    """``--draft-timeout`` is a floor: a draft still scoring a long prompt then (a burst of drafts on a busy
+    CPU) is waited for while compressing can still save time, since giving up sends the whole prompt, the
+    dearest plan (seen in the trace replay: a 26,000-token prompt sent whole after a 30 s draft timeout held
+    the engine for 80 s). A short prompt, whose compression saves less than the floor, goes whole at it."""
+
+    class SlowDraft(FakeDraft):
+        async def score(self, token_ids: list[int]) -> torch.Tensor:
+            await asyncio.sleep(0.3)
+            return await super().score(token_ids)
+
+    planner, _ = _planner(draft_timeout=0.1)
+    planner.draft = planner.scores.draft = SlowDraft()
+    long = await planner.plan(_ids(4000, 1), OPTIONS, [])  # whole ~4.3 s, compressed ~1.2 s: worth 0.3 s
+    assert (long.status, long.reason) == ("compressed", None) and long.draft_ms >= 300
+    short = await planner.plan(_ids(100, 2), OPTIONS, [])  # whole ~0.11 s, compressed ~0.04 s
+    assert (short.status, short.reason) == ("bypassed", "draft_error") and short.draft_ms < 300

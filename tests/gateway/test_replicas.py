@@ -292,13 +292,14 @@ def test_data_parallel_ranks_behind_one_server_are_replicas(model_pair):
 async def test_a_turn_goes_where_its_earlier_selection_is_held_unless_the_wait_there_costs_more():
     """Routing prices the earlier selection a next turn would extend at each replica: the one that holds it wins
     (neither holds the whole prompt, only the kept tokens at their positions), until a wait there outweighs it."""
-    from gateway.costs import cost_models
-    from gateway.engine_cache import MemoryEngineCache
-    from gateway.engine_load import EngineLoad
+    from gateway.engines.cache import MemoryEngineCache
+    from gateway.engines.load import EngineLoad
+    from gateway.engines.replicas import Replica
     from gateway.metrics import GatewayMetrics
-    from gateway.planner import Planner
-    from gateway.replicas import Replica
-    from gateway.scores import ScoreProvider
+    from gateway.planning.costs import cost_models
+    from gateway.planning.planner import Planner
+    from gateway.planning.routing import Router
+    from gateway.planning.scores import ScoreProvider
     from tests.gateway.test_planner import COSTS, OPTIONS, FakeDraft, _ids
 
     draft, metrics = FakeDraft(), GatewayMetrics()
@@ -312,7 +313,36 @@ async def test_a_turn_goes_where_its_earlier_selection_is_held_unless_the_wait_t
     await planner.completed(await planner.plan(first, OPTIONS, [], replica=replicas[1]), None, 1.0)
     assert [await r.cache.cached_tokens(first, None) for r in replicas] == [0, 0]
     turn = np.asarray(first + _ids(200, 2))
-    assert (await planner.route(turn, OPTIONS, None, dry_run=True))[0] is replicas[1]
+    assert (await Router(planner).route(turn, OPTIONS, None, dry_run=True))[0] is replicas[1]
     ahead = replicas[1].load.begin(30.0)  # a 30 s prefill in line there
-    assert (await planner.route(turn, OPTIONS, None, dry_run=True))[0] is replicas[0]
+    assert (await Router(planner).route(turn, OPTIONS, None, dry_run=True))[0] is replicas[0]
     replicas[1].load.end(ahead)
+
+
+async def test_one_routing_rule_places_every_plan_even_where_a_price_went_wrong():
+    """A plan the planner did not make (a prompt the gateway does not read) goes by the same rule as any other:
+    here, away from a replica with a 30 s prefill in line. A price that is not a number, or below zero, never
+    stops a request from going somewhere."""
+    from gateway.engines.cache import MemoryEngineCache
+    from gateway.engines.load import EngineLoad
+    from gateway.engines.replicas import Replica
+    from gateway.metrics import GatewayMetrics
+    from gateway.planning.costs import cost_models
+    from gateway.planning.plan import Plan
+    from gateway.planning.planner import Planner
+    from gateway.planning.routing import Router
+    from gateway.planning.scores import ScoreProvider
+    from tests.gateway.test_planner import COSTS, FakeDraft
+
+    draft, metrics = FakeDraft(), GatewayMetrics()
+    settings = GatewaySettings(target_model="t", draft_model="d", cost_coefficients=COSTS)
+    replicas = [Replica(i, f"r{i}", None, EngineLoad(), MemoryEngineCache(16, 1 << 20)) for i in range(2)]
+    planner = Planner(
+        settings, draft, ScoreProvider(draft, None, metrics), metrics, (), cost_models(COSTS), replicas=replicas
+    )
+    router = Router(planner)
+    ahead = replicas[0].load.begin(30.0)
+    assert (await router.place(Plan([], passthrough=True))).replica is replicas[1]
+    replicas[0].load.end(ahead)
+    assert router._cheapest({replicas[0]: (float("nan"), False), replicas[1]: (-1.0, False)}) is replicas[1]
+    assert router._cheapest({replicas[0]: (float("nan"), True), replicas[1]: (float("inf"), False)}) in replicas

@@ -17,8 +17,8 @@ from common.process import free_port
 from draft_worker import DraftWorker
 from draft_worker.codec import decode_scores, encode_scores
 from gateway.app import create_app
-from gateway.cache import MemoryScoreCache
-from gateway.draft import LocalDraft
+from gateway.planning.draft import LocalDraft
+from gateway.planning.score_cache import MemoryScoreCache
 from tests.helpers import chat_messages as _messages
 from tests.helpers import gateway_settings, serve
 

@@ -18,9 +18,9 @@ from common.models import TokenizerMismatchError
 from common.selection import select_tokens
 from draft_worker import DraftWorker, ScoringConfig
 from gateway.app import create_app
-from gateway.cache import score_key
-from gateway.draft import LocalDraft
-from gateway.token_mapping import MappedDraft, TokenMapping, overlaps
+from gateway.planning.draft import LocalDraft
+from gateway.planning.score_cache import score_key
+from gateway.planning.token_mapping import MappedDraft, TokenMapping, overlaps
 from specprefill.lab.demo_models import synthetic_corpus
 from tests.helpers import LONG_DOC, chat_messages, gateway_settings, openai_client, serve, start_command
 

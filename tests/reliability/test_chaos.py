@@ -4,6 +4,7 @@ faults (``specprefill.lab.chaos``); the full runs are ``specprefill bench --chao
 from __future__ import annotations
 
 import asyncio
+import math
 import shutil
 
 import pytest
@@ -21,16 +22,21 @@ def test_faults_under_load_lose_nothing_and_change_no_answer(tmp_path):
     print(format_chaos(summary))
     assert summary["lost"] == 0 and summary["unshaped_errors"] == 0, summary
     assert summary["wrong_answers"] == 0 and summary["engine_answers_checked"] > 20, report.wrong_answers
-    # 5xx only while the one engine is down, each a clean 502 (load shed past the queue bound aside)
-    assert all(key.startswith("engine: 502") for key in summary["errors_5xx"]), (
+    # 5xx only from requests that lived while the one engine was down: a clean 502, or a stream it cut off
+    # mid-answer ended by an error event (load shed past the queue bound aside)
+    allowed = ("engine: 502 backend_error", "engine: 500 upstream_error")
+    assert all(key in allowed for key in summary["errors_5xx"]), (
         summary["errors_5xx"],
         summary["proxy_failures"],
     )
     # the burst: shed at once with Retry-After; what was admitted met the time predicted for it
     assert summary["shed"]["without_retry_after"] == 0 and summary["shed"]["slowest_s"] < 1.0, summary["shed"]
     # (as well as in the calm before the faults, on this machine at this hour: its own share moved 0.62-0.88)
-    within = summary["predicted_within_2x"]
-    assert within["burst"] >= min(0.8, within["calm"]) - 0.1, within
+    # a share of a few answers each: the burst may fall below the calm's by two standard errors of the two
+    within, counts = summary["predicted_within_2x"], summary["predicted_counts"]
+    calm = min(0.8, within["calm"])
+    spread = 2 * math.sqrt(calm * (1 - calm) * (1 / counts["burst"] + 1 / counts["calm"]))
+    assert within["burst"] >= calm - max(0.1, spread), (within, counts)
     # big bodies beside the load: refused, /health answering as fast as in the calm, memory given back
     bodies = summary["bodies"]
     assert bodies["statuses"] and all(key.endswith(": 400") for key in bodies["statuses"]), bodies
@@ -70,4 +76,6 @@ def test_a_short_soak_holds_memory_and_file_descriptors_flat(tmp_path):
     summary = report.summary()
     assert summary["lost"] == 0 and summary["statuses"].get("200", 0) >= summary["requests"] - 8, summary["statuses"]
     growth = report.growth(25.0)
-    assert growth is not None and growth["rss_growth"] <= 1.05 and growth["fds"][1] <= growth["fds"][0] + 2, growth
+    # open files: 100 requests in the measured 50 s, so a leak of one a request adds about 100; the pools'
+    # keep-alive connections follow the traffic's peak concurrency (seen: floors 28, then 31, samples 28-36)
+    assert growth is not None and growth["rss_growth"] <= 1.05 and growth["fds"][1] <= growth["fds"][0] + 8, growth

@@ -18,7 +18,7 @@ from engine.engine import ReferenceEngine
 from engine.server import create_app as create_engine_app
 from engine.serving import EngineServing
 from gateway.app import create_app
-from gateway.draft import LocalDraft
+from gateway.planning.draft import LocalDraft
 from tests.helpers import RecordingApp, chat_messages, engine_active, eventually, gateway_settings, serve, start_command
 
 

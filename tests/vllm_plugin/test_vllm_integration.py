@@ -53,34 +53,39 @@ def vllm_servers(model_pair, tmp_path_factory):
     logs = tmp_path_factory.mktemp("vllm-logs")
     quiet = ("--disable-log-stats",)
     tools = ("--enable-auto-tool-choice", "--tool-call-parser", "llama3_json")  # a chat with tools, as users serve
-    events = (free_port(), free_port())  # vLLM binds a wildcard endpoint (another host, it connects out to)
-    kv_events = (
-        "--kv-events-config",
-        json.dumps(
-            {
-                "enable_kv_cache_events": True,
-                "publisher": "zmq",
-                "endpoint": f"tcp://*:{events[0]}",
-                "replay_endpoint": f"tcp://*:{events[1]}",
-            }
-        ),
-    )
-    servers = {
-        "plugin": VLLMServer(
+
+    def kv_events() -> tuple[str, str]:  # vLLM binds a wildcard endpoint (another host, it connects out to)
+        events = (free_port(), free_port())
+        config = {"enable_kv_cache_events": True, "publisher": "zmq"}
+        config |= {"endpoint": f"tcp://*:{events[0]}", "replay_endpoint": f"tcp://*:{events[1]}"}
+        return "--kv-events-config", json.dumps(config)
+
+    make = {
+        "plugin": lambda: VLLMServer(
             python,
             model_pair / "target",
             logs / "plugin.log",
             plugin=True,
-            extra_args=quiet + tools + kv_events + ("--enable-prompt-tokens-details",),
+            extra_args=quiet + tools + kv_events() + ("--enable-prompt-tokens-details",),
             pinned=False,
         ),
-        "stock": VLLMServer(
+        "stock": lambda: VLLMServer(
             python, model_pair / "target", logs / "stock.log", plugin=False, extra_args=quiet, pinned=False
         ),
     }
+    servers = {name: start() for name, start in make.items()}
     try:
-        for server in servers.values():
-            server.wait()
+        for name in servers:
+            try:
+                servers[name].wait()
+            except RuntimeError:
+                # a port free when chosen can be taken by the other server's own sockets in the minute before
+                # vLLM binds it (seen once: the KV events endpoint); once more, on new ports
+                if "Address already in use" not in servers[name].log.read_text():
+                    raise
+                servers[name].stop()
+                servers[name] = make[name]()
+                servers[name].wait()
         assert "per-request position_ids enabled" in (logs / "plugin.log").read_text()
         assert "per-request position_ids enabled" not in (logs / "stock.log").read_text()
         yield {name: server.url for name, server in servers.items()}

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from specprefill.lab.trace import load_trace, replay_schedule, seen_shares
+from specprefill.lab.trace import TraceRequest, conversations, load_trace, max_qps, replay_schedule, seen_shares, select
 
 SLICE = Path(__file__).resolve().parents[3] / "specprefill" / "data" / "traces" / "mooncake-conversation-40.jsonl"
 
@@ -43,6 +43,45 @@ def test_shared_hash_ids_are_shared_text_and_times_scale(tmp_path):
     assert [r.send_s for r in schedule] == [0.0, 1.5, 3.0] and [r.max_tokens for r in schedule] == [5, 16, 2]
 
 
+def test_a_cut_keeps_whole_conversations_within_its_window():
+    def request(at: float, *ids: int) -> TraceRequest:
+        return TraceRequest(at, 512 * len(ids), 1, (0, *ids))
+
+    trace = [
+        request(0, 1, 2),  # conversation A
+        request(1, 3),  # B
+        request(2, 4, 5),  # C
+        request(50, 1, 2, 6),  # A's next turn
+        request(60, 7),  # D
+        request(70, 3, 8),  # B's next turn
+        request(200, 1, 2, 6, 9),  # A's third turn, past the window below
+    ]
+    assert conversations(trace) == [0, 1, 2, 0, 4, 1, 0]
+    assert select(trace, every=2) == [trace[0], trace[2], trace[3], trace[6]]  # A and C, every turn
+    assert select(trace, seconds=100, every=2) == [trace[0], trace[2], trace[3]]
+    assert select(trace, seconds=100, limit=2) == trace[:2]
+    kept = select(trace, every=2)
+    assert seen_shares(kept) == [0.0, 1 / 3, 0.75, 0.8]  # block 0, then A's turns repeat A's blocks
+
+
+def test_max_qps_is_the_fastest_clock_under_the_objective_for_each_path():
+    def run(gateway: float, direct: float, failed: int = 0) -> dict:
+        return {
+            "paths": {
+                "gateway": {"failed": 0, "all": {"p90": gateway}},
+                "direct": {"failed": failed, "all": {"p90": direct}},
+            }
+        }
+
+    result = max_qps({0.5: run(2.0, 4.0), 1.0: run(3.0, 12.0), 2.0: run(8.0, 30.0), 4.0: run(20.0, 60.0)}, 10.0)
+    assert result["max_clock"] == {"gateway": 2.0, "direct": 0.5} and result["ratio"] == 4.0
+    assert result["p90"]["direct"] == {0.5: 4.0, 1.0: 12.0, 2.0: 30.0, 4.0: 60.0}
+    # a failed request disqualifies its run; with no direct run under the objective, the ratio is a bound
+    result = max_qps({0.5: run(2.0, 4.0, failed=1), 1.0: run(3.0, 12.0)}, 10.0)
+    assert result["max_clock"]["direct"] is None and result["ratio"] == 2.0 and result["bound"] == "at least"
+    assert max_qps({1.0: run(11.0, 12.0)}, 10.0)["ratio"] is None
+
+
 def test_a_line_that_is_not_a_request_is_named(tmp_path):
     trace = tmp_path / "t.jsonl"
     trace.write_text('{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [0]}\n{"timestamp": 1}\n')
@@ -58,6 +97,7 @@ def test_the_committed_slice_replays_through_both_paths(model_pair, tmp_path):
         _cli_parse_args=[
             "--trace", str(SLICE), "--trace-requests", "10", "--trace-block-tokens", "32", "--trace-clock", "4",
             "--trace-max-output", "4", "--pair", str(model_pair), "--out", str(out),
+            "--trace-foreign-tokens", "256", "--trace-foreign-every", "0.5",
         ]
     )  # fmt: skip
     assert run_bench(options) == 0
@@ -68,3 +108,6 @@ def test_the_committed_slice_replays_through_both_paths(model_pair, tmp_path):
     summary = report["summary"]
     assert summary["paths"]["gateway"]["all"]["n"] == summary["paths"]["direct"]["all"]["n"] == 10
     assert "all" in summary["ratio"] and summary["plans"]
+    # a second client sent its own prompts straight to each path's engine meanwhile
+    assert report["meta"]["foreign"] == {"tokens": 256, "every_s": 0.5}
+    assert all(report["meta"]["foreign_sent"][path] >= 1 for path in ("gateway", "direct"))

@@ -12,6 +12,23 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from transformers import PreTrainedTokenizerBase
+
+from common.chat import RenderedChat
+from common.protocol import ChatMessage
+from gateway.engines.text_kind import kept_messages, kept_text
+
+
+@dataclass(frozen=True, slots=True)
+class Kept:
+    """A compressed prompt, for a backend that does not take the swap."""
+
+    token_ids: list[int]  # the whole prompt
+    position_ids: list[int]  # the kept tokens' positions
+    params: dict[str, Any]  # the request's sampling fields, as a completion takes them
+    messages: list[ChatMessage] | None = None  # a chat's messages and their rendering (a text backend's chat
+    rendered: RenderedChat | None = None  # gets each message cut to its kept tokens)
+
 
 @dataclass(frozen=True, slots=True)
 class Kind:
@@ -25,7 +42,9 @@ class Kind:
     def __str__(self) -> str:
         return self.name
 
-    def token_body(self, model: str, token_ids: list[int], position_ids: list[int] | None, params: dict) -> dict:
+    def token_body(
+        self, model: str, token_ids: list[int], position_ids: list[int] | None, params: dict[str, Any]
+    ) -> dict[str, Any]:
         """A ``/v1/completions`` body carrying token IDs, and their positions where this kind reads them."""
         body: dict[str, Any] = {"model": model, "prompt": token_ids, **params}
         if position_ids is not None and self.reads_positions:
@@ -33,6 +52,21 @@ class Kind:
             if self.positions_field:
                 body["position_ids"] = position_ids
         return body
+
+    def kept_body(
+        self, body: dict[str, Any], kept: Kept, tokenizer: PreTrainedTokenizerBase
+    ) -> tuple[dict[str, Any], bool]:
+        """The backend body for ``kept``, made from the client's ``body`` as the backend takes it, and whether it
+        is a chat body (else a completion's): token IDs at their positions where this kind reads them; for a
+        text backend, a chat's messages cut to their kept tokens, or the kept text."""
+        if self.reads_tokens:
+            ids = [kept.token_ids[i] for i in kept.position_ids]
+            return self.token_body(body["model"], ids, kept.position_ids, kept.params), False
+        if kept.messages is not None and kept.rendered is not None:
+            messages = kept_messages(tokenizer, kept.messages, kept.rendered, kept.position_ids)
+            return {**body, "messages": messages}, True
+        text = kept_text(tokenizer, kept.token_ids, kept.position_ids)
+        return {"model": body["model"], "prompt": text, **kept.params}, False
 
 
 KINDS = {

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from draft_worker.codec import decode_scores, encode_scores
-from gateway.redis_link import RedisLink
+from gateway.engines.redis_link import RedisLink
 
 logger = logging.getLogger("specprefill.cache")
 
@@ -104,7 +104,7 @@ class RedisScoreCache:
         self.link.succeeded()
         if data is None or len(data) % 4:
             return "miss", None
-        return "hit", decode_scores(data)
+        return "hit", decode_scores(data if isinstance(data, bytes) else data.encode())
 
     async def put(self, key: str, scores: torch.Tensor) -> bool:
         data = encode_scores(scores)

@@ -13,6 +13,7 @@ import html
 import json
 from collections.abc import Callable, Sequence
 from importlib import resources
+from typing import Any
 
 import torch
 
@@ -37,9 +38,9 @@ def inspection(
     protected: torch.Tensor | None,
     chunk_size: int,
     keep_rate: float,
-    plans: dict[float, dict],
-    **about,
-) -> dict:
+    plans: dict[float, dict[str, Any]],
+    **about: Any,
+) -> dict[str, Any]:
     """The page's data. ``plans``: per keep rate of the grid, ``{"status", "reason", "plan", "kept": runs}``
     (what the target reads) and optionally ``"selected": runs`` (what the rule keeps where the target reads
     the whole prompt anyway); ``about``: counts and timings shown as they are (draft_ms, cache, ...)."""
@@ -56,7 +57,7 @@ def inspection(
     }
 
 
-def selections(select: Callable[[float], list[int]]) -> dict[float, dict]:
+def selections(select: Callable[[float], list[int]]) -> dict[float, dict[str, Any]]:
     """The grid's plans from a selection rule alone (``specprefill score``: no planner, no bypasses)."""
     plans = {}
     for rate in KEEP_RATES:
@@ -70,10 +71,10 @@ def selections(select: Callable[[float], list[int]]) -> dict[float, dict]:
     return plans
 
 
-def page(data: dict | None = None, *, api: str = "/v1/specprefill/inspect") -> str:
+def page(data: dict[str, Any] | None = None, *, api: str = "/v1/specprefill/inspect") -> str:
     """The page: with ``data``, self-contained (the selections inlined, no form); without, a form that posts
     to ``api``. No external script, style sheet or font: it works offline."""
-    template = resources.files("gateway").joinpath("inspector.html").read_text(encoding="utf-8")
+    template = resources.files("gateway.entrypoints").joinpath("inspector.html").read_text(encoding="utf-8")
     # inside <script type="application/json"> only "</" could end the element early
     inlined = json.dumps(data, ensure_ascii=False).replace("</", "<\\/") if data is not None else "null"
     return (

@@ -6,13 +6,17 @@ so the model reads that text was left out.
 
 from __future__ import annotations
 
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
 from common.chat import RenderedChat
 from common.protocol import ChatMessage
 
 DROPPED_MARK = " … "
 
 
-def kept_text(tokenizer, token_ids: list[int], kept: list[int]) -> str:
+def kept_text(tokenizer: PreTrainedTokenizerBase, token_ids: list[int], kept: list[int]) -> str:
     """Kept tokens as text, each dropped span replaced by ``DROPPED_MARK``."""
     runs, run, last = [], [], None
     for index in kept:
@@ -22,13 +26,15 @@ def kept_text(tokenizer, token_ids: list[int], kept: list[int]) -> str:
         run.append(token_ids[index])
         last = index
     runs.append(run)
-    text = DROPPED_MARK.join(tokenizer.decode(r, skip_special_tokens=True) for r in runs if r)
+    text = DROPPED_MARK.join(str(tokenizer.decode(r, skip_special_tokens=True)) for r in runs if r)
     if kept and kept[0] > 0:
         text = DROPPED_MARK.lstrip() + text
     return text
 
 
-def kept_messages(tokenizer, messages: list[ChatMessage], rendered: RenderedChat, kept: list[int]) -> list[dict]:
+def kept_messages(
+    tokenizer: PreTrainedTokenizerBase, messages: list[ChatMessage], rendered: RenderedChat, kept: list[int]
+) -> list[dict[str, Any]]:
     """Each message's content cut to its kept tokens (the roles and the message list stay)."""
     kept_set = set(kept)
     out_messages = []

@@ -8,7 +8,7 @@ sources:
   in Redis (one sorted set of block hashes by last use) gateway replicas in front of one engine share it, and
   Redis faults turn the model off (it predicts nothing cached), never a request;
   what the engine says it stored and removed, from its KV cache events (``EventEngineCache``, fed by
-  ``gateway.kv_events``): known, not guessed.
+  ``gateway.engines.kv_events``): known, not guessed.
 The model only predicts; a wrong guess costs time, never a wrong answer (answers that report ``cached_tokens``
 show how good the guesses are: ``specprefill_engine_cache_error_tokens``).
 """
@@ -18,11 +18,11 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, cast
 
-from common.blocks import BlockHasher, block_hash, reusable_blocks
-from gateway.redis_link import RedisLink
+from common.blocks import BlockHasher, Ints, block_hash, reusable_blocks
+from gateway.engines.redis_link import RedisLink
 
 logger = logging.getLogger("specprefill.gateway")
 
@@ -31,11 +31,11 @@ class EngineCacheModel(Protocol):
     block_size: int
     max_blocks: int  # 0: the engine keeps nothing
 
-    async def cached_tokens(self, token_ids: Sequence[int], position_ids: Sequence[int] | None) -> int: ...
+    async def cached_tokens(self, token_ids: Ints, position_ids: Ints | None) -> int: ...
 
-    async def record(self, token_ids: Sequence[int], position_ids: Sequence[int] | None) -> None: ...
+    async def record(self, token_ids: Ints, position_ids: Ints | None) -> None: ...
 
-    async def corrected(self, token_ids: Sequence[int], position_ids: Sequence[int] | None, cached: int) -> None:
+    async def corrected(self, token_ids: Ints, position_ids: Ints | None, cached: int) -> None:
         """The engine served only ``cached`` leading tokens of this prompt from its cache: its blocks from there
         on were not there (before ``record`` puts the ones it has just computed back)."""
 
@@ -49,12 +49,12 @@ class MemoryEngineCache:
         self._hashes = BlockHasher(block_size)  # a prompt is hashed when planned and again when recorded
         self._blocks: collections.OrderedDict[bytes, None] = collections.OrderedDict()
 
-    async def cached_tokens(self, token_ids: Sequence[int], position_ids: Sequence[int] | None) -> int:
+    async def cached_tokens(self, token_ids: Ints, position_ids: Ints | None) -> int:
         hashes = self._hashes(token_ids, position_ids)
         hits = next((i for i, h in enumerate(hashes) if h not in self._blocks), len(hashes))
         return reusable_blocks(hits, len(token_ids), self.block_size) * self.block_size
 
-    async def record(self, token_ids: Sequence[int], position_ids: Sequence[int] | None) -> None:
+    async def record(self, token_ids: Ints, position_ids: Ints | None) -> None:
         """The engine has read ``token_ids`` at ``position_ids``: their full blocks are in its cache now."""
         hashes = self._hashes(token_ids, position_ids)
         for h in reversed(hashes):  # the head ends up the most recently used, as in the engine
@@ -63,7 +63,7 @@ class MemoryEngineCache:
         while len(self._blocks) > self.max_blocks:
             self._blocks.popitem(last=False)
 
-    async def corrected(self, token_ids: Sequence[int], position_ids: Sequence[int] | None, cached: int) -> None:
+    async def corrected(self, token_ids: Ints, position_ids: Ints | None, cached: int) -> None:
         """The first block the engine did not have is gone, and, the engine evicting least recently used blocks
         first, so is every block used before it: all go from the model (a restart: most of it)."""
         hashes = self._hashes(token_ids, position_ids)
@@ -100,12 +100,12 @@ class RedisEngineCache:
             url, "engine cache model", "predicting no cache hits", logger, timeout=timeout, retry_after=retry_after
         )
 
-    async def cached_tokens(self, token_ids: Sequence[int], position_ids: Sequence[int] | None) -> int:
+    async def cached_tokens(self, token_ids: Ints, position_ids: Ints | None) -> int:
         hashes = self._hashes(token_ids, position_ids)
         if not hashes or not self.link.available():
             return 0
         try:
-            scores = await self.link.client.zmscore(self.key, hashes)
+            scores = await self.link.client.zmscore(self.key, cast(list[str], hashes))  # bytes members, as stored
         except Exception as exc:  # any Redis fault: predict nothing cached
             self.link.failed(exc)
             return 0
@@ -113,7 +113,7 @@ class RedisEngineCache:
         hits = next((i for i, score in enumerate(scores) if score is None), len(hashes))
         return reusable_blocks(hits, len(token_ids), self.block_size) * self.block_size
 
-    async def record(self, token_ids: Sequence[int], position_ids: Sequence[int] | None) -> None:
+    async def record(self, token_ids: Ints, position_ids: Ints | None) -> None:
         hashes = self._hashes(token_ids, position_ids)
         if not hashes or not self.link.available():
             return
@@ -128,7 +128,7 @@ class RedisEngineCache:
         except Exception as exc:
             self.link.failed(exc)
 
-    async def corrected(self, token_ids: Sequence[int], position_ids: Sequence[int] | None, cached: int) -> None:
+    async def corrected(self, token_ids: Ints, position_ids: Ints | None, cached: int) -> None:
         """As ``MemoryEngineCache.corrected``: the first missing block and every block used before it go."""
         hashes = self._hashes(token_ids, position_ids)
         missing = cached // self.block_size
@@ -151,7 +151,14 @@ class EventEngineCache:
     What the gateway has just sent counts as cached until its events come (they follow the engine's step), for
     ``confirm_s`` at most: a block no event confirms by then was not kept."""
 
-    def __init__(self, block_size: int, capacity_tokens: int, *, confirm_s: float = 5.0, clock=time.monotonic) -> None:
+    def __init__(
+        self,
+        block_size: int,
+        capacity_tokens: int,
+        *,
+        confirm_s: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.block_size = block_size
         self.max_blocks = max(0, capacity_tokens // block_size)
         self.confirm_s = confirm_s
@@ -166,20 +173,20 @@ class EventEngineCache:
     def blocks(self) -> int:
         return len(self._theirs)
 
-    async def cached_tokens(self, token_ids: Sequence[int], position_ids: Sequence[int] | None) -> int:
+    async def cached_tokens(self, token_ids: Ints, position_ids: Ints | None) -> int:
         self._expire()
         hashes = self._hashes(token_ids, position_ids)
         hits = next((i for i, h in enumerate(hashes) if h not in self._theirs and h not in self._pending), len(hashes))
         return reusable_blocks(hits, len(token_ids), self.block_size) * self.block_size
 
-    async def record(self, token_ids: Sequence[int], position_ids: Sequence[int] | None) -> None:
+    async def record(self, token_ids: Ints, position_ids: Ints | None) -> None:
         now = self.clock()
         for h in self._hashes(token_ids, position_ids):
             if h not in self._theirs:
                 self._pending[h] = now
                 self._pending.move_to_end(h)
 
-    async def corrected(self, token_ids: Sequence[int], position_ids: Sequence[int] | None, cached: int) -> None:
+    async def corrected(self, token_ids: Ints, position_ids: Ints | None, cached: int) -> None:
         pass  # the events say what is there
 
     def clear(self) -> None:
@@ -189,11 +196,11 @@ class EventEngineCache:
 
     def stored(
         self,
-        hashes: Sequence,
+        hashes: Sequence[Any],
         parent: object | None,
         token_ids: Sequence[int],
         block_size: int,
-        extra_keys: Sequence | None,
+        extra_keys: Sequence[Any] | None,
     ) -> int:
         """Blocks the engine stored (one ``BlockStored``); how many this model could place."""
         if block_size != self.block_size:  # the engine's own word on it, over a guess or a setting
@@ -220,7 +227,7 @@ class EventEngineCache:
             self._pending.pop(ours, None)
         return len(hashes)
 
-    def removed(self, hashes: Sequence) -> None:
+    def removed(self, hashes: Sequence[Any]) -> None:
         for theirs in hashes:
             ours = self._ours.pop(theirs, None)
             if ours is not None:

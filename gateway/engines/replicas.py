@@ -2,9 +2,9 @@
 knows of it: its prefix cache (a model, followed from its KV events where it publishes them), its load, its
 warming and its health.
 
-The planner routes each request to the replica where its best plan costs least (``Planner.route``); a replica
+Each request goes to the replica where its best plan costs least (``gateway.planning.routing``); a replica
 that refuses connections or fails its health check is taken out until it answers again, and a request it
-dropped before its first event goes to another (``GatewayServing.forward``).
+dropped before its first event goes to another (``gateway.dispatch.dispatcher``).
 """
 
 from __future__ import annotations
@@ -12,14 +12,22 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
+from typing import Any, Protocol
 
-from gateway.backends import Backend
-from gateway.engine_cache import EngineCacheModel
-from gateway.engine_load import EngineLoad
-from gateway.kv_events import EventSubscriber
-from gateway.warming import Warmer
+from gateway.engines.backends import Backend
+from gateway.engines.cache import EngineCacheModel
+from gateway.engines.kv_events import EventSubscriber
+from gateway.engines.load import EngineLoad
 
 logger = logging.getLogger("specprefill.gateway")
+
+
+class Warming(Protocol):
+    """Background work that puts a recurring context in the engine's prefix cache (``gateway.planning.warming``)."""
+
+    def offer(self, token_ids: list[int]) -> None: ...
+
+    async def close(self) -> None: ...
 
 
 @dataclass(eq=False)
@@ -28,11 +36,11 @@ class Replica:
 
     index: int  # its place in --backend-url (Server-Timing's ``replica``)
     name: str  # its base URL, or "in-process"
-    backend: Backend | None
+    backend: Backend
     load: EngineLoad
     cache: EngineCacheModel | None = None  # None: plan as if it kept nothing (text backends)
     events: EventSubscriber | None = None
-    warmer: Warmer | None = None
+    warmer: Warming | None = None
     up: bool = True
     routed: int = 0  # when a request last went to it (a count of routed requests): ties go to the longest idle
 
@@ -61,7 +69,7 @@ class HealthWatch:
     def __init__(self, replicas: list[Replica], interval: float) -> None:
         self.replicas = replicas
         self.interval = interval
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[Any] | None = None
 
     def start(self) -> None:
         self._task = asyncio.ensure_future(self._run())

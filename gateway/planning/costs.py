@@ -3,18 +3,28 @@
 Prefilling ``n`` new tokens after ``ctx`` cached ones costs a fixed part, a part per new token (the weights),
 a part per cached token (every forward reads the whole KV cache once), and a part per pair of tokens that
 attend to each other (``n × (ctx + n/2)``); scoring adds a part per prompt token (the look-ahead queries and
-the reduction read every key). The coefficients are fitted by least
-squares on relative error, non-negative, over a short probe at start-up and a window of recent requests,
-so they follow the hardware and the load the gateway actually sees. Recent timings the fit misses by more than
-``OUTLIER``x either way, at the window's median speed (a stalled engine, a request that met a fault, a burst the
-gateway could not see) are left out: a passing fault teaches nothing, a lasting change of speed becomes the
-median and is learnt.
+the reduction read every key). The coefficients are fitted by least squares on relative error, non-negative,
+over a short probe at start-up and a window of recent requests, so they follow the hardware and the load the
+gateway actually sees. Recent timings the fit misses by more than ``OUTLIER``x either way, at the window's
+median speed (a stalled engine, a request that met a fault, a burst the gateway could not see) are left out: a
+passing fault teaches nothing, a lasting change of speed becomes the median and is learnt.
+
+A fit can be sure of the wrong thing for good. Once, on an engine that another client's work slowed without
+its saying so, a window of cached contexts priced a cold 10,320-token prefill at 1.14 s; it took 45 s, the rule
+kept every such timing out as one the window's median speed did not explain, and every later prompt went whole
+at that price. So once ``RESET_AFTER`` prefills of at least ``RESET_MIN_NEW`` new tokens in a row, over at
+least ``RESET_SPAN_S`` seconds (longer than a stall the rule should wait out), take more than ``OUTLIER`` times
+what the fit predicted, the fit is reset: the probe and the window are forgotten, the coefficients scaled by
+those timings' median shortfall (those prefills are then priced at what they took), and the model learns again
+from them and what follows. Logged and counted (``resets``; ``specprefill_cost_model_resets_total``).
 """
 
 from __future__ import annotations
 
+import logging
 import math
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -23,6 +33,10 @@ DRAFT_TERMS = ("fixed", "per_token", "per_token_pair", "per_prompt_token")
 # a recent timing this many times off the fit, either way, is not the engine's usual cost (a shape of request the
 # fit misprices this badly is learnt once it is most of the window: a smaller bound would keep more out for longer)
 OUTLIER = 4.0
+RESET_AFTER = 3  # prefills in a row that much slower than predicted: the fit is wrong, not the engine unlucky
+RESET_MIN_NEW = 512  # new tokens of a prefill that counts towards a reset (a few tokens' timing is mostly noise)
+RESET_SPAN_S = 60.0  # ... over at least this long: an engine stopped for a few seconds is a fault, not a change
+logger = logging.getLogger("specprefill.gateway")
 
 
 def target_features(new: int, cached: int) -> list[float]:
@@ -37,7 +51,13 @@ class CostModel:
     """seconds ≈ coefficients · features, fitted on the probe (always kept) and the last ``window`` requests."""
 
     def __init__(
-        self, terms: Sequence[str], features, defaults: Sequence[float], window: int = 256, fixed: bool = False
+        self,
+        terms: Sequence[str],
+        features: Callable[[int, int], Sequence[float]],
+        defaults: Sequence[float],
+        window: int = 256,
+        fixed: bool = False,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         assert len(terms) == len(defaults)
         self.terms = tuple(terms)
@@ -50,6 +70,10 @@ class CostModel:
         self._x = np.zeros((window, len(self.terms)))
         self._y = np.zeros(window)
         self._seen = 0
+        self.clock = clock
+        # the slow prefills in a row: features, seconds, measured over predicted, when
+        self._shortfalls: list[tuple[list[float], float, float, float]] = []
+        self.resets = 0  # times the fit was found wrong and started again
 
     def predict(self, new: int, cached: int) -> float:
         """Seconds to process ``new`` tokens after ``cached`` ones (0 for nothing new)."""
@@ -60,12 +84,51 @@ class CostModel:
     def observe(self, new: int, cached: int, seconds: float, *, probe: bool = False) -> None:
         if self.fixed or new <= 0 or not math.isfinite(seconds) or seconds <= 0:
             return
+        features = list(self.features(new, cached))
         if probe:
-            self._probe.append((self.features(new, cached), seconds))
+            self._probe.append((features, seconds))
+        elif self._mispriced(new, features, seconds):
+            self._reset()
+            return
         else:
-            row = self._seen % len(self._y)
-            self._x[row], self._y[row] = self.features(new, cached), seconds
-            self._seen += 1
+            self._remember(features, seconds)
+        self.refit()
+
+    def _remember(self, features: list[float], seconds: float) -> None:
+        row = self._seen % len(self._y)
+        self._x[row], self._y[row] = features, seconds
+        self._seen += 1
+
+    def _mispriced(self, new: int, features: list[float], seconds: float) -> bool:
+        """Whether this timing makes ``RESET_AFTER`` prefills in a row that took over ``OUTLIER`` times the
+        prediction (they are remembered meanwhile, as any timing)."""
+        predicted = float(np.dot(self.coefficients, features))
+        if new < RESET_MIN_NEW:
+            return False  # neither evidence for nor against: the streak goes on
+        if seconds <= OUTLIER * max(predicted, 1e-9):
+            self._shortfalls.clear()
+            return False
+        now = self.clock()
+        self._shortfalls.append((features, seconds, seconds / max(predicted, 1e-9), now))
+        return len(self._shortfalls) >= RESET_AFTER and now - self._shortfalls[0][3] >= RESET_SPAN_S
+
+    def _reset(self) -> None:
+        shortfall = float(np.median([ratio for _, _, ratio, _ in self._shortfalls]))
+        logger.warning(
+            "the %s cost model priced %d prefills in a row at under 1/%g of what they took (%.0fx on the median): "
+            "it starts again from those timings",
+            "target" if self.terms == TARGET_TERMS else "draft",
+            len(self._shortfalls),
+            OUTLIER,
+            shortfall,
+        )
+        self.coefficients = self.coefficients * shortfall
+        self._probe.clear()
+        self._seen = 0
+        for features, seconds, _, _ in self._shortfalls:
+            self._remember(features, seconds)
+        self._shortfalls.clear()
+        self.resets += 1
         self.refit()
 
     def refit(self) -> None:
@@ -113,7 +176,7 @@ def _nonnegative_fit(x: np.ndarray, y: np.ndarray) -> np.ndarray:
         active &= ~negative
 
 
-def cost_models(fixed: dict[str, Sequence[float]] | None = None) -> tuple[CostModel, CostModel]:
+def cost_models(fixed: Mapping[str, Sequence[float]] | None = None) -> tuple[CostModel, CostModel]:
     """The target's and the draft's models: ``fixed`` coefficients, or defaults for calibration to replace (a
     target about 30x the draft per token, as a 1B draft for a 30B-class target)."""
     if fixed is not None:

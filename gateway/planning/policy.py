@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from common.errors import InvalidRequestError
@@ -52,7 +53,9 @@ def parse_keep_rate(raw: str | float, param: str) -> float:
         ) from None
 
 
-def request_options(headers, body_options: SpecPrefillOptions | None, default_keep_rate: float) -> RequestOptions:
+def request_options(
+    headers: Mapping[str, str], body_options: SpecPrefillOptions | None, default_keep_rate: float
+) -> RequestOptions:
     """The header wins over the body extension, which wins over the server default."""
     mode = headers.get(MODE_HEADER)
     if mode is not None and mode.strip().lower() not in ("on", "off"):

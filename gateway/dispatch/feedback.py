@@ -6,52 +6,60 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
+from typing import Any
 
-from gateway.engine_load import Ticket
+from gateway.dispatch.answer import Endpoint
+from gateway.dispatch.trace import Trace
+from gateway.engines.load import Ticket
 from gateway.metrics import GatewayMetrics
-from gateway.plan import Plan
-from gateway.planner import Planner
+from gateway.planning.planner import Planner
 
 logger = logging.getLogger("specprefill.gateway")
 
 
 class Feedback:
-    def __init__(self, planner: Planner, metrics: GatewayMetrics, foreground: Callable) -> None:
+    def __init__(self, planner: Planner, metrics: GatewayMetrics, foreground: Callable[..., Any]) -> None:
         self.planner = planner
         self.metrics = metrics
         self._foreground = foreground  # the dispatcher's count of its requests at a replica
-        self._settling: set[asyncio.Task] = set()  # streams' ends being recorded
+        self._settling: set[asyncio.Task[None]] = set()  # streams' ends being recorded
 
     async def close(self) -> None:
         await asyncio.gather(*self._settling, return_exceptions=True)
 
     async def observed(
-        self, chunks: AsyncIterator[dict], plan: Plan, ticket: Ticket, wants_usage: bool
-    ) -> AsyncIterator[dict]:
+        self,
+        chunks: AsyncGenerator[dict[str, Any], None],
+        trace: Trace,
+        ticket: Ticket,
+        endpoint: Endpoint,
+        wants_usage: bool,
+    ) -> AsyncGenerator[dict[str, Any], None]:
         """The backend's stream, its usage kept for the planner (and hidden from a client that did not ask).
         The stream opened with the backend's first event, so the engine holds the prompt whether or not the
         client reads to the end: the planner learns either way (the usage, if it came, says what was cached)."""
         usage = None
         try:
             async for chunk in chunks:
-                # chat and completion chunks; a Responses event's response; an Anthropic message_start's message
-                usage = (
-                    chunk.get("usage") or (chunk.get("response") or chunk.get("message") or {}).get("usage") or usage
-                )
-                if not wants_usage:
+                usage = endpoint.usage(chunk) or usage
+                if endpoint.asks_usage and not wants_usage:
                     if not chunk.get("choices"):
                         continue
                     chunk.pop("usage", None)
                 yield chunk
         finally:
             # a task: a client's disconnect cancels this generator, and an await here would be cancelled too
-            task = asyncio.ensure_future(self.settle(plan, ticket, usage, chunks))
+            task = asyncio.ensure_future(self.settle(trace, ticket, usage, chunks))
             self._settling.add(task)
             task.add_done_callback(self._settling.discard)
 
     async def settle(
-        self, plan: Plan, ticket: Ticket, usage: dict | None, chunks: AsyncIterator[dict] | None = None
+        self,
+        trace: Trace,
+        ticket: Ticket,
+        usage: dict[str, Any] | None,
+        chunks: AsyncGenerator[dict[str, Any], None] | None = None,
     ) -> None:
         """The end of a backend request: the stream closed (the backend stops generating for a client that
         left), the planner told, and a recurring context offered for warming. The request counts as under way
@@ -59,17 +67,18 @@ class Feedback:
         try:
             if chunks is not None:
                 await chunks.aclose()
-            await self._answered(plan, usage, ticket.contended)
+            await self._answered(trace, usage, ticket.contended)
         finally:
-            plan.replica.load.end(ticket)
-            self._foreground(plan.replica.load, -1)
+            trace.plan.replica.load.end(ticket)
+            self._foreground(trace.plan.replica.load, -1)
 
-    async def _answered(self, plan: Plan, usage: dict | None, contended: bool) -> None:
+    async def _answered(self, trace: Trace, usage: dict[str, Any] | None, contended: bool) -> None:
         """The planner learns from an answered request; a compressed recurring context is offered for warming."""
+        plan = trace.plan
         try:
-            await self.planner.completed(plan, usage, plan.backend_ms / 1e3, contended=contended)
+            await self.planner.completed(plan, usage, trace.backend_ms / 1e3, contended=contended)
         except Exception:  # learning is best effort: never an error for the client
             logger.exception("could not record the plan's outcome")
         warmer = plan.replica.warmer
         if warmer is not None and plan.status == "compressed" and plan.recurring:
-            warmer.offer(plan)
+            warmer.offer(plan.token_ids)

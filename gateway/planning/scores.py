@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Any
 
 import torch
 
-from gateway.cache import ScoreCache, score_key
-from gateway.draft import DraftClient
 from gateway.metrics import GatewayMetrics
+from gateway.planning.draft import DraftClient
+from gateway.planning.score_cache import ScoreCache, score_key
 
 logger = logging.getLogger("specprefill.gateway")
 
@@ -26,7 +27,7 @@ class ScoreProvider:
         self.cache = cache
         self.metrics = metrics
         self.key_prefix = key_prefix
-        self._inflight: dict[str, asyncio.Task] = {}
+        self._inflight: dict[str, asyncio.Task[Any]] = {}
 
     async def scores(self, token_ids: list[int]) -> tuple[torch.Tensor, str]:
         """The prompt's token scores and where they came from: ``hit``, ``miss`` or ``off`` (no cache)."""

@@ -14,10 +14,11 @@ import asyncio
 import contextlib
 import json
 import re
-from collections.abc import AsyncIterator
-from typing import Protocol
+from collections.abc import AsyncGenerator, Callable
+from typing import Any, Protocol
 
 import aiohttp
+from pydantic import BaseModel
 
 from common.errors import APIError, NotFoundError, UpstreamError, parse_body
 from common.messages import MessagesRequest
@@ -25,7 +26,7 @@ from common.protocol import ChatCompletionRequest
 from common.responses import ResponsesRequest
 from engine.protocol import EngineCompletionRequest
 from engine.serving import EngineServing
-from gateway.kinds import KINDS, Kind
+from gateway.engines.kinds import KINDS, Kind
 
 # idle connections to a backend are closed by the gateway before the backend closes them: vLLM closes its idle
 # connections after 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE), and a request sent on one just as vLLM closes it fails
@@ -48,19 +49,17 @@ class Backend(Protocol):
 
     async def model_name(self) -> str: ...
 
-    async def completion(self, body: dict) -> dict: ...
-
-    async def completion_stream(self, body: dict) -> AsyncIterator[dict]: ...
-
-    async def chat(self, body: dict) -> dict: ...
-
-    async def chat_stream(self, body: dict) -> AsyncIterator[dict]: ...
-
-    async def post(self, path: str, body: dict) -> dict:
-        """Another OpenAI endpoint (``/v1/responses``), answered whole."""
+    async def completion(self, body: dict[str, Any]) -> dict[str, Any]:
+        """A ``/v1/completions`` answer (warming pieces and probes)."""
         ...
 
-    async def stream(self, path: str, body: dict) -> AsyncIterator[dict]: ...
+    async def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """An endpoint's (``gateway.dispatch.answer.Endpoint``) answer, whole."""
+        ...
+
+    async def stream(self, path: str, body: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
+        """An endpoint's stream of events, open: its first event has come."""
+        ...
 
     async def ready(self) -> bool: ...
 
@@ -72,7 +71,7 @@ class Backend(Protocol):
         """The requests the engine runs or queues now, from all its clients, where it says (None: unknown)."""
         ...
 
-    async def kv_event_sources(self) -> dict:
+    async def kv_event_sources(self) -> dict[str, Any]:
         """Where the engine publishes its KV cache events, by data-parallel rank (vLLM's ``/kv_event_sources``:
         each its ``KVEventsConfig``); empty where it publishes none."""
         ...
@@ -89,30 +88,25 @@ class InProcessBackend:
     async def model_name(self) -> str:
         return self.serving.model_name
 
-    async def completion(self, body: dict) -> dict:
+    async def completion(self, body: dict[str, Any]) -> dict[str, Any]:
         return await self.serving.completion(parse_body(EngineCompletionRequest, body))
 
-    async def completion_stream(self, body: dict) -> AsyncIterator[dict]:
-        return await self.serving.completion_stream(parse_body(EngineCompletionRequest, body))
-
-    async def chat(self, body: dict) -> dict:
-        return await self.serving.chat_completion(parse_body(ChatCompletionRequest, body))
-
-    async def chat_stream(self, body: dict) -> AsyncIterator[dict]:
-        return await self.serving.chat_completion_stream(parse_body(ChatCompletionRequest, body))
-
-    async def post(self, path: str, body: dict) -> dict:
+    async def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         model, whole, _ = self._endpoint(path)
-        return await whole(parse_body(model, body))
+        answer: dict[str, Any] = await whole(parse_body(model, body))
+        return answer
 
-    async def stream(self, path: str, body: dict) -> AsyncIterator[dict]:
+    async def stream(self, path: str, body: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
         model, _, streamed = self._endpoint(path)
-        return await streamed(parse_body(model, body))
+        stream: AsyncGenerator[dict[str, Any], None] = await streamed(parse_body(model, body))
+        return stream
 
-    def _endpoint(self, path: str):
-        """The request model and the serving calls (whole, streamed) of the engine's other endpoints."""
+    def _endpoint(self, path: str) -> tuple[type[BaseModel], Callable[..., Any], Callable[..., Any]]:
+        """The request model and the serving calls (whole, streamed) of the engine's endpoint at ``path``."""
         serving = self.serving
-        endpoints = {
+        endpoints: dict[str, tuple[type[BaseModel], Callable[..., Any], Callable[..., Any]]] = {
+            "/v1/completions": (EngineCompletionRequest, serving.completion, serving.completion_stream),
+            "/v1/chat/completions": (ChatCompletionRequest, serving.chat_completion, serving.chat_completion_stream),
             "/v1/responses": (ResponsesRequest, serving.responses, serving.responses_stream),
             "/v1/messages": (MessagesRequest, serving.messages, serving.messages_stream),
         }
@@ -129,7 +123,7 @@ class InProcessBackend:
     async def load(self) -> int | None:
         return self.serving.engine.active
 
-    async def kv_event_sources(self) -> dict:
+    async def kv_event_sources(self) -> dict[str, Any]:
         return {}  # in-process, the engine's cache is the gateway's to read; no model needs its events
 
     async def close(self) -> None:
@@ -198,22 +192,13 @@ class HTTPBackend:
             self._model = models[0]["id"]
         return self._model
 
-    async def completion(self, body: dict) -> dict:
+    async def completion(self, body: dict[str, Any]) -> dict[str, Any]:
         return await self._request("POST", "/v1/completions", body)
 
-    async def completion_stream(self, body: dict) -> AsyncIterator[dict]:
-        return await self._stream("/v1/completions", body)
-
-    async def chat(self, body: dict) -> dict:
-        return await self._request("POST", "/v1/chat/completions", body)
-
-    async def chat_stream(self, body: dict) -> AsyncIterator[dict]:
-        return await self._stream("/v1/chat/completions", body)
-
-    async def post(self, path: str, body: dict) -> dict:
+    async def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         return await self._request("POST", path, body)
 
-    async def stream(self, path: str, body: dict) -> AsyncIterator[dict]:
+    async def stream(self, path: str, body: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
         return await self._stream(path, body)
 
     async def ready(self) -> bool:
@@ -230,7 +215,7 @@ class HTTPBackend:
         text = await self._get_text("/metrics", 2.0)
         return parse_load(text, self.rank) if text is not None else None
 
-    async def kv_event_sources(self) -> dict:
+    async def kv_event_sources(self) -> dict[str, Any]:
         text = await self._get_text("/kv_event_sources", 5.0)
         try:
             sources = json.loads(text) if text is not None else {}
@@ -250,7 +235,7 @@ class HTTPBackend:
         except (aiohttp.ClientError, asyncio.TimeoutError):
             return None
 
-    async def _open(self, method: str, path: str, body: dict | None = None) -> aiohttp.ClientResponse:
+    async def _open(self, method: str, path: str, body: dict[str, Any] | None = None) -> aiohttp.ClientResponse:
         """The backend's response once its status is 200 (its body unread); any other status a typed error."""
         try:
             response = await self.session.request(method, self.base_url + path, json=body)
@@ -261,21 +246,22 @@ class HTTPBackend:
             raise _transport_error(exc) from None
         return response
 
-    async def _request(self, method: str, path: str, body: dict | None = None) -> dict:
+    async def _request(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
         response = await self._open(method, path, body)
         try:
             async with response:
-                return json.loads(await response.read())
+                answer: dict[str, Any] = json.loads(await response.read())
+                return answer
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             raise _transport_error(exc) from None
 
-    async def _stream(self, path: str, body: dict) -> AsyncIterator[dict]:
+    async def _stream(self, path: str, body: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
         """Opens the stream and reads up to its first event past the preamble (``PREAMBLE_EVENTS``: what a backend
         sends before it has read the prompt), so that backend errors surface before any byte: an error event
         there, or a stream broken after the preamble, is ``StreamRefused`` (vLLM 0.32 checks a Responses swap only
         after ``response.created`` and, refusing it, drops the connection)."""
         events = _sse_events(await self._open("POST", path, body))
-        head: list[dict] = []
+        head: list[dict[str, Any]] = []
         try:
             while not head or head[-1].get("type") in PREAMBLE_EVENTS:
                 head.append(await anext(events))
@@ -294,7 +280,9 @@ class HTTPBackend:
         return _chained(head, events)
 
 
-async def _chained(head: list[dict], rest: AsyncIterator[dict]) -> AsyncIterator[dict]:
+async def _chained(
+    head: list[dict[str, Any]], rest: AsyncGenerator[dict[str, Any], None]
+) -> AsyncGenerator[dict[str, Any], None]:
     """``head``'s events, then ``rest``; closing this closes ``rest``."""
     try:
         for event in head:
@@ -350,7 +338,7 @@ def parse_load(metrics: str, rank: int | None = None) -> int | None:
     return round(total) if found else None
 
 
-async def _sse_events(response: aiohttp.ClientResponse) -> AsyncIterator[dict]:
+async def _sse_events(response: aiohttp.ClientResponse) -> AsyncGenerator[dict[str, Any], None]:
     try:
         async for line in _lines(response.content):
             if not line.startswith(b"data:"):
@@ -383,7 +371,7 @@ async def _drained(response: aiohttp.ClientResponse) -> None:
         await asyncio.wait_for(response.content.read(), 1.0)
 
 
-async def _lines(content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
+async def _lines(content: aiohttp.StreamReader) -> AsyncGenerator[bytes, None]:
     """The body's lines as they arrive, however long (aiohttp's own line reader refuses lines over 128 KiB,
     and one Responses event carries the whole answer)."""
     pending = b""

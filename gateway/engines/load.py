@@ -17,6 +17,7 @@ import statistics
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 logger = logging.getLogger("specprefill.gateway")
 PAUSE_S = 2.0  # idle this long, and twice the longest recent gap, the traffic has paused: no request is due
@@ -63,12 +64,13 @@ class EngineLoad:
         self._epoch = 0  # tickets begun so far
         self._active = 0  # foreground requests being planned or at the backend
         self._idle_since: float | None = clock()
+        self._started = True  # no request yet: the time since the gateway started is no gap between requests
         self._gaps: collections.deque[float] = collections.deque(maxlen=history)
         self._typical: collections.deque[float] = collections.deque(maxlen=32)  # clean foreground seconds
         # measured/expected of recent foreground requests, by whether they were sent into a busy engine
-        self._slowdowns = {busy: collections.deque(maxlen=32) for busy in (True, False)}
+        self._slowdowns = {busy: collections.deque[float](maxlen=32) for busy in (True, False)}
         self._changed = asyncio.Event()
-        self._watcher: asyncio.Task | None = None
+        self._watcher: asyncio.Task[Any] | None = None
         self._ended: collections.deque[float] = collections.deque(maxlen=64)  # when recent tickets ended
 
     # --- foreground activity: idle gaps ---
@@ -77,8 +79,9 @@ class EngineLoad:
         """A foreground request arrived (it is planned, then sent)."""
         now = self.clock()
         if self._active == 0 and self._idle_since is not None:
-            self._gaps.append(now - self._idle_since)
-            self._idle_since = None
+            if not self._started:
+                self._gaps.append(now - self._idle_since)
+            self._idle_since, self._started = None, False
         self._active += 1
         self._notify()
 
@@ -98,6 +101,13 @@ class EngineLoad:
     def idle(self) -> bool:
         return self._active == 0 and not self._alive and self.external == 0
 
+    @property
+    def paused(self) -> bool:
+        """The traffic has paused: idle for twice the longest recent gap, and ``PAUSE_S`` at least."""
+        if not self.idle or self._idle_since is None:
+            return False
+        return self.clock() - self._idle_since >= max(PAUSE_S, 2 * max(self._gaps, default=0.0))
+
     def quiet_for(self, seconds: float, confidence: float) -> bool:
         """Whether background work of ``seconds`` may start now: no foreground request here, nothing at the
         engine, and either a pause (idle for twice the longest recent gap, and ``PAUSE_S`` at least: the
@@ -106,9 +116,9 @@ class EngineLoad:
         pause, or with too few gaps seen to tell, nothing starts."""
         if not self.idle or self._idle_since is None:
             return False
-        so_far = self.clock() - self._idle_since
-        if so_far >= max(PAUSE_S, 2 * max(self._gaps, default=0.0)):
+        if self.paused:
             return True
+        so_far = self.clock() - self._idle_since
         survived = [g for g in self._gaps if g > so_far]
         if len(self._gaps) < self.min_history or not survived:
             return False
@@ -187,7 +197,7 @@ class EngineLoad:
         recent = self._slowdowns[busy]
         if len(recent) < 4:
             return 1.0
-        return min(20.0, max(1.0, statistics.median(recent)))
+        return min(20.0, max(1.0, float(statistics.median(recent))))
 
     def _idle_wait(self) -> float:
         # when the engine is done with this gateway's prefills, each begun after those sent before it are done

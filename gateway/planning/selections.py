@@ -17,6 +17,7 @@ from typing import Generic, TypeVar
 
 import numpy as np
 
+from common.blocks import Ints
 from common.sequences import longest_prefix
 
 T = TypeVar("T")
@@ -46,7 +47,7 @@ class RecentPrompts(Generic[T]):
             while len(self._entries) > self.capacity:
                 self._entries.popitem(last=False)
 
-    def longest_shared(self, token_ids: Sequence[int]) -> tuple[T, int] | None:
+    def longest_shared(self, token_ids: Ints) -> tuple[T, int] | None:
         """The value whose prompt shares the longest prefix with ``token_ids``, and that prefix's length."""
         query = np.asarray(token_ids, dtype=np.int64)
         with self._lock:

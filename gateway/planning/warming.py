@@ -12,6 +12,12 @@ already holds (``prompt[:end]``, one token; about ``piece_s`` of engine time, at
   traffic is never warmed, traffic with think time is warmed within it;
   what each piece computed is recorded as it lands, so a warm interrupted by traffic resumes where it stopped,
   and the planner counts on what has landed, never on what is still to come.
+Where one block takes the engine longer than ``piece_s`` (a CPU engine on a long prompt) and the engine is likely
+to stay quiet for twice that long (a pause, or a think time the recent gaps show), ``--warming-quiet-blocks N``
+lets a piece take N blocks' time. On vLLM's CPU build a 128-token block on 24,000 cached tokens took 2.8 s, about
+0.7 s of it the request's own cost, and 8,192 tokens went in 67 s in 512-token pieces against 56 s in 2,048-token
+ones; but a request that meets a larger piece waits for all of it (a Claude Code turn waited 4.4 s behind a
+4-block piece), so the default stays one block.
 Pieces carry a low ``priority``: vLLM under ``--scheduling-policy priority`` and the reference engine let any
 request overtake a waiting piece (vLLM under its default first-come-first-served policy ignores the field).
 """
@@ -22,23 +28,25 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from common.errors import APIError
-from gateway.costs import CostModel
-from gateway.engine_cache import EngineCacheModel
-from gateway.engine_load import EngineLoad
+from gateway.engines.cache import EngineCacheModel
+from gateway.engines.load import EngineLoad
 from gateway.metrics import GatewayMetrics
-from gateway.plan import Plan
+from gateway.planning.costs import CostModel
+from gateway.planning.plan import Plan
 
 logger = logging.getLogger("specprefill.gateway")
 SAFETY = 2.0  # a piece needs an idle window of twice its predicted time: predictions are within 2x
+QUIET_BLOCKS = 1  # a piece's blocks' time in a quiet window where one block takes longer than piece_s (an option)
 
 
 class Warmer:
     def __init__(
         self,
-        send: Callable[[list[int], int | None], Awaitable[dict]],
-        landed: Callable,
+        send: Callable[[list[int], int | None], Awaitable[dict[str, Any]]],
+        landed: Callable[..., Any],
         load: EngineLoad,
         cache: EngineCacheModel,
         cost: CostModel,
@@ -49,6 +57,7 @@ class Warmer:
         confidence: float = 0.9,
         max_jobs: int = 4,
         recheck_s: float = 0.05,
+        quiet_blocks: int = QUIET_BLOCKS,
     ) -> None:
         self.send = send  # (prompt tokens, priority) -> the one-token completion answer, with its usage
         self.landed = landed  # Planner.completed
@@ -61,14 +70,15 @@ class Warmer:
         self.confidence = confidence
         self.max_jobs = max_jobs
         self.recheck_s = recheck_s
+        self.quiet_blocks = quiet_blocks
         self._jobs: list[list[int]] = []  # prompts to warm, the newest last
         self._next: tuple[list[int], int, float] | None = None  # the piece to send when the engine is quiet
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[Any] | None = None
 
-    def offer(self, plan: Plan) -> None:
-        """Warms ``plan``'s whole prompt when the engine has time. A prompt that begins with an earlier job's
+    def offer(self, token_ids: list[int]) -> None:
+        """Warms the whole prompt ``token_ids`` when the engine has time. A prompt that begins with an earlier job's
         (the chat's next turn) replaces it; the oldest job goes past ``max_jobs``."""
-        prompt = plan.token_ids
+        prompt = token_ids
         if len(prompt) > self.cache.max_blocks * self.cache.block_size:
             return  # more than the engine keeps: it would evict its own head
         kept = []
@@ -118,17 +128,25 @@ class Warmer:
             self._drop(job)
             self.metrics.warming.labels("done").inc()
             return None
-        end = self._piece_end(len(job), start)
+        end = self._piece_end(len(job), start, self._budget(start))
         return job, end, self.cost.predict(end - start, start)
 
-    def _piece_end(self, n: int, start: int) -> int:
+    def _budget(self, start: int) -> float:
+        """A piece's engine time from ``start``: ``piece_s``, or ``quiet_blocks`` blocks' where one block takes
+        longer and the engine is likely to stay quiet for twice that (a pause, or a think time under way)."""
+        large = self.quiet_blocks * self.cost.predict(self.cache.block_size, start)
+        if large > self.piece_s and self.load.quiet_for(SAFETY * large, self.confidence):
+            return large
+        return self.piece_s
+
+    def _piece_end(self, n: int, start: int, budget: float) -> int:
         """Where the next piece ends: the most whole blocks after ``start`` whose predicted time is within
-        ``piece_s`` (one block at least); the rest of the prompt if that is within one more piece."""
+        ``budget`` (one block at least); the rest of the prompt if that is within one more piece."""
         block = self.cache.block_size
         blocks, low, high = 1, 1, max(1, (n - start) // block)
         while low <= high:  # predicted time grows with the piece: the largest that fits
             middle = (low + high) // 2
-            if self.cost.predict(middle * block, start) <= self.piece_s:
+            if self.cost.predict(middle * block, start) <= budget:
                 blocks, low = middle, middle + 1
             else:
                 high = middle - 1
@@ -156,7 +174,7 @@ class Warmer:
         )
         return True
 
-    async def _send(self, prompt: list[int]) -> dict:
+    async def _send(self, prompt: list[int]) -> dict[str, Any]:
         try:
             return await self.send(prompt, self.priority)
         except APIError as exc:  # an engine without priorities that refuses the field: send none from now on

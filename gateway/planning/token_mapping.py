@@ -22,14 +22,18 @@ import collections
 import hashlib
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+from transformers import PreTrainedTokenizerBase
 
+from common.blocks import Ints
 from common.models import tokenizer_fingerprint
 from common.tokenize import token_pieces
+from draft_worker.config import ScoringConfig
+from gateway.planning.draft import DraftClient
 
 RULE = "max-overlap"  # how draft scores become target scores (part of every cache key of mapped scores)
 
@@ -47,7 +51,7 @@ class DraftInput:
 class TokenMapping:
     """The mapping between one target tokenizer and one draft tokenizer (stateless; thread-safe)."""
 
-    def __init__(self, target_tokenizer, draft_tokenizer) -> None:
+    def __init__(self, target_tokenizer: PreTrainedTokenizerBase, draft_tokenizer: PreTrainedTokenizerBase) -> None:
         self.target = target_tokenizer
         self.draft = draft_tokenizer
         self.target_special = frozenset(target_tokenizer.all_special_ids) | frozenset(
@@ -113,7 +117,7 @@ class TokenMapping:
         """The run's text and each target token's character span in it: from the tokenizer's own offsets when
         decoding and re-tokenizing gives the same tokens, else from each token's decoded piece."""
         backend = getattr(self.target, "backend_tokenizer", None)
-        text = (
+        text = str(
             backend.decode(list(ids), skip_special_tokens=False)
             if backend is not None
             else self.target.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
@@ -126,7 +130,7 @@ class TokenMapping:
         return "".join(pieces), np.stack([ends - [len(p) for p in pieces], ends], axis=1)
 
 
-def _encode(tokenizer, text: str) -> tuple[list[int], np.ndarray]:
+def _encode(tokenizer: PreTrainedTokenizerBase, text: str) -> tuple[list[int], np.ndarray]:
     """Token IDs and character spans [N, 2], without special tokens (a fast tokenizer's own encoder directly:
     the wrapper's batching costs more than the encoding on long prompts)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -185,7 +189,9 @@ class MappedDraft:
 
     kind = "mapped"
 
-    def __init__(self, inner, mapping: TokenMapping, on_mapped=None) -> None:
+    def __init__(
+        self, inner: DraftClient, mapping: TokenMapping, on_mapped: Callable[[float], None] | None = None
+    ) -> None:
         self.inner = inner
         self.mapping = mapping
         self.on_mapped = on_mapped  # called with the seconds each mapping took (a metric)
@@ -193,11 +199,11 @@ class MappedDraft:
         self._lock = threading.Lock()
 
     @property
-    def config(self):
+    def config(self) -> ScoringConfig:
         return self.inner.config
 
     @property
-    def score_params(self):
+    def score_params(self) -> tuple[int, ...]:
         return self.inner.score_params
 
     @property
@@ -212,7 +218,7 @@ class MappedDraft:
         scores = await self.inner.score(mapped.draft_ids)
         return self.mapping.project(scores, mapped)
 
-    def reusable_prefix(self, token_ids: Sequence[int]) -> int:
+    def reusable_prefix(self, token_ids: Ints) -> int:
         """The draft's reusable prefix, in target tokens (its share of the draft's input, an estimate)."""
         mapped = self._draft_input(np.asarray(token_ids).tolist())  # the mapping walks a list
         reused = self.inner.reusable_prefix(mapped.draft_ids)

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Any
 
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from common.kv_events import END_SEQ, AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, decode_batch
-from gateway.engine_cache import EventEngineCache
+from gateway.engines.cache import EventEngineCache
 from gateway.metrics import GatewayMetrics
 
 logger = logging.getLogger("specprefill.gateway")
@@ -47,7 +48,7 @@ class EventSubscriber:
         self.replay_timeout = replay_timeout
         self.last: int | None = None  # the last sequence number applied
         self._context = zmq.asyncio.Context()
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[Any] | None = None
 
     def start(self) -> None:
         self._task = asyncio.ensure_future(self._run())

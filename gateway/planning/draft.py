@@ -6,16 +6,17 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import httpx
 import torch
 
+from common.blocks import Ints
+from draft_worker.baselines import BaselineScorer
 from draft_worker.codec import scores_from_text
 from draft_worker.config import ScoringConfig
 from draft_worker.worker import DraftWorker
-from gateway.selections import RecentPrompts
+from gateway.planning.selections import RecentPrompts
 
 logger = logging.getLogger("specprefill.gateway")
 
@@ -25,15 +26,22 @@ class DraftUnavailableError(RuntimeError):
 
 
 class DraftClient(Protocol):
-    config: ScoringConfig  # selection options (chunk size, protection) the gateway applies
-    score_params: tuple[int, ...]
-    max_prompt_tokens: int
+    @property
+    def config(self) -> ScoringConfig:
+        """Selection options (chunk size, protection) the gateway applies."""
+        ...
+
+    @property
+    def score_params(self) -> tuple[int, ...]: ...
+
+    @property
+    def max_prompt_tokens(self) -> int: ...
 
     async def identity(self) -> str: ...
 
     async def score(self, token_ids: list[int]) -> torch.Tensor: ...
 
-    def reusable_prefix(self, token_ids: Sequence[int]) -> int:
+    def reusable_prefix(self, token_ids: Ints) -> int:
         """Tokens of this prompt whose draft KV is kept from an earlier one (they cost no draft prefill)."""
         ...
 
@@ -45,7 +53,7 @@ class DraftClient(Protocol):
 class LocalDraft:
     """The draft worker in this process; forwards run in a thread so the event loop keeps serving."""
 
-    def __init__(self, worker: DraftWorker) -> None:
+    def __init__(self, worker: DraftWorker | BaselineScorer) -> None:
         self.worker = worker
         self.config = worker.config
         self.score_params = worker.config.score_params
@@ -57,7 +65,7 @@ class LocalDraft:
     async def score(self, token_ids: list[int]) -> torch.Tensor:
         return await asyncio.to_thread(self.worker.score, token_ids)
 
-    def reusable_prefix(self, token_ids: Sequence[int]) -> int:
+    def reusable_prefix(self, token_ids: Ints) -> int:
         cache = self.worker.prefix_cache
         return cache.reusable(token_ids) if cache is not None else 0
 
@@ -122,7 +130,7 @@ class RemoteDraft:
             return scores_from_text(response.json()["scores"])
         raise DraftUnavailableError(f"no draft worker answered: {last_error!r}")
 
-    def reusable_prefix(self, token_ids: Sequence[int]) -> int:
+    def reusable_prefix(self, token_ids: Ints) -> int:
         """An estimate: workers are picked round-robin, so the prompt's prefix may sit on another worker."""
         found = self._recent.longest_shared(token_ids)
         return min(found[1], len(token_ids) - 1) if found is not None else 0
@@ -141,7 +149,7 @@ class RemoteDraft:
             )
         self._down_until[url] = time.monotonic() + self.cooldown
 
-    async def infos(self) -> dict[str, dict]:
+    async def infos(self) -> dict[str, dict[str, Any]]:
         """``/v1/info`` of every worker that answers now."""
         infos = {}
         for url in self.urls:

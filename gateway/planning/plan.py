@@ -1,0 +1,51 @@
+"""A plan: what goes to the backend for one request, decided once (``planner`` makes it) and frozen. What happens
+to the request afterwards (its timings at the backend, its headers) is its ``Trace``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """What goes to the backend for one request, priced at the replica it goes to."""
+
+    token_ids: list[int]
+    status: str = "bypassed"
+    reason: str | None = None
+    position_ids: list[int] | None = None  # None: the whole prompt
+    keep_rate: float = 1.0
+    cache: str = "off"
+    draft_ms: float = 0.0
+    passthrough: bool = False  # forward the client's body unchanged
+    kind: str = "whole"  # whole, fresh or extend
+    protected: bool = False  # the system prompt kept whole
+    recurring: bool = False  # a context likely to come back (a system prompt, or the start of an earlier prompt)
+    engine_cached: int = 0  # prompt tokens the engine is expected to serve from its prefix cache
+    target_s: float = 0.0  # the target's predicted time for what is sent, on an idle engine
+    wait_ms: float = 0.0  # the predicted wait for the requests ahead of it at the engine, when it was planned
+    predicted_ms: float = 0.0  # the predicted backend time, when it was planned: the wait, then the target's time
+    tokenize_ms: float = 0.0
+    select_ms: float = 0.0
+    replica: Any = None  # the ``gateway.engines.replicas.Replica`` it is priced for (None: not yet routed)
+
+    @property
+    def original_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def kept_tokens(self) -> int:
+        return len(self.position_ids) if self.position_ids is not None else len(self.token_ids)
+
+    def kept_token_ids(self) -> list[int]:
+        if self.position_ids is None:
+            return self.token_ids
+        return [self.token_ids[i] for i in self.position_ids]
+
+    def sent_position_ids(self) -> list[int]:
+        return self.position_ids if self.position_ids is not None else list(range(len(self.token_ids)))
+
+    def but(self, **changes: Any) -> Plan:
+        """This plan with ``changes`` (a plan is never changed in place)."""
+        return replace(self, **changes)
