@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU results in one go, on a machine with a CUDA GPU (no network needed):
-#   bash benchmarks/gpu.sh OUT [tests] [attention] [regime] [rounds] [scorer] [sweep] [workloads]
+#   bash benchmarks/gpu.sh OUT [tests] [attention] [regime] [rounds] [scorer] [sweep] [workloads] [real]
 #   (default: tests attention regime rounds, about 9 minutes on an H200)
 #
 #   tests      the GPU tests (the flash kernel's chunked prefill, CUDA graphs, float32 products)
@@ -18,6 +18,11 @@
 #   rounds     benchmarks/loadtest.py: ROUNDS rounds of ROUND_STREAMS streams (the gateway's own cost on the CPU
 #              cores, the instant backend), after the GPU stack is gone
 #   scorer, sweep, workloads: the 2026-11-24 tables at Llama-3.2-1B / Llama-3.1-8B shapes (weights written in $PAIR)
+#   real       the real model's quality table (`specprefill eval --real`) with every draft, REAL_PARALLEL gateways
+#              at a time on the GPU, lengths in REAL_LENGTHS' order, capped at REAL_CAP_S (answers.jsonl keeps what
+#              finished; a later run resumes it). The GGUF file is REAL_GGUF, or REAL_PARTS joined (a device run
+#              carries at most 64 MiB: the 94 MiB file goes in two calls); REAL_HAYSTACKS (gzipped or not) are
+#              the haystacks a run here wrote, so that this machine's Python asks the same prose
 #
 # Each step has a time cap (STEP_CAP_S, and the sweep's and Poisson's own): a step over it is stopped and the next
 # one runs. With PACK=FILE, OUT is packed into that tar.gz after every step (a device run gets only a few files
@@ -44,6 +49,14 @@ ROUNDS=${ROUNDS:-5}
 ROUND_STREAMS=${ROUND_STREAMS:-100}
 ROUND_S=${ROUND_S:-4}
 STEP_CAP_S=${STEP_CAP_S:-150}
+REAL_GGUF=${REAL_GGUF:-/tmp/specprefill-real.gguf}
+REAL_PARTS=${REAL_PARTS:-}
+REAL_HAYSTACKS=${REAL_HAYSTACKS:-}
+REAL_LENGTHS=${REAL_LENGTHS:-7000,4000,2000}
+REAL_SAMPLES=${REAL_SAMPLES:-50}
+REAL_PARALLEL=${REAL_PARALLEL:-9}
+REAL_CAP_S=${REAL_CAP_S:-480}
+REAL_DEVICE=${REAL_DEVICE:-cuda}
 PYTHON=${PYTHON:-python3}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TQDM_MININTERVAL=30
@@ -118,6 +131,26 @@ regime() {
     return 0
 }
 
+real() {
+    if [ ! -f "$REAL_GGUF" ]; then
+        [ -n "$REAL_PARTS" ] || { echo "real: no $REAL_GGUF and no REAL_PARTS" >&2; return 1; }
+        cat $REAL_PARTS >"$REAL_GGUF.tmp" && mv "$REAL_GGUF.tmp" "$REAL_GGUF" || return 1
+    fi
+    sha256sum "$REAL_GGUF" | tee -a "$OUT/device.txt"
+    local haystacks=$REAL_HAYSTACKS
+    if [[ "$haystacks" == *.gz ]]; then gunzip -c "$haystacks" >/tmp/specprefill-haystacks.jsonl; haystacks=/tmp/specprefill-haystacks.jsonl; fi
+    export SPECPREFILL_REAL_GGUF=$REAL_GGUF SPECPREFILL_CACHE_DIR=${SPECPREFILL_CACHE_DIR:-/tmp/specprefill-cache}
+    "$PYTHON" -m specprefill real-model || return 1
+    stamp "real: the quality table"
+    timeout -k 10 "$REAL_CAP_S" "$PYTHON" -m specprefill eval --real --real-device "$REAL_DEVICE" \
+        --real-parallel "$REAL_PARALLEL" ${haystacks:+--real-haystacks "$haystacks"} --real-lengths "$REAL_LENGTHS" \
+        --real-samples "$REAL_SAMPLES" --real-keep-rates 0.3,0.1,0.05 --out "$OUT/real" >"$OUT/real.txt" 2>&1
+    local status=$?
+    echo "real: $(wc -l <"$OUT/real/answers.jsonl") answers (exit $status)"
+    rm -f "$OUT/real/haystacks.jsonl"  # the same as the ones sent
+    return 0
+}
+
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/device.txt"
 "$PYTHON" -c "import os, torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__, 'cpus', os.cpu_count())" | tee -a "$OUT/device.txt"
 for step in $STEPS; do
@@ -125,6 +158,7 @@ for step in $STEPS; do
     case $step in
         tests) timeout -k 10 "$STEP_CAP_S" "$PYTHON" -m pytest -q -p no:cacheprovider tests/common/test_attention.py \
                    tests/draft_worker/test_graphs.py 2>&1 | tee "$OUT/tests.txt" ;;
+        real) real ;;
         attention) timeout -k 10 "$STEP_CAP_S" "$PYTHON" benchmarks/bench_attention.py --json "$OUT/attention.json" ;;
         regime) regime ;;
         rounds) timeout -k 10 "$STEP_CAP_S" "$PYTHON" benchmarks/loadtest.py --concurrency "$ROUND_STREAMS" \

@@ -8,10 +8,11 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings
 
 from common.options import SETTINGS_CONFIG
+from common.selection import validate_keep_rate
 
 
 class Eval(BaseSettings):
@@ -92,11 +93,23 @@ class Eval(BaseSettings):
     )
     real_self_layers: list[int] = Field([4, 8, 12], description="real: the self-drafts' layer counts")
     real_rule_length: int = Field(2000, description="real: the instruction-following haystacks' length (0: none)")
+    real_haystacks: Path | None = Field(
+        None,
+        description="real: ask the haystacks another run wrote (its OUT/haystacks.jsonl), not new ones (on "
+        "another Python, whose standard library is other prose)",
+    )
+    real_device: str = Field("cpu", description="real: where each gateway runs both models (cpu, cuda)")
+    real_parallel: int = Field(1, ge=1, description="real: gateways (drafts) asked at a time")
     real_speed: list[str] = Field(
         [],
         description="real: DRAFT=FOLDER, a `specprefill bench` run of that draft "
         "(repeatable): accuracy against cold TTFT, plotted (real-frontier.png)",
     )
+
+    @field_validator("keep_rates", "suite_keep_rates", "real_keep_rates")
+    @classmethod
+    def _keep_rates(cls, value: list[float]) -> list[float]:
+        return [validate_keep_rate(rate) for rate in value]
 
     def cli_cmd(self) -> None:
         raise SystemExit(run_eval(self))
@@ -106,37 +119,7 @@ def run_eval(options: Eval) -> int:
     out = Path(options.out)
     out.mkdir(parents=True, exist_ok=True)
     if options.dataset:
-        from specprefill.lab.dataset_eval import evaluate_dataset, load_dataset
-
-        if not options.base_url:
-            print("specprefill eval: --dataset needs --base-url (the gateway)", file=sys.stderr)
-            return 2
-        rows = load_dataset(Path(options.dataset))
-        model = options.model
-        if model is None:
-            import httpx
-
-            model = httpx.get(f"{options.base_url.rstrip('/')}/v1/models", timeout=30).json()["data"][0]["id"]
-        results = evaluate_dataset(
-            rows,
-            options.base_url.rstrip("/"),
-            model,
-            options.keep_rates,
-            direct_url=options.direct_url,
-            direct_model=options.direct_model,
-            max_tokens=options.max_tokens,
-            api_key=options.api_key,
-        )
-        print(f"{'variant':>10} {'score':>7} {'kept':>6}")
-        for name, r in results.items():
-            kept = f"{r['kept_fraction']:.1%}" if r["kept_fraction"] is not None else "-"
-            print(f"{name:>10} {r['score']:>7.3f} {kept:>6}")
-        (out / "eval.json").write_text(
-            json.dumps({"dataset": options.dataset, "rows": len(rows), "results": results}, indent=2)
-        )
-        print(f"wrote {out / 'eval.json'}")
-        return 0
-
+        return _dataset(options, out)
     if options.suite:
         return _suite(options, out)
     if options.real:
@@ -165,6 +148,40 @@ def run_eval(options: Eval) -> int:
     return 0
 
 
+def _dataset(options: Eval, out: Path) -> int:
+    """A JSONL dataset through the gateway at each keep rate (and directly)."""
+    from specprefill.lab.dataset_eval import evaluate_dataset, load_dataset
+
+    if not options.base_url:
+        print("specprefill eval: --dataset needs --base-url (the gateway)", file=sys.stderr)
+        return 2
+    rows = load_dataset(Path(options.dataset))
+    model = options.model
+    if model is None:
+        import httpx
+
+        model = httpx.get(f"{options.base_url.rstrip('/')}/v1/models", timeout=30).json()["data"][0]["id"]
+    results = evaluate_dataset(
+        rows,
+        options.base_url.rstrip("/"),
+        model,
+        options.keep_rates,
+        direct_url=options.direct_url,
+        direct_model=options.direct_model,
+        max_tokens=options.max_tokens,
+        api_key=options.api_key,
+    )
+    print(f"{'variant':>10} {'score':>7} {'kept':>6}")
+    for name, r in results.items():
+        kept = f"{r['kept_fraction']:.1%}" if r["kept_fraction"] is not None else "-"
+        print(f"{name:>10} {r['score']:>7.3f} {kept:>6}")
+    (out / "eval.json").write_text(
+        json.dumps({"dataset": options.dataset, "rows": len(rows), "results": results}, indent=2)
+    )
+    print(f"wrote {out / 'eval.json'}")
+    return 0
+
+
 def _real(options: Eval, out: Path) -> int:
     from specprefill.lab.real_eval import format_summary, run_real_eval, summarize, variants
     from specprefill.lab.real_model import RealModelError, ensure_real_model
@@ -188,6 +205,9 @@ def _real(options: Eval, out: Path) -> int:
         self_layers=options.real_self_layers,
         names=options.real_drafts,
         rule_length=options.real_rule_length or None,
+        haystacks=options.real_haystacks,
+        device=options.real_device,
+        parallel=options.real_parallel,
     )
     cells = summarize(rows)
     print("\n".join(format_summary(cells)))

@@ -20,8 +20,10 @@ from __future__ import annotations
 import json
 import math
 import random
+import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import openai
@@ -82,6 +84,8 @@ def _done(path: Path) -> dict[str, dict]:
     if not path.exists():
         return {}
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    # a draft's answer from a prompt that went whole (its draft failed) measured nothing: asked again
+    rows = [r for r in rows if r["variant"] == "full" or r["status"] == "compressed"]
     return {_key(r["length"], r["index"], r["task"], r["variant"], r["keep"]): r for r in rows}
 
 
@@ -111,6 +115,68 @@ def _ask(client: openai.OpenAI, item: Item, variant: str, keep: float, headers: 
     }
 
 
+def save_items(everything: list[Item], path: Path) -> None:
+    """The haystacks as asked: another machine (another Python, whose standard library is other prose) asks the
+    same ones from this file."""
+    with path.open("w") as sink:
+        for i in everything:
+            sink.write(json.dumps({"length": i.length, "index": i.index, **asdict(i.sample)}) + "\n")
+
+
+def load_items(path: Path) -> list[Item]:
+    out = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            length, index = row.pop("length"), row.pop("index")
+            out.append(Item(length, index, HaystackSample(**row)))
+    return out
+
+
+def draft_limit(args: list[str]) -> int | None:
+    """The longest prompt a draft reads: its checkpoint's positions (the cross draft's 8,192 count its own
+    tokenizer's tokens, 3.8-3.9 to each of this model's on this prose), or no limit."""
+    folder = Path(args[args.index("--draft-model") + 1])
+    config = folder / "config.json"
+    if not config.is_file():
+        return None
+    positions = json.loads(config.read_text()).get("max_position_embeddings")
+    return positions // 4 if positions and folder == CROSS_DRAFT else positions
+
+
+@dataclass(frozen=True)
+class Job:
+    """One gateway's share: a draft's (or the full prompt's) answers at one length."""
+
+    length: int
+    name: str
+    args: list[str]
+    todo: list[tuple[Item, float]]
+
+
+def _jobs(everything: list[Item], drafts: dict[str, list[str]], keep_rates, done: dict, order) -> list[Job]:
+    jobs = []
+    for length in order:
+        mine = [i for i in everything if i.length == length]
+        full = [(i, 1.0) for i in mine if _key(length, i.index, i.sample.task, "full", 1.0) not in done]
+        if full:  # asked once per sample, whatever the draft (the gateway does not draft it)
+            jobs.append(Job(length, "full", drafts.get("random", next(iter(drafts.values()))), full))
+        for name, args in drafts.items():
+            limit = draft_limit(args)
+            if limit is not None and length > limit:
+                print(f"real eval: {name} reads at most {limit} tokens; not asked at {length}")
+                continue
+            todo = [
+                (i, keep)
+                for i in mine
+                for keep in keep_rates
+                if _key(length, i.index, i.sample.task, name, keep) not in done
+            ]
+            if todo:
+                jobs.append(Job(length, name, args, todo))
+    return jobs
+
+
 def run_real_eval(
     real: Path,
     out: Path,
@@ -121,15 +187,23 @@ def run_real_eval(
     self_layers=SELF_LAYERS,
     names: list[str] | None = None,
     rule_length: int | None = 2000,
+    haystacks: Path | None = None,
+    device: str = "cpu",
+    parallel: int = 1,
 ) -> list[dict]:
-    """Every answer (resumed from ``out/answers.jsonl``), lengths in order, each length's drafts one after the
-    other."""
+    """Every answer (resumed from ``out/answers.jsonl``), lengths in the order given, each length's drafts in the
+    order ``names`` gives them, ``parallel`` gateways at a time. The haystacks are written to
+    ``out/haystacks.jsonl``, or read from ``haystacks`` (another run's)."""
     out.mkdir(parents=True, exist_ok=True)
     answers = out / "answers.jsonl"
     done = _done(answers)
-    drafts = variants(real, self_layers)
-    drafts = {name: args for name, args in drafts.items() if names is None or name in names}
-    everything = items(real, lengths, samples, rule_length)
+    known = variants(real, self_layers)
+    drafts = {name: known[name] for name in names} if names is not None else known  # in the order asked
+    everything = load_items(haystacks) if haystacks else items(real, lengths, samples, rule_length)
+    wanted = set(lengths) | ({rule_length} if rule_length else set())
+    everything = [i for i in everything if i.length in wanted and i.index < samples]
+    save_items(everything, out / "haystacks.jsonl")
+    order = [n for n in dict.fromkeys([*lengths, *sorted(wanted)]) if any(i.length == n for i in everything)]
     common = [
         "--target-model",
         str(real),
@@ -139,34 +213,32 @@ def run_real_eval(
         "fresh",
         "--min-prompt-tokens",
         "64",
+        "--draft-timeout",
+        "600",  # accuracy, not speed: a draft slowed by a busy machine still answers
         "--device",
-        "cpu",
+        device,
         "--log-level",
         "warning",
     ]
+    lock = threading.Lock()
     with answers.open("a") as sink:
-        for length in sorted({i.length for i in everything}):
-            mine = [i for i in everything if i.length == length]
-            for name, args in drafts.items():
-                todo = [
-                    (i, keep)
-                    for i in mine
-                    for keep in (1.0, *keep_rates)
-                    if _key(length, i.index, i.sample.task, "full" if keep == 1 else name, keep) not in done
-                ]
-                if not todo:
-                    continue
-                with (
-                    launched_gateway([*common, *args]) as url,
-                    openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600) as client,
-                ):
-                    for item, keep in tqdm(todo, desc=f"real eval: {length} tokens, {name}", unit="answer"):
-                        variant = "full" if keep == 1 else name
-                        headers = {"x-specprefill": "off"} if keep == 1 else {"x-keep-rate": f"{keep:g}"}
-                        row = _ask(client, item, variant, keep, headers)
-                        done[_key(length, item.index, item.sample.task, variant, keep)] = row
+
+        def answer(job: Job) -> None:
+            with (
+                launched_gateway([*common, *job.args]) as url,
+                openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600) as client,
+            ):
+                for item, keep in tqdm(job.todo, desc=f"real eval: {job.length} tokens, {job.name}", unit="answer"):
+                    headers = {"x-specprefill": "off"} if keep == 1 else {"x-keep-rate": f"{keep:g}"}
+                    row = _ask(client, item, job.name, keep, headers) | {"device": device}
+                    with lock:
+                        done[_key(job.length, item.index, item.sample.task, job.name, keep)] = row
                         sink.write(json.dumps(row) + "\n")
                         sink.flush()
+
+        with ThreadPoolExecutor(parallel) as pool:
+            for future in [pool.submit(answer, job) for job in _jobs(everything, drafts, keep_rates, done, order)]:
+                future.result()
     return list(done.values())
 
 

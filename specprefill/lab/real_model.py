@@ -36,7 +36,12 @@ class RealModelError(RuntimeError):
 
 
 def gguf_file() -> Path:
-    """Where the installed package keeps the model's GGUF file (the package is not imported)."""
+    """Where the installed package keeps the model's GGUF file (the package is not imported), or the file that
+    ``SPECPREFILL_REAL_GGUF`` names (a machine where the package cannot be installed: the same file, copied)."""
+    if named := os.environ.get("SPECPREFILL_REAL_GGUF"):
+        if not Path(named).is_file():
+            raise RealModelError(f"SPECPREFILL_REAL_GGUF names {named}, which is not a file")
+        return Path(named)
     try:
         distribution = importlib.metadata.distribution(PACKAGE)
     except importlib.metadata.PackageNotFoundError:
@@ -51,6 +56,13 @@ def gguf_file() -> Path:
             f"pip install --force-reinstall {INSTALL.removeprefix('pip install ')}"
         )
     return path
+
+
+def _package_version() -> str | None:
+    try:
+        return importlib.metadata.version(PACKAGE)
+    except importlib.metadata.PackageNotFoundError:  # the file came through SPECPREFILL_REAL_GGUF
+        return None
 
 
 def real_model_dir(cache_dir: str | Path | None = None) -> Path:
@@ -115,7 +127,7 @@ def convert(source: Path, out: Path) -> None:
                 "model": REAL_MODEL_NAME,
                 "version": REAL_VERSION,
                 "package": PACKAGE,
-                "package_version": importlib.metadata.version(PACKAGE),
+                "package_version": _package_version(),
                 "gguf": GGUF_IN_PACKAGE,
                 "dtype": "bfloat16",
             }

@@ -82,6 +82,27 @@ def test_a_missing_package_or_an_unreadable_file_says_how_to_fix_it(tmp_path, mo
     assert not list((tmp_path / "cache").glob("*/" + DONE)) and not list((tmp_path / "cache").iterdir())
 
 
+def test_a_copied_gguf_file_is_named_by_the_environment(tmp_path, monkeypatch):
+    # a machine where the package cannot be installed (a lent GPU without the registry): the same file, copied
+    copied = tmp_path / "copied.gguf"
+    monkeypatch.setenv("SPECPREFILL_REAL_GGUF", str(copied))
+    with pytest.raises(RealModelError, match="SPECPREFILL_REAL_GGUF names .*not a file"):
+        real_model.gguf_file()
+    copied.write_bytes(b"GGUF")
+    assert real_model.gguf_file() == copied
+
+
+def test_haystacks_asked_elsewhere_are_the_ones_written_here(real, tmp_path):
+    from specprefill.lab.real_eval import CROSS_DRAFT, draft_limit, items, load_items, save_items, variants
+
+    asked = items(real, (600,), 2, rule_length=600)
+    save_items(asked, tmp_path / "haystacks.jsonl")
+    assert load_items(tmp_path / "haystacks.jsonl") == asked  # another Python's standard library is other prose
+    drafts = variants(real, (4,))
+    assert draft_limit(drafts["cross"]) == 2048 and CROSS_DRAFT.is_dir()  # 8,192 of its tokens, ~4 to one of ours
+    assert draft_limit(drafts["self-4"]) == 8192 and draft_limit(drafts["random"]) is None
+
+
 def test_the_prose_is_real_and_the_haystacks_plant_every_fact(real):
     from transformers import AutoTokenizer
 
@@ -101,3 +122,12 @@ def test_the_prose_is_real_and_the_haystacks_plant_every_fact(real):
         assert s.answer in s.messages[-1]["content"].rsplit("\n\n", 1)[0]
     two = samples[2]
     assert abs(two.depths[1] - two.depths[0]) >= 0.25
+
+
+def test_vllm_gets_a_tool_parser_only_where_the_tokenizer_has_its_marker(real):
+    from specprefill.lab.demo_models import ensure_demo_models
+    from specprefill.lab.launch import README_VLLM_ARGS, readme_vllm_args
+
+    # SmolLM2's tokenizer has no tool-call marker: vLLM refuses llama3_json for it at start
+    assert readme_vllm_args(real) == ("--enable-prompt-tokens-details",)
+    assert readme_vllm_args(ensure_demo_models() / "target") == README_VLLM_ARGS  # Llama 3.1's marker
