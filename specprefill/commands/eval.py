@@ -98,6 +98,9 @@ class Eval(BaseSettings):
         description="real: ask the haystacks another run wrote (its OUT/haystacks.jsonl), not new ones (on "
         "another Python, whose standard library is other prose)",
     )
+    real_haystacks_only: bool = Field(
+        False, description="real: write OUT/haystacks.jsonl (for --real-haystacks elsewhere) and ask nothing"
+    )
     real_device: str = Field("cpu", description="real: where each gateway runs both models (cpu, cuda)")
     real_parallel: int = Field(1, ge=1, description="real: gateways (drafts) asked at a time")
     real_speed: list[str] = Field(
@@ -196,6 +199,13 @@ def _real(options: Eval, out: Path) -> int:
     if unknown:
         print(f"specprefill eval: unknown draft {unknown[0]!r}; drafts: {', '.join(known)}", file=sys.stderr)
         return 2
+    if options.real_haystacks_only:
+        from specprefill.lab.real_eval import items, save_items
+
+        lengths, rule = options.real_lengths, options.real_rule_length or None
+        save_items(items(real, lengths, options.real_samples, rule), out / "haystacks.jsonl")
+        print(f"wrote {out / 'haystacks.jsonl'}")
+        return 0
     rows = run_real_eval(
         real,
         out,
