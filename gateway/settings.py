@@ -107,8 +107,9 @@ class GatewaySettings(ServerOptions, DeviceOptions, ScoringOptions):
         ge=0,
         le=1,
         description="send a prompt whole when the engine holds at least "
-        "this share of it (an agent's or a chat's next turn, once warmed): the target "
-        "reads all of it at the price of its new tokens, as directly, rather than a "
+        "this share of it (an agent's or a chat's next turn, once warmed) and its new tokens cost "
+        "within --plan-slack of what direct's would (all before the last message held): the "
+        "target reads all of it at the price of its new tokens, rather than a "
         "compressed part of it a little sooner (0: price it like any plan)",
     )
     max_queue_wait: float | None = Field(

@@ -139,7 +139,7 @@ class Planner:
         if (bypass := self._bypass(token_ids, options, unsupported)) is not None:
             return self._priced(bypass, whole, wait)
         priced = self.settings.planner == "cost"
-        if priced and self.settings.whole_when_cached and whole.cached >= self.settings.whole_when_cached * n:
+        if priced and self._whole_as_direct(whole, n, boundary):
             return self._as_plan(whole, token_ids, options, reason=Reason.CACHED, wait=wait)
         context = self._context(tokens, keep, boundary, whole, replica)
         draft_new = n - self.draft.reusable_prefix(tokens)
@@ -170,6 +170,18 @@ class Planner:
             recurring=context.recurring,
             select_ms=(time.perf_counter() - start) * 1e3,
         )
+
+    def _whole_as_direct(self, whole: Candidate, n: int, boundary: int | None) -> bool:
+        """The engine holds ``--whole-when-cached`` of the prompt and reading the rest costs about what going
+        direct would: an engine that served every turn whole holds all before the last message (``boundary``).
+        Where earlier turns went compressed, the engine holds less of their text than that, and the whole prompt
+        is priced like any plan (a Claude Code turn with 93% held read 2,501 new tokens whole in 66 s, where
+        direct read its last message in 6.5 s)."""
+        share = self.settings.whole_when_cached
+        if not share or whole.cached < share * n:
+            return False
+        held = max(whole.cached, boundary or 0)
+        return whole.seconds <= (1 + self.settings.plan_slack) * self.target_cost.predict(n - held, held)
 
     def _context(
         self, tokens: np.ndarray, keep: torch.Tensor | None, boundary: int | None, whole: Candidate, replica: Replica

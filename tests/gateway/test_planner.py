@@ -596,6 +596,23 @@ async def test_a_prompt_the_engine_holds_nine_tenths_of_goes_whole_though_compre
     assert (await other.plan(prompt, OPTIONS, [])).status == "compressed"
 
 
+async def test_a_cached_prompt_goes_whole_on_that_rule_only_at_about_direct_s_cost():
+    """A Claude Code replay's fifth turn: the engine held 93% of the prompt (earlier turns went compressed, so
+    not all their text was in it) and the rule sent it whole: 2,501 new tokens took 66 s, where vLLM alone, which
+    served every turn whole and so held all before the last message, took 6.5 s. The rule now holds only where
+    whole costs about what direct would; else whole is priced like any plan."""
+    costs = {"target": [0.0, 1e-2, 1e-4, 0.0], "draft": COSTS["draft"]}  # new tokens dear, cached ones cheap
+    prompt = _ids(4000, 40)
+    planner, draft = _planner(cost_coefficients=costs)
+    await planner.replicas[0].cache.record(prompt[:3616], None)
+    plan = await planner.plan(prompt, OPTIONS, [], boundary=3980)  # direct: 20 new tokens, whole: 384
+    assert plan.reason == "cheaper_whole"  # priced: here whole is still the cheapest plan, but not on the rule
+    planner, draft = _planner(cost_coefficients=costs)
+    await planner.replicas[0].cache.record(prompt[:3616], None)
+    plan = await planner.plan(prompt, OPTIONS, [], boundary=3616)  # the last message is what the engine lacks
+    assert (plan.kind, plan.reason, draft.calls) == ("whole", "cached", 0)
+
+
 async def test_a_late_draft_is_waited_for_while_it_can_still_save_time():
     """``--draft-timeout`` is a floor: a draft still scoring a long prompt then (a burst of drafts on a busy
     CPU) is waited for while compressing can still save time, since giving up sends the whole prompt, the
