@@ -177,6 +177,15 @@ def _jobs(everything: list[Item], drafts: dict[str, list[str]], keep_rates, done
     return jobs
 
 
+def _gateway_args(real: Path, device: str) -> list[str]:
+    """Every draft's gateway: the real model, a fresh selection per request at its keep rate."""
+    return [
+        *("--target-model", str(real), "--served-model-name", REAL_MODEL_NAME, "--planner", "fresh"),
+        *("--min-prompt-tokens", "64", "--device", device, "--log-level", "warning"),
+        *("--draft-timeout", "600"),  # accuracy, not speed: a draft slowed by a busy machine still answers
+    ]
+
+
 def run_real_eval(
     real: Path,
     out: Path,
@@ -204,22 +213,7 @@ def run_real_eval(
     everything = [i for i in everything if i.length in wanted and i.index < samples]
     save_items(everything, out / "haystacks.jsonl")
     order = [n for n in dict.fromkeys([*lengths, *sorted(wanted)]) if any(i.length == n for i in everything)]
-    common = [
-        "--target-model",
-        str(real),
-        "--served-model-name",
-        REAL_MODEL_NAME,
-        "--planner",
-        "fresh",
-        "--min-prompt-tokens",
-        "64",
-        "--draft-timeout",
-        "600",  # accuracy, not speed: a draft slowed by a busy machine still answers
-        "--device",
-        device,
-        "--log-level",
-        "warning",
-    ]
+    common = _gateway_args(real, device)
     lock = threading.Lock()
     with answers.open("a") as sink:
 
