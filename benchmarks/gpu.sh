@@ -27,7 +27,8 @@
 # Each step has a time cap (STEP_CAP_S, and the sweep's and Poisson's own): a step over it is stopped and the next
 # one runs. With PACK=FILE, OUT is packed into that tar.gz after every step (a device run gets only a few files
 # back, and keeps what finished if it is stopped). Python packages the machine lacks may be dropped as wheels in
-# .whl/ (installed into /tmp/site).
+# .whl/ (installed into /tmp/site): `bash benchmarks/gpu-wheels.sh` downloads them here (the tests step needs
+# pytest-asyncio among them: the project's pytest settings fail on its options without it).
 set -uo pipefail
 OUT=${1:?usage: bash benchmarks/gpu.sh OUT [tests] [attention] [regime] [rounds] [scorer] [sweep] [workloads]}
 shift
