@@ -15,7 +15,7 @@ import logging
 import math
 import re
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -295,6 +295,20 @@ class GatewayServing:
                 "Check that --target-model has the backend's tokenizer and chat template.",
                 message,
             )
+
+    def warms_next_turn(self, plan: Plan) -> bool:
+        """Whether the start of the client's next turn is to be warmed behind ``plan``'s answer."""
+        return self.dispatch.feedback.warms(plan)
+
+    def next_turn(self, plan: Plan, chat: Callable[[], ChatCompletionRequest]) -> None:
+        """``plan``'s answer is in: the client's next turn (``chat()``, rendered up to where its next message's
+        text begins) is offered for warming."""
+
+        def render() -> list[int] | None:
+            prompt = self.prompt(chat())
+            return None if prompt.boundary is None else prompt.token_ids[: prompt.boundary]
+
+        self.dispatch.feedback.next_turn(plan, render)
 
     async def forward(self, plan: Plan, body: dict[str, Any], endpoint: Endpoint) -> Answer:
         """``body`` to the backend's ``endpoint`` (``Dispatcher.forward``)."""

@@ -1,6 +1,7 @@
 """Feedback: what an answered request teaches. The backend's usage is read from its answer or its stream (what
 the engine's cache served), the planner learns the plan's outcome, and a compressed recurring context is offered
-for warming; the request counts as at its replica until then."""
+for warming (and, once the client's answer is in, the start of its next turn in its place); the request counts as
+at its replica until then."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from gateway.dispatch.answer import Endpoint
 from gateway.dispatch.trace import Trace
 from gateway.engines.load import Ticket
 from gateway.metrics import GatewayMetrics
+from gateway.planning.plan import Plan
 from gateway.planning.planner import Planner
 
 logger = logging.getLogger("specprefill.gateway")
@@ -79,6 +81,33 @@ class Feedback:
             await self.planner.completed(plan, usage, trace.backend_ms / 1e3, contended=contended)
         except Exception:  # learning is best effort: never an error for the client
             logger.exception("could not record the plan's outcome")
-        warmer = plan.replica.warmer
-        if warmer is not None and plan.status == "compressed" and plan.recurring:
-            warmer.offer(plan.token_ids)
+        if self.warms(plan):
+            plan.replica.warmer.offer(plan.token_ids)
+
+    @staticmethod
+    def warms(plan: Plan) -> bool:
+        """Whether the engine is to hold the whole of what ``plan`` compressed: a context likely to come back."""
+        return (
+            plan.replica is not None
+            and plan.replica.warmer is not None
+            and plan.status == "compressed"
+            and plan.recurring
+        )
+
+    def next_turn(self, plan: Plan, render: Callable[[], list[int] | None]) -> None:
+        """A warmed plan's answer is in: ``render()`` is the prompt the client's next turn begins with (this one,
+        then the answer as the client sends it back), offered for warming in place of this prompt alone. Rendered
+        on a worker thread: a long chat takes milliseconds."""
+        if self.warms(plan):
+            task = asyncio.ensure_future(self._offer_next(plan, render))
+            self._settling.add(task)
+            task.add_done_callback(self._settling.discard)
+
+    async def _offer_next(self, plan: Plan, render: Callable[[], list[int] | None]) -> None:
+        try:
+            token_ids = await asyncio.to_thread(render)
+        except Exception as exc:  # an answer the gateway cannot render: the prompt alone is warmed
+            logger.debug("the next turn's start could not be rendered: %s", exc)
+            return
+        if token_ids and plan.replica.warmer is not None:
+            plan.replica.warmer.offer(token_ids)

@@ -12,15 +12,18 @@ from fastapi.responses import Response
 
 from common.cancellation import with_cancellation
 from common.chat import ChatChunkConverter, as_chat_chunks, completion_to_chat
-from common.protocol import ChatCompletionRequest
+from common.protocol import ChatCompletionRequest, ChatMessage
 from gateway.dispatch.answer import CHAT, COMPLETIONS, Answer
 from gateway.engines.kinds import Kept
+from gateway.entrypoints import echo
 from gateway.entrypoints.http import AUTH, respond
 from gateway.entrypoints.surface import Surface
 from gateway.serving import GatewayServing
 
 
 class ChatAPI(Surface[ChatCompletionRequest]):
+    gather = echo.ChatGather
+
     async def answer(self, request: ChatCompletionRequest, headers: Mapping[str, str]) -> Answer:
         """The chat's answer in chat's shape, not yet rewritten for the client (other surfaces that convert
         their requests to chat, on backends without the swap, take it from here)."""
@@ -37,6 +40,10 @@ class ChatAPI(Surface[ChatCompletionRequest]):
         return answer.map(
             lambda b: completion_to_chat(b, model), lambda s: as_chat_chunks(s, ChatChunkConverter(model))
         )
+
+    def next_turn(self, request: ChatCompletionRequest, item: dict[str, Any]) -> ChatCompletionRequest:
+        after = [ChatMessage.model_validate(item), ChatMessage(role="user", content=echo.PROBE)]
+        return request.model_copy(update={"messages": [*request.messages, *after]})
 
 
 NAME = "chat"

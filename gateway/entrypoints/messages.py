@@ -14,9 +14,18 @@ from fastapi.responses import JSONResponse, Response
 from common import messages as anthropic
 from common.cancellation import with_cancellation
 from common.errors import shaped_errors
-from common.messages import Conversation, MessagesRequest, chat_to_message, merges_inline_system, message_events
+from common.messages import (
+    ContentBlock,
+    Conversation,
+    MessageParam,
+    MessagesRequest,
+    chat_to_message,
+    merges_inline_system,
+    message_events,
+)
+from common.protocol import ChatCompletionRequest
 from gateway.dispatch.answer import MESSAGES, Answer
-from gateway.entrypoints import answers
+from gateway.entrypoints import answers, echo
 from gateway.entrypoints.chat import ChatAPI
 from gateway.entrypoints.http import AUTH, respond
 from gateway.entrypoints.surface import Surface
@@ -26,6 +35,7 @@ from gateway.serving import GatewayServing
 class MessagesAPI(Surface[MessagesRequest]):
     rewrite = staticmethod(answers.anthropic)
     ping = True
+    gather = echo.MessageGather
 
     def __init__(self, serving: GatewayServing, chat: ChatAPI) -> None:
         super().__init__(serving)
@@ -41,6 +51,11 @@ class MessagesAPI(Surface[MessagesRequest]):
             return answer.map(lambda body: chat_to_message(body, model), lambda stream: message_events(stream, model))
         plan, _ = await serving.planned(chat, headers)
         return await serving.swapped(plan, await serving.backend_body(request), MESSAGES)
+
+    def next_turn(self, request: MessagesRequest, item: list[dict[str, Any]]) -> ChatCompletionRequest:
+        answer = MessageParam(role="assistant", content=[ContentBlock.model_validate(block) for block in item])
+        after = [answer, MessageParam(role="user", content=echo.PROBE)]
+        return request.model_copy(update={"messages": [*request.messages, *after]}).as_chat(self.merge_inline_system)
 
     def count_tokens(self, request: Conversation) -> int:
         """The prompt's tokens, with the target's tokenizer and chat template."""

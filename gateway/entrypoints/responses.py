@@ -13,8 +13,10 @@ from fastapi.responses import Response
 
 from common.cancellation import with_cancellation
 from common.errors import InvalidRequestError
+from common.protocol import ChatCompletionRequest
 from common.responses import ResponsesRequest, engine_input
 from gateway.dispatch.answer import RESPONSES, Answer
+from gateway.entrypoints import echo
 from gateway.entrypoints.http import AUTH, respond
 from gateway.entrypoints.surface import Surface
 from gateway.planning.plan import Plan
@@ -25,6 +27,8 @@ logger = logging.getLogger("specprefill.gateway")
 
 
 class ResponsesAPI(Surface[ResponsesRequest]):
+    gather = echo.ResponseGather
+
     async def answer(self, request: ResponsesRequest, headers: Mapping[str, str]) -> Answer:
         serving = self.serving
         body = await serving.backend_body(request)
@@ -41,6 +45,11 @@ class ResponsesAPI(Surface[ResponsesRequest]):
         chat.specprefill = request.specprefill
         plan, _ = await serving.planned(chat, headers)
         return await serving.swapped(plan, body, RESPONSES)
+
+    def next_turn(self, request: ResponsesRequest, item: list[dict[str, Any]]) -> ChatCompletionRequest:
+        earlier = [{"role": "user", "content": request.input}] if isinstance(request.input, str) else request.input
+        after = [*item, {"type": "message", "role": "user", "content": echo.PROBE}]
+        return request.model_copy(update={"input": [*earlier, *after]}).as_chat()
 
 
 NAME = "responses"
