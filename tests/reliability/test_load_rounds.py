@@ -27,8 +27,10 @@ def test_later_rounds_of_streams_against_one_gateway_are_not_slower():
     relative = [g.rps / d.rps for g, d in zip(gateway, direct)]
     assert later_over_earlier(relative) >= 0.8, (relative, summary)
     assert later_over_earlier([r.rps for r in gateway]) >= 0.65, summary
-    # the gateway's work per request does not grow from the first rounds to the last
-    assert later_over_earlier([r.cpu_ms["gateway"] for r in gateway]) <= 1.25, summary
+    # the gateway's work per request does not grow from the first rounds to the last: the least of each half, as
+    # a busy machine only ever adds CPU time to a round (in CI one round of four read 1.88 ms against 1.30-1.48)
+    cpu = [r.cpu_ms["gateway"] for r in gateway]
+    assert min(cpu[len(cpu) // 2 :]) / min(cpu[: len(cpu) // 2]) <= 1.25, summary
 
 
 def later_over_earlier(values: list[float]) -> float:
