@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import httpx
 import openai
@@ -98,7 +99,7 @@ def target_with_another_template(model_pair, folder):
     return target
 
 
-OPEN_CLIENTS: list[openai.OpenAI] = []
+OPEN_CLIENTS: list[openai.OpenAI | Any] = []  # OpenAI's and Anthropic's
 """SDK clients the tests made, closed at the end of the session (``conftest``): a client dropped unclosed leaves
 its sockets to the cyclic garbage collector, whose ResourceWarning lands in whichever test runs then."""
 

@@ -18,6 +18,7 @@ from common.models import load_causal_lm, load_tokenizer
 from gateway.app import create_app
 from tests.helpers import (
     LONG_DOC,
+    OPEN_CLIENTS,
     gateway_settings,
     openai_client,
     reference_logits,
@@ -38,7 +39,9 @@ TOOLS = [
 
 
 def _client(url: str, **kwargs) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=url, api_key=kwargs.pop("api_key", "unused"), max_retries=0, **kwargs)
+    client = anthropic.Anthropic(base_url=url, api_key=kwargs.pop("api_key", "unused"), max_retries=0, **kwargs)
+    OPEN_CLIENTS.append(client)  # closed after the test: no socket left to the garbage collector
+    return client
 
 
 def _transcript(steps: int = 2) -> list[dict]:

@@ -59,14 +59,14 @@ def _chat(gw: str, stream: bool) -> tuple[list[dict], int]:
 
 def _messages(gw: str, stream: bool) -> tuple[list[dict], int]:
     """One turn through Anthropic's SDK, as Claude Code sends it: streamed, the system prompt apart."""
-    client = anthropic.Anthropic(base_url=gw, api_key="unused", max_retries=0)
     messages: list[dict] = [{"role": "user", "content": "What comes first?"}]
     fields = dict(model="tiny", system=SYSTEM, messages=messages, max_tokens=ANSWER, extra_body=GREEDY)
-    if stream:
-        with client.messages.stream(**fields) as events:
-            message = events.get_final_message()
-    else:
-        message = client.messages.create(**fields)
+    with anthropic.Anthropic(base_url=gw, api_key="unused", max_retries=0) as client:  # its sockets closed
+        if stream:
+            with client.messages.stream(**fields) as events:
+                message = events.get_final_message()
+        else:
+            message = client.messages.create(**fields)
     answer = {"role": "assistant", "content": [block.model_dump(exclude_none=True) for block in message.content]}
     prompt_tokens = message.usage.input_tokens + (message.usage.cache_read_input_tokens or 0)
     return [*messages, answer, {"role": "user", "content": "And what comes last?"}], prompt_tokens
