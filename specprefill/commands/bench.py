@@ -855,6 +855,7 @@ def _replay_trace(options: Bench, requests: list, clock: float, out: Path) -> tu
     """One replay at ``clock``: both paths, each on its own freshly launched engine."""
     from specprefill.lab.trace import Foreign, TraceReport, replay
 
+    out.mkdir(parents=True, exist_ok=True)  # the engines' logs go there before any result does
     target, draft = _models(options)
     meta = _trace_meta(options, len(requests), clock)
     report = TraceReport(meta)

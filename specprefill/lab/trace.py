@@ -30,7 +30,7 @@ from specprefill.lab.bench import PromptMaker, parse_server_timing, predicted_ca
 from specprefill.lab.workloads import PathTarget, percentile
 
 TRACE_BLOCK = 512  # tokens per hash ID in Mooncake's traces
-SEEN_BUCKETS = ((0.0, 0.1, "cold"), (0.1, 0.9, "partly seen"), (0.9, 1.01, "mostly seen"))
+SEEN_BUCKETS = ((0.0, 0.1, "cold"), (0.1, 0.8, "partly seen"), (0.8, 1.01, "mostly seen"))
 FORMATS = "Mooncake's JSONL (timestamp ms, input_length, output_length, hash_ids)"
 
 
@@ -268,6 +268,12 @@ class TraceReport:
         for s in self.samples:
             if s.path == "gateway" and s.plan:
                 out["plans"][s.plan] = out["plans"].get(s.plan, 0) + 1
+        ratios = [
+            s.predicted_ms / s.backend_ms
+            for s in self.samples
+            if s.path == "gateway" and s.predicted_ms and s.backend_ms
+        ]
+        out["predicted_within_2x"] = {"n": len(ratios), "within": sum(1 for r in ratios if 0.5 <= r <= 2.0)}
         return out
 
     def write(self, out: Path) -> Path:
@@ -285,7 +291,8 @@ def max_qps(runs: dict[float, dict], slo_s: float) -> dict:
     """From one replay's summary per clock factor: the fastest clock at which each path's p90 TTFT stays under
     ``slo_s`` with no request failed (how much traffic it serves within the objective), and the gateway's over
     direct's. A path under the objective at no clock tried has none; where only one path has one, the ratio is
-    bounded by the slowest clock tried (``bound``: "at least" or "under")."""
+    bounded by the slowest clock tried (``bound``: "at least" or "under"); where one is still under it at the
+    fastest clock tried, the ratio is a bound too ("at least" or "at most"), and none where both are."""
     out: dict = {"slo_s": slo_s, "p90": {}, "max_clock": {}}
     for path in ("gateway", "direct"):
         p90s = {}
@@ -296,8 +303,13 @@ def max_qps(runs: dict[float, dict], slo_s: float) -> dict:
         under = [clock for clock, p90 in p90s.items() if p90 is not None and p90 <= slo_s]
         out["max_clock"][path] = max(under) if under else None
     gateway, direct = out["max_clock"]["gateway"], out["max_clock"]["direct"]
-    if gateway is not None and direct is not None:
+    fastest = max(runs)
+    if gateway == direct == fastest:
+        out["ratio"] = None  # both under the objective at every clock that says anything: try faster ones
+    elif gateway is not None and direct is not None:
         out["ratio"] = round(gateway / direct, 3)
+        if fastest in (gateway, direct):  # the one under it at the fastest clock tried might serve more still
+            out["bound"] = "at least" if gateway == fastest else "at most"
     elif gateway is not None:
         out["ratio"], out["bound"] = round(gateway / min(runs), 3), "at least"
     elif direct is not None:
@@ -322,6 +334,9 @@ def format_trace(summary: dict) -> str:
     for group, ratio in summary["ratio"].items():
         lines.append(f"gateway / direct, {group}: p50 {ratio['p50']}, p90 {ratio['p90']}, p99 {ratio['p99']}")
     lines.append(f"the gateway's plans: {summary['plans']}")
+    if "predicted_within_2x" in summary:
+        within = summary["predicted_within_2x"]
+        lines.append(f"backend time predicted within 2x: {within['within']} of {within['n']} requests")
     return "\n".join(lines)
 
 

@@ -80,6 +80,12 @@ def test_max_qps_is_the_fastest_clock_under_the_objective_for_each_path():
     result = max_qps({0.5: run(2.0, 4.0, failed=1), 1.0: run(3.0, 12.0)}, 10.0)
     assert result["max_clock"]["direct"] is None and result["ratio"] == 2.0 and result["bound"] == "at least"
     assert max_qps({1.0: run(11.0, 12.0)}, 10.0)["ratio"] is None
+    # a path still under the objective at the fastest clock tried might serve more: the ratio is a bound
+    result = max_qps({1.0: run(3.0, 4.0), 2.0: run(8.0, 30.0)}, 10.0)
+    assert result["ratio"] == 2.0 and result["bound"] == "at least"
+    result = max_qps({1.0: run(3.0, 4.0), 2.0: run(30.0, 8.0)}, 10.0)
+    assert result["ratio"] == 0.5 and result["bound"] == "at most"
+    assert max_qps({1.0: run(3.0, 4.0), 2.0: run(8.0, 9.0)}, 10.0)["ratio"] is None
 
 
 def test_a_line_that_is_not_a_request_is_named(tmp_path):
@@ -95,19 +101,21 @@ def test_the_committed_slice_replays_through_both_paths(model_pair, tmp_path):
     out = tmp_path / "trace"
     options = Bench(
         _cli_parse_args=[
-            "--trace", str(SLICE), "--trace-requests", "10", "--trace-block-tokens", "32", "--trace-clock", "4",
+            "--trace", str(SLICE), "--trace-requests", "10", "--trace-block-tokens", "32", "--trace-clocks", "4",
             "--trace-max-output", "4", "--pair", str(model_pair), "--out", str(out),
             "--trace-foreign-tokens", "256", "--trace-foreign-every", "0.5",
         ]
     )  # fmt: skip
-    assert run_bench(options) == 0
-    report = json.loads((out / "trace.json").read_text())
+    assert run_bench(options) == 0  # one replay per clock, each in its own folder, and the max-QPS ratio beside
+    assert (out / "clock-4" / "trace.png").exists() and "ratio" in json.loads((out / "max-qps.json").read_text())
+    report = json.loads((out / "clock-4" / "trace.json").read_text())
     samples = report["samples"]
     assert len(samples) == 20 and all(s["ttft_s"] is not None and not s["error"] for s in samples), samples
     assert all(s["reported_cached"] is not None for s in samples)
     summary = report["summary"]
     assert summary["paths"]["gateway"]["all"]["n"] == summary["paths"]["direct"]["all"]["n"] == 10
     assert "all" in summary["ratio"] and summary["plans"]
+    assert summary["predicted_within_2x"]["n"] == 10  # the gateway priced each request and timed its backend
     # a second client sent its own prompts straight to each path's engine meanwhile
     assert report["meta"]["foreign"] == {"tokens": 256, "every_s": 0.5}
     assert all(report["meta"]["foreign_sent"][path] >= 1 for path in ("gateway", "direct"))
