@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import aiohttp
 from pydantic import BaseModel
 
-from common.errors import APIError, NotFoundError, UpstreamError, parse_body
+from common.errors import APIError, NotFoundError, OverloadedError, UpstreamError, parse_body
 from common.messages import MessagesRequest
 from common.protocol import ChatCompletionRequest
 from common.responses import ResponsesRequest
@@ -241,7 +241,7 @@ class HTTPBackend:
             response = await self.session.request(method, self.base_url + path, json=body)
             if response.status != 200:
                 with contextlib.closing(response):
-                    raise _status_error(response.status, await response.read())
+                    raise _status_error(response.status, await response.read(), response.headers.get("retry-after"))
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             raise _transport_error(exc) from None
         return response
@@ -391,7 +391,10 @@ def _transport_error(exc: Exception) -> APIError:
     return BackendGone(f"the backend connection failed: {type(exc).__name__}", code="backend_error")
 
 
-def _status_error(status: int, content: bytes) -> APIError:
+def _status_error(status: int, content: bytes, retry_after: str | None = None) -> APIError:
+    """A backend's non-200 answer as the error the client gets: its own mistakes passed through, an engine's
+    "busy, retry" (429, 503) passed through with its Retry-After (a 502 would tell clients the gateway broke),
+    any other failure a 502."""
     try:
         error = json.loads(content).get("error") or {}  # OpenAI's shape, or Anthropic's (``{"type": "error", ...}``)
     except (ValueError, AttributeError):
@@ -409,5 +412,13 @@ def _status_error(status: int, content: bytes) -> APIError:
             code=error.get("code"),
         )
         exc.error_type = error.get("type") or "invalid_request_error"
+        if retry_after:
+            exc.headers = {"retry-after": retry_after}
         return exc
+    if status == 503:  # overloaded (the reference engine's full queue): the client retries later, as from direct
+        return OverloadedError(
+            f"the backend is overloaded: {message or 'no details'}",
+            code=error.get("code") or "backend_overloaded",
+            headers={"retry-after": retry_after or "1"},
+        )
     return UpstreamError(f"the backend failed ({status}): {message or 'no details'}", code="backend_error")

@@ -136,3 +136,24 @@ def test_past_the_queue_bound_requests_are_shed_at_once_in_shape(model_pair, eng
         finally:
             load.end(backlog)
         assert httpx.post(f"{url}/v1/chat/completions", json=_chat(), timeout=60).status_code == 200
+
+
+async def test_an_engine_s_full_queue_reaches_the_client_as_a_503_with_retry_after(model_pair):
+    """An engine that refuses for now (its queue full: 503, Retry-After) is not a broken gateway: the client gets
+    the 503 and its Retry-After, as going direct it would, and its SDK retries; a 502 would say the gateway broke."""
+    import asyncio
+
+    from tests.helpers import engine_app
+
+    with serve(engine_app(model_pair, max_running=1, max_waiting=1)) as engine:
+        with serve(create_app(gateway_settings(model_pair, backend_url=engine))) as url:
+            body = _chat(max_tokens=64, temperature=0.8, ignore_eos=True)
+            async with httpx.AsyncClient(timeout=120) as client:
+                answers = await asyncio.gather(
+                    *(client.post(f"{url}/v1/chat/completions", json=body) for _ in range(4))
+                )
+    assert sorted({r.status_code for r in answers}) == [200, 503], [r.text for r in answers]
+    refused = next(r for r in answers if r.status_code == 503)
+    error = refused.json()["error"]
+    assert refused.headers["retry-after"] == "1", refused.headers
+    assert error["type"] == "overloaded_error" and error["code"] == "queue_full", error
