@@ -287,35 +287,36 @@ class TraceReport:
         return path
 
 
+def _capacity(p90s: dict[float, float | None], slo_s: float) -> tuple[float | None, float | None]:
+    """Where a path's capacity lies on the clocks tried: the fastest clock whose p90 met the objective (None: none
+    did) and the next clock tried above it (None: none was), so that its capacity is in [low, high)."""
+    under = [clock for clock, p90 in p90s.items() if p90 is not None and p90 <= slo_s]
+    low = max(under) if under else None
+    above = [clock for clock in p90s if low is None or clock > low]
+    return low, (min(above) if above else None)
+
+
 def max_qps(runs: dict[float, dict], slo_s: float) -> dict:
     """From one replay's summary per clock factor: the fastest clock at which each path's p90 TTFT stays under
     ``slo_s`` with no request failed (how much traffic it serves within the objective), and the gateway's over
-    direct's. A path under the objective at no clock tried has none; where only one path has one, the ratio is
-    bounded by the slowest clock tried (``bound``: "at least" or "under"); where one is still under it at the
-    fastest clock tried, the ratio is a bound too ("at least" or "at most"), and none where both are."""
+    direct's. Each path's capacity lies between the fastest clock it met and the next one tried, so the ratio is
+    given as the range those bracket (``ratio_range``: [lowest, highest], None where unbounded above) beside the
+    ratio of the clocks met (``ratio``, None where a path met none): a claim reads the range's low end."""
     out: dict = {"slo_s": slo_s, "p90": {}, "max_clock": {}}
+    bracket = {}
     for path in ("gateway", "direct"):
         p90s = {}
         for clock, summary in sorted(runs.items()):
             stats = summary["paths"][path]
             p90s[clock] = stats["all"]["p90"] if "all" in stats and not stats["failed"] else None
         out["p90"][path] = p90s
-        under = [clock for clock, p90 in p90s.items() if p90 is not None and p90 <= slo_s]
-        out["max_clock"][path] = max(under) if under else None
-    gateway, direct = out["max_clock"]["gateway"], out["max_clock"]["direct"]
-    fastest = max(runs)
-    if gateway == direct == fastest:
-        out["ratio"] = None  # both under the objective at every clock that says anything: try faster ones
-    elif gateway is not None and direct is not None:
-        out["ratio"] = round(gateway / direct, 3)
-        if fastest in (gateway, direct):  # the one under it at the fastest clock tried might serve more still
-            out["bound"] = "at least" if gateway == fastest else "at most"
-    elif gateway is not None:
-        out["ratio"], out["bound"] = round(gateway / min(runs), 3), "at least"
-    elif direct is not None:
-        out["ratio"], out["bound"] = round(min(runs) / direct, 3), "under"
-    else:
-        out["ratio"] = None
+        bracket[path] = _capacity(p90s, slo_s)
+        out["max_clock"][path] = bracket[path][0]
+    (g_low, g_high), (d_low, d_high) = bracket["gateway"], bracket["direct"]
+    out["ratio"] = round(g_low / d_low, 3) if g_low is not None and d_low is not None else None
+    lowest = round(g_low / d_high, 3) if g_low is not None and d_high is not None else 0.0
+    highest = round(g_high / d_low, 3) if g_high is not None and d_low is not None else None
+    out["ratio_range"] = [lowest, highest]
     return out
 
 

@@ -76,16 +76,20 @@ def test_max_qps_is_the_fastest_clock_under_the_objective_for_each_path():
     result = max_qps({0.5: run(2.0, 4.0), 1.0: run(3.0, 12.0), 2.0: run(8.0, 30.0), 4.0: run(20.0, 60.0)}, 10.0)
     assert result["max_clock"] == {"gateway": 2.0, "direct": 0.5} and result["ratio"] == 4.0
     assert result["p90"]["direct"] == {0.5: 4.0, 1.0: 12.0, 2.0: 30.0, 4.0: 60.0}
-    # a failed request disqualifies its run; with no direct run under the objective, the ratio is a bound
+    # the gateway's capacity is in [2, 4) clocks, direct's in [0.5, 1): the ratio is over 2 and under 8
+    assert result["ratio_range"] == [2.0, 8.0]
+    # a failed request disqualifies its run; direct under the objective at no clock: at least 1 / 0.5
     result = max_qps({0.5: run(2.0, 4.0, failed=1), 1.0: run(3.0, 12.0)}, 10.0)
-    assert result["max_clock"]["direct"] is None and result["ratio"] == 2.0 and result["bound"] == "at least"
-    assert max_qps({1.0: run(11.0, 12.0)}, 10.0)["ratio"] is None
-    # a path still under the objective at the fastest clock tried might serve more: the ratio is a bound
+    assert result["max_clock"]["direct"] is None and result["ratio"] is None and result["ratio_range"] == [2.0, None]
+    assert max_qps({1.0: run(11.0, 12.0)}, 10.0)["ratio_range"] == [0.0, None]
+    # direct met the objective at 1 and missed it at 2, the gateway met it at 2: over 2 / 2, no more said
     result = max_qps({1.0: run(3.0, 4.0), 2.0: run(8.0, 30.0)}, 10.0)
-    assert result["ratio"] == 2.0 and result["bound"] == "at least"
+    assert result["ratio"] == 2.0 and result["ratio_range"] == [1.0, None]
     result = max_qps({1.0: run(3.0, 4.0), 2.0: run(30.0, 8.0)}, 10.0)
-    assert result["ratio"] == 0.5 and result["bound"] == "at most"
-    assert max_qps({1.0: run(3.0, 4.0), 2.0: run(8.0, 9.0)}, 10.0)["ratio"] is None
+    assert result["ratio"] == 0.5 and result["ratio_range"] == [0.0, 1.0]
+    assert max_qps({1.0: run(3.0, 4.0), 2.0: run(8.0, 9.0)}, 10.0)["ratio_range"] == [0.0, None]
+    # the vLLM replay of docs/results/traces.md: direct missed it at 1, the gateway met it at 4: at least 4x
+    assert max_qps({1.0: run(3.1, 77.6), 4.0: run(9.9, 390.0)}, 10.0)["ratio_range"] == [4.0, None]
 
 
 def test_a_line_that_is_not_a_request_is_named(tmp_path):
