@@ -240,6 +240,7 @@ class GatewayServing:
             scored=scored,
             replica=replica,
             whole=whole,
+            tokens=tokens,
         )
 
     def unsupported(self, request: ChatCompletionRequest | CompletionRequest) -> list[str]:

@@ -250,10 +250,20 @@ class HTTPBackend:
         response = await self._open(method, path, body)
         try:
             async with response:
-                answer: dict[str, Any] = json.loads(await response.read())
-                return answer
+                content = await response.read()
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             raise _transport_error(exc) from None
+        try:
+            answer = json.loads(content)
+        except ValueError:
+            answer = None
+        if not isinstance(answer, dict):  # an event stream, say, where a JSON answer was asked for
+            kind = response.headers.get("content-type", "no content type")
+            raise UpstreamError(
+                f"the backend's answer to {method} {path} is not a JSON object ({kind}: {content[:80]!r})",
+                code="backend_error",
+            )
+        return answer
 
     async def _stream(self, path: str, body: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
         """Opens the stream and reads up to its first event past the preamble (``PREAMBLE_EVENTS``: what a backend

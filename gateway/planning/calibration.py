@@ -4,7 +4,9 @@ draft timed on random prompts, both models fitted on the timings.
 First an unmeasured warm-up (a GPU's first forwards load kernels and libraries: timed, they made the draft
 look seconds slow and the gateway forward every prompt whole). Then random prompts of ``sizes`` tokens,
 doubling on while the target answers the largest within ``grow_below_s`` (a GPU reads 4,096 tokens in a
-fraction of that, and prices met in traffic should be interpolated, not extrapolated eightfold); then the
+fraction of that, and prices met in traffic should be interpolated, not extrapolated eightfold) and the draft
+scores it within that too (an engine that answers at once, before a draft on CPU cores, had the probe score
+prompts up to the draft's 131,072 positions: minutes before the gateway was up); then the
 largest extended by each of ``extensions`` in turn (few new tokens after many cached ones, as a chat's next
 turn). Then ``reads`` short reads (16 new tokens) after each prompt but the smallest: the same few new tokens
 after 1,024 and after 4,096 cached ones are what tells the cost of reading cached tokens apart from a
@@ -41,13 +43,14 @@ class Probe:
 
     async def timed(self, prompt: list[int], cached: int, measured: bool = True) -> float:
         """``prompt`` through the draft and the target (``cached``: its leading tokens the engine holds); the
-        target's seconds."""
+        slower one's seconds."""
         planner = self.planner
         reused = planner.draft.reusable_prefix(prompt)
         start = time.perf_counter()
         await planner.draft.score(prompt)
+        drafted = time.perf_counter() - start
         if measured:
-            planner.draft_cost.observe(len(prompt) - reused, reused, time.perf_counter() - start, probe=True)
+            planner.draft_cost.observe(len(prompt) - reused, reused, drafted, probe=True)
         start = time.perf_counter()
         answer = await self.complete(prompt)
         seconds = time.perf_counter() - start
@@ -58,7 +61,7 @@ class Probe:
             planner.target_cost.observe(len(prompt) - served, served, seconds, probe=True)
         if (cache := planner.replicas[0].cache) is not None:
             await cache.record(prompt, None)
-        return seconds
+        return max(seconds, drafted)
 
     async def run(
         self, sizes: list[int], extensions: tuple[int, ...], reads: int, room: int, grow_below_s: float

@@ -42,9 +42,22 @@ def make_app(chunks: int = 8) -> Starlette:
         )
 
     async def chat(request: Request):
-        await request.json()
-        return StreamingResponse(
-            stream("chat.completion.chunk", lambda i: {"delta": {"content": f" t{i}"}}), media_type="text/event-stream"
+        body = await request.json()
+        if body.get("stream"):
+            return StreamingResponse(
+                stream("chat.completion.chunk", lambda i: {"delta": {"content": f" t{i}"}}),
+                media_type="text/event-stream",
+            )
+        message = {"role": "assistant", "content": " t"}
+        return JSONResponse(
+            {
+                "id": "x",
+                "object": "chat.completion",
+                "created": 0,
+                "model": "fast",
+                "choices": [{"index": 0, "message": message, "finish_reason": "length"}],
+                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+            }
         )
 
     async def models(_: Request):

@@ -469,6 +469,27 @@ async def test_the_start_up_probe_grows_while_the_engine_answers_fast():
     assert lengths[7:9] == [room + 32, room + 32 + 512]
 
 
+async def test_the_start_up_probe_stops_growing_where_the_draft_is_slow():
+    """An engine that answers at once before a draft on CPU cores: the probe stops where the draft takes longer
+    than the growth allows (it once scored up to the draft's 131,072 positions: minutes of start-up)."""
+
+    class CPUDraft(FakeDraft):
+        async def score(self, token_ids: list[int]) -> torch.Tensor:
+            await asyncio.sleep(1e-4 * len(token_ids))  # 0.4 s at 4,096 tokens, 0.8 s at 8,192
+            return await super().score(token_ids)
+
+    planner, _ = _planner(cost_coefficients=None)
+    planner.draft = planner.scores.draft = CPUDraft()
+    lengths: list[int] = []
+
+    async def instant(token_ids: list[int]) -> dict:
+        lengths.append(len(token_ids))
+        return {"usage": None}
+
+    await calibrate(planner, instant, list(range(10, 5000)), limit=200_000)
+    assert lengths[:6] == [64, 256, 1024, 4096, 8192, 8192 + 32]
+
+
 async def test_the_start_up_probe_fits_the_prompt_limit_and_a_refused_probe_does_not_stop_the_gateway():
     planner, _ = _planner(cost_coefficients=None)
     lengths: list[int] = []

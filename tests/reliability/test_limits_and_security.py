@@ -157,3 +157,26 @@ async def test_an_engine_s_full_queue_reaches_the_client_as_a_503_with_retry_aft
     error = refused.json()["error"]
     assert refused.headers["retry-after"] == "1", refused.headers
     assert error["type"] == "overloaded_error" and error["code"] == "queue_full", error
+
+
+def test_a_backend_answer_that_is_not_json_is_a_502_naming_it(model_pair):
+    """A backend that streams where a JSON answer was asked for is a broken backend, not a broken gateway: a 502
+    ``backend_error`` saying what came back, never a 500."""
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse, PlainTextResponse
+    from starlette.routing import Route
+
+    async def models(_):
+        return JSONResponse({"object": "list", "data": [{"id": "broken", "object": "model"}]})
+
+    async def chat(_):
+        return PlainTextResponse("data: {}\n\n", media_type="text/event-stream")
+
+    routes = [Route("/v1/models", models), Route("/v1/chat/completions", chat, methods=["POST"])]
+    with serve(Starlette(routes=routes)) as backend:
+        settings = gateway_settings(model_pair, backend_url=backend, backend_kind="vllm")
+        with serve(create_app(settings)) as url:
+            answer = httpx.post(f"{url}/v1/chat/completions", json=_chat(), timeout=60)
+    assert answer.status_code == 502, answer.text
+    error = answer.json()["error"]
+    assert error["code"] == "backend_error" and "not a JSON object (text/event-stream" in error["message"], error
