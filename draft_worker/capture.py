@@ -2,8 +2,9 @@
 
 Fused attention kernels (SDPA, flash attention) do not return attention weights, and asking transformers
 for them (``output_attentions=True``) builds an S×S matrix per layer. Instead the model's own kernel is
-wrapped: a forward given a ``QueryRecorder`` records the query of its last position in every layer, and
-the scorer reads the keys back from the KV cache (stored after RoPE). Plain forwards run the original
+wrapped: a forward given a ``QueryRecorder`` records the queries of its last ``window`` positions in every
+layer (the last one, but in a prefill with an observation window), and the scorer reads the keys back from
+the KV cache (stored after RoPE). Plain forwards run the original
 kernel unchanged. The wrapped kernel is registered when a model is prepared, never at import.
 """
 
@@ -22,14 +23,15 @@ CAPTURE_PREFIX = "specprefill_capture_"
 
 @dataclass
 class QueryRecorder:
-    """Collects, per layer, the query of the last position of every forward it is passed to."""
+    """Collects, per layer, the queries of the last ``window`` positions of every forward it is passed to."""
 
+    window: int = 1
     queries: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     scaling: dict[int, float] = field(default_factory=dict)
 
     def record(self, layer_idx: int, query: torch.Tensor, scaling: float) -> None:
         """query: [B, H, Q, D], often a view of the forward's queries. Kept as a copy: a view of the last
-        position would keep the whole prompt's queries alive (on an 8k-token prompt through a Llama-3.2-1B
+        positions would keep the whole prompt's queries alive (on an 8k-token prompt through a Llama-3.2-1B
         shape, 2/3 of a plain prefill's peak memory more)."""
         self.queries.setdefault(layer_idx, []).append(query.clone())
         self.scaling[layer_idx] = scaling
@@ -42,7 +44,8 @@ def _capturing_attention(inner: Callable) -> Callable:
     def attention(module, query, key, value, attention_mask, specprefill_recorder=None, **kwargs):
         if specprefill_recorder is not None:
             scaling = kwargs.get("scaling") or module.head_dim**-0.5
-            specprefill_recorder.record(module.layer_idx, query[:, :, -1:, :], scaling)
+            window = specprefill_recorder.window
+            specprefill_recorder.record(module.layer_idx, query[:, :, -window:, :], scaling)
         return inner(module, query, key, value, attention_mask, **kwargs)
 
     return attention

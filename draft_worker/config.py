@@ -21,6 +21,9 @@ class ScoringConfig(SelectionConfig):
     """Query positions whose attention is scored: the last prompt token plus ``look_ahead - 1`` greedy tokens."""
     pool_kernel: int = 13
     """Average-pooling kernel along the sequence (stride 1, padding ``kernel // 2``); 1 turns pooling off."""
+    observation_window: int = 1
+    """The prompt's last N tokens whose queries are scored, each over the keys up to its own (SnapKV's observation
+    window, Li et al., 2024: a chat's question reads where its answer is); 1: the last token only, the paper."""
 
     def __post_init__(self) -> None:
         SelectionConfig.__post_init__(self)
@@ -28,11 +31,15 @@ class ScoringConfig(SelectionConfig):
             raise ConfigError(f"look_ahead must be >= 1, got {self.look_ahead}")
         if self.pool_kernel < 1 or self.pool_kernel % 2 == 0:
             raise ConfigError(f"pool_kernel must be a positive odd number, got {self.pool_kernel}")
+        if self.observation_window < 1:
+            raise ConfigError(f"observation_window must be >= 1, got {self.observation_window}")
 
     @property
-    def score_params(self) -> tuple[int, int]:
-        """The parameters that change scores (not selection): part of every score-cache key."""
-        return (self.look_ahead, self.pool_kernel)
+    def score_params(self) -> tuple[int, ...]:
+        """The parameters that change scores (not selection): part of every score-cache key (the paper's window
+        leaves the keys as they were)."""
+        window = (self.observation_window,) if self.observation_window > 1 else ()
+        return (self.look_ahead, self.pool_kernel, *window)
 
     def to_dict(self) -> dict[str, int]:
         return asdict(self)

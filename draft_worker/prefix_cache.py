@@ -14,7 +14,8 @@ from draft_worker.scorer import PromptKV
 
 
 class PrefixKVCache:
-    def __init__(self, max_bytes: int, min_prefix: int = 64) -> None:
+    def __init__(self, max_bytes: int, min_prefix: int = 64, recompute: int = 1) -> None:
+        self.recompute = recompute  # the prompt's last tokens always prefilled: their queries are scored
         self.max_bytes = max_bytes
         self.min_prefix = min_prefix
         self._entries: collections.OrderedDict[int, PromptKV] = collections.OrderedDict()
@@ -33,18 +34,19 @@ class PrefixKVCache:
         query = np.asarray(prompt, dtype=np.int64)
         with self._lock:
             _, best = longest_prefix(query, self._candidates())
-        reuse = min(best, len(query) - 1)
+        reuse = min(best, len(query) - self.recompute)
         return reuse if reuse >= self.min_prefix else 0
 
     def lookup(self, prompt: Sequence[int]) -> tuple[PromptKV, int] | None:
         """The entry sharing the longest prefix with ``prompt`` and how many of its tokens to reuse.
 
-        At least the prompt's last token is always recomputed: its query is the first one scored.
+        At least the prompt's last ``recompute`` tokens are always prefilled: their queries are scored (the
+        last token's, and an observation window's).
         """
         query = np.asarray(prompt, dtype=np.int64)
         with self._lock:
             best_key, best_len = longest_prefix(query, self._candidates())
-            reuse = min(best_len, len(query) - 1)
+            reuse = min(best_len, len(query) - self.recompute)
             if best_key is None or reuse < self.min_prefix:
                 self.misses += 1
                 return None

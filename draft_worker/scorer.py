@@ -3,7 +3,8 @@
 One draft prefill over the prompt, then greedy look-ahead. For every layer and head, the queries of the
 last prompt token and of the look-ahead tokens attend to the *prompt keys only*:
 softmax(q·kᵀ·scale) in float32, average-pooled along the sequence, max over layers × heads, mean over
-the queries. One score per prompt token.
+the queries. One score per prompt token. With an observation window (an option, not the paper's), the
+queries of the prompt's tokens before its last join them, each over the keys up to its own.
 
 Memory stays O(S) (see ``capture``): scoring costs one plain prefill plus ``look_ahead - 1`` single-token
 decode steps plus a [queries × S] product per layer. ``score_prompts`` reads as its three phases:
@@ -79,7 +80,7 @@ def score_prompts(
         storage = graphs.storage_for(len(prompts[0]) + config.look_ahead)
     batch = _prepare(model, prompts, prefix, prefix_len, config.look_ahead, storage)
     eos = _eos(model)  # before the prefill is queued: a copy from host memory waits for the GPU to finish
-    recorder = QueryRecorder()
+    recorder = QueryRecorder(window=config.observation_window)
     with record_function("specprefill.prefill"):
         logits = prefill(model, batch, recorder)
     valid = None
@@ -152,19 +153,34 @@ def look_ahead(
 
 def reduce_scores(batch: ScoringBatch, recorder: QueryRecorder, valid: torch.Tensor, pool_kernel: int) -> torch.Tensor:
     """Attention of the recorded queries over the prompt keys, pooled, max over layers × heads, mean over the
-    valid queries: [B, S]."""
+    valid queries: [B, S]. Queries recorded before the last prompt token's (an observation window) see only the
+    keys up to their own, and count only on rows whose prompt reaches back to them (rows are left-padded)."""
     key_pad = None
     if batch.attention_mask is not None:
         key_pad = batch.attention_mask[:, None, None, : batch.width] == 0  # [B, 1, 1, S]
+    extra = recorder.layer_queries(0).shape[2] - valid.shape[1]  # window queries before the last prompt token's
+    future, weights = _window(batch, extra, valid.float()) if extra else (None, valid.float())  # weights: [B, Q]
     scores = None
     for layer_idx, layer_cache in enumerate(batch.cache.layers):
         keys = layer_cache.keys[:, :, : batch.width, :]  # [B, Hkv, S, D]
-        queries = recorder.layer_queries(layer_idx)  # [B, H, Q, D]
-        pooled = _layer_attention(queries, keys, recorder.scaling[layer_idx], key_pad, pool_kernel)
+        queries = recorder.layer_queries(layer_idx)  # [B, H, W - 1 + Q, D]
+        pooled = _layer_attention(queries, keys, recorder.scaling[layer_idx], key_pad, pool_kernel, future)
         layer_max = pooled.amax(dim=1)  # [B, Q, S]
         scores = layer_max if scores is None else torch.maximum(scores, layer_max)
-    weights = valid.float()  # [B, Q]
     return (scores * weights[:, :, None]).sum(1) / weights.sum(1, keepdim=True)
+
+
+def _window(batch: ScoringBatch, extra: int, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For ``extra`` window queries before the last prompt token's: which keys each may not see ([W - 1 + Q, S]:
+    those after it; none for the rest), and the weights with theirs first (0 where a row's prompt is shorter)."""
+    device, width = weights.device, batch.width
+    positions = torch.arange(width - 1 - extra, width - 1, device=device)  # the window queries' places
+    keys = torch.arange(width, device=device)
+    future = torch.zeros(extra + weights.shape[1], width, dtype=torch.bool, device=device)
+    future[:extra] = keys[None, :] > positions[:, None]
+    lengths = torch.tensor(batch.lengths, device=device)
+    inside = positions[None, :] >= (width - lengths)[:, None]  # [B, W - 1]
+    return future, torch.cat([inside.float(), weights], dim=1)
 
 
 def _prepare(
@@ -226,13 +242,18 @@ def _prompt_kvs(batch: ScoringBatch, prompts: Sequence[Sequence[int]], copy: boo
 
 
 def _layer_attention(
-    queries: torch.Tensor, keys: torch.Tensor, scaling: float, key_pad: torch.Tensor | None, pool_kernel: int
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    scaling: float,
+    key_pad: torch.Tensor | None,
+    pool_kernel: int,
+    future: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Softmax over the prompt keys, pooled along the sequence.
 
-    queries: [B, H, Q, D]; keys: [B, Hkv, S, D]; returns [B, H, Q, S].
-    GQA: query head h reads kv head h // (H / Hkv), as ``repeat_kv`` does; grouping the queries avoids
-    materialising repeated keys.
+    queries: [B, H, Q, D]; keys: [B, Hkv, S, D]; ``future``: [Q, S], keys a query may not see; returns
+    [B, H, Q, S]. GQA: query head h reads kv head h // (H / Hkv), as ``repeat_kv`` does; grouping the queries
+    avoids materialising repeated keys.
     """
     batch, heads, n_queries, dim = queries.shape
     kv_heads, width = keys.shape[1], keys.shape[2]
@@ -240,7 +261,11 @@ def _layer_attention(
     logits = float_logits(grouped, keys) * scaling  # [B, Hkv, G*Q, S]
     if key_pad is not None:
         logits = logits.masked_fill(key_pad, float("-inf"))
+    if future is not None:  # grouped rows are (head in group, query): g * Q + q
+        logits = logits.masked_fill(future.repeat(heads // kv_heads, 1), float("-inf"))
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    if future is not None:  # a window query on a row's padding sees no key: its zero weight must not meet a NaN
+        probs = probs.nan_to_num(0.0)
     probs = probs.reshape(batch, heads * n_queries, width)
     if pool_kernel > 1:
         probs = F.avg_pool1d(probs, kernel_size=pool_kernel, stride=1, padding=pool_kernel // 2)

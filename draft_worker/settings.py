@@ -24,6 +24,11 @@ class ScoringOptions(BaseSettings):
         _DEFAULTS.look_ahead, description="draft steps whose queries are scored, the last prompt token's included"
     )
     pool_kernel: int = Field(_DEFAULTS.pool_kernel, description="average-pooling kernel along the sequence (1: off)")
+    observation_window: int = Field(
+        _DEFAULTS.observation_window,
+        description="the prompt's last N tokens' queries scored too, each over the keys before it (SnapKV's "
+        "observation window; 1: the last token only, as the paper)",
+    )
     chunk_size: int = Field(
         _DEFAULTS.chunk_size, description="tokens are kept in contiguous chunks of this size (1: single tokens)"
     )
@@ -51,6 +56,7 @@ class ScoringOptions(BaseSettings):
         return ScoringConfig(
             look_ahead=self.look_ahead,
             pool_kernel=self.pool_kernel,
+            observation_window=self.observation_window,
             chunk_size=self.chunk_size,
             protect_first=self.protect_first,
             protect_last=self.protect_last,

@@ -43,7 +43,8 @@ class DraftWorker:
         self.tokenizer = tokenizer
         self.config = config or ScoringConfig()
         self.name = name
-        self.prefix_cache = PrefixKVCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
+        window = self.config.observation_window
+        self.prefix_cache = PrefixKVCache(prefix_cache_bytes, recompute=window) if prefix_cache_bytes > 0 else None
         self.identity = model_identity(model, name)
         self.graphs = LookAheadGraphs(model) if cuda_graphs and model.device.type == "cuda" else None
         self._lock = threading.Lock()

@@ -92,6 +92,9 @@ class Eval(BaseSettings):
         "default: all)",
     )
     real_self_layers: list[int] = Field([4, 8, 12], description="real: the self-drafts' layer counts")
+    real_windows: list[int] = Field(
+        [], description="real: each model draft also with these observation windows (drafts named DRAFT/wN)"
+    )
     real_rule_length: int = Field(2000, description="real: the instruction-following haystacks' length (0: none)")
     real_haystacks: Path | None = Field(
         None,
@@ -194,7 +197,7 @@ def _real(options: Eval, out: Path) -> int:
     except RealModelError as exc:
         print(f"specprefill eval: {exc}", file=sys.stderr)
         return 1
-    known = variants(real, options.real_self_layers)
+    known = variants(real, options.real_self_layers, options.real_windows)
     unknown = sorted(set(options.real_drafts or ()) - set(known))
     if unknown:
         print(f"specprefill eval: unknown draft {unknown[0]!r}; drafts: {', '.join(known)}", file=sys.stderr)
@@ -213,6 +216,7 @@ def _real(options: Eval, out: Path) -> int:
         samples=options.real_samples,
         keep_rates=options.real_keep_rates,
         self_layers=options.real_self_layers,
+        windows=options.real_windows,
         names=options.real_drafts,
         rule_length=options.real_rule_length or None,
         haystacks=options.real_haystacks,

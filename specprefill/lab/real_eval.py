@@ -41,11 +41,15 @@ CROSS_DRAFT = Path(__file__).resolve().parents[1] / "data" / "retrieval-pair" / 
 MAX_TOKENS = 16
 
 
-def variants(real: Path, self_layers=SELF_LAYERS) -> dict[str, list[str]]:
-    """Each draft as the gateway's flags."""
+def variants(real: Path, self_layers=SELF_LAYERS, windows=()) -> dict[str, list[str]]:
+    """Each draft as the gateway's flags; each model draft also with each observation window in ``windows``
+    (``NAME/wN``: ``--observation-window N``)."""
     out = {"target": ["--draft-model", str(real)]}
     out |= {f"self-{k}": ["--draft-model", str(real), "--draft-layers", str(k)] for k in self_layers}
     out["cross"] = ["--draft-model", str(CROSS_DRAFT)]
+    out |= {
+        f"{name}/w{n}": [*args, "--observation-window", str(n)] for name, args in list(out.items()) for n in windows
+    }
     out |= {kind: ["--draft-model", f"baseline:{kind}"] for kind in ("random", "head", "tail")}
     return out
 
@@ -194,6 +198,7 @@ def run_real_eval(
     samples: int = 50,
     keep_rates=KEEP_RATES,
     self_layers=SELF_LAYERS,
+    windows=(),
     names: list[str] | None = None,
     rule_length: int | None = 2000,
     haystacks: Path | None = None,
@@ -206,7 +211,7 @@ def run_real_eval(
     out.mkdir(parents=True, exist_ok=True)
     answers = out / "answers.jsonl"
     done = _done(answers)
-    known = variants(real, self_layers)
+    known = variants(real, self_layers, windows)
     drafts = {name: known[name] for name in names} if names is not None else known  # in the order asked
     everything = load_items(haystacks) if haystacks else items(real, lengths, samples, rule_length)
     wanted = set(lengths) | ({rule_length} if rule_length else set())

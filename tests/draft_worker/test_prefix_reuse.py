@@ -15,10 +15,10 @@ def _ids(n: int, seed: int) -> list[int]:
     return torch.randint(2, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _workers():
+def _workers(config: ScoringConfig | None = None):
     model = tiny_llama(seed=11)
-    reuse = DraftWorker(model, None, ScoringConfig(), prefix_cache_bytes=1 << 26)
-    scratch = DraftWorker(model, None, ScoringConfig(), prefix_cache_bytes=0)
+    reuse = DraftWorker(model, None, config, prefix_cache_bytes=1 << 26)
+    scratch = DraftWorker(model, None, config, prefix_cache_bytes=0)
     return reuse, scratch
 
 
@@ -48,6 +48,18 @@ def test_the_same_prompt_again_recomputes_only_its_last_token():
     entry, reused = reuse.prefix_cache.lookup(prompt)
     assert reused == len(prompt) - 1
     torch.testing.assert_close(reuse.score(prompt), first, rtol=1e-5, atol=1e-8)
+
+
+def test_an_observation_window_is_always_prefilled():
+    """With a window of 16, a prompt that adds 4 tokens to a cached one still prefills its last 16: its scores
+    are the ones made from scratch."""
+    reuse, scratch = _workers(ScoringConfig(observation_window=16))
+    prompt = _ids(500, 5)
+    reuse.score(prompt)
+    longer = prompt + _ids(4, 6)
+    assert reuse.prefix_cache.lookup(longer)[1] == len(longer) - 16
+    torch.testing.assert_close(reuse.score(longer), scratch.score(longer), rtol=1e-5, atol=1e-8)
+    torch.testing.assert_close(reuse.score(prompt), scratch.score(prompt), rtol=1e-5, atol=1e-8)
 
 
 def test_batched_runs_store_unpadded_entries():

@@ -16,8 +16,10 @@ from tests.helpers import tiny_llama
 
 
 @torch.no_grad()
-def reference_scores(model, prompt: list[int], look_ahead: int, pool_kernel: int) -> torch.Tensor:
-    """Eager attention, full recompute, float64 attention math, explicit loops; no KV cache, no capture hook."""
+def reference_scores(model, prompt: list[int], look_ahead: int, pool_kernel: int, window: int = 1) -> torch.Tensor:
+    """Eager attention, full recompute, float64 attention math, explicit loops; no KV cache, no capture hook.
+    ``window``: the prompt's last that many tokens' queries (SnapKV's observation window), each over the keys up
+    to its own."""
     eos = set(model.generation_config.eos_token_id)
     generated: list[int] = []
     for _ in range(look_ahead - 1):
@@ -44,9 +46,13 @@ def reference_scores(model, prompt: list[int], look_ahead: int, pool_kernel: int
         cos, sin = model.model.rotary_emb(hidden, positions)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         k = repeat_kv(k, config.num_attention_heads // config.num_key_value_heads)
-        q = q[0, :, length - 1 : length - 1 + n_queries].double()  # [H, Q, D]
+        first = max(0, length - window)
+        q = q[0, :, first : length - 1 + n_queries].double()  # [H, W - 1 + Q, D]
         k = k[0, :, :length].double()  # [H, S, D]
-        probs = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(head_dim), dim=-1)
+        logits = q @ k.transpose(-1, -2) / math.sqrt(head_dim)
+        for row in range(length - 1 - first):  # a window query at position first + row sees keys up to it
+            logits[:, row, first + row + 1 :] = float("-inf")
+        probs = torch.softmax(logits, dim=-1)
         for head in range(probs.shape[0]):
             rows.append(probs[head])
     half = pool_kernel // 2
@@ -91,6 +97,21 @@ def test_scores_and_selection_match_reference(look_ahead, pool_kernel, chunk_siz
         assert kept == reference_select(expected, keep_rate, chunk_size)
 
 
+@pytest.mark.parametrize("look_ahead", [1, 8])
+@pytest.mark.parametrize("window", [2, 16])
+def test_an_observation_window_matches_reference(look_ahead, window):
+    """An option beyond the paper: the prompt's last ``window`` tokens' queries join the look-ahead's, each
+    reading only the keys before it."""
+    model = tiny_llama(heads=4, kv_heads=2)
+    prompt = _prompt(300, seed=11)
+    enable_query_capture(model)
+    config = ScoringConfig(look_ahead=look_ahead, observation_window=window)
+    (scores,), _ = score_prompts(model, [prompt], config)
+    torch.testing.assert_close(scores, reference_scores(model, prompt, look_ahead, 13, window), rtol=1e-5, atol=1e-8)
+    (plain,), _ = score_prompts(model, [prompt], ScoringConfig(look_ahead=look_ahead))
+    assert not torch.allclose(scores, plain, rtol=1e-3)
+
+
 def test_queries_after_generated_eos_are_dropped():
     model = tiny_llama(seed=3)
     prompt = _prompt(200, seed=5)
@@ -109,11 +130,12 @@ def test_queries_after_generated_eos_are_dropped():
     assert not torch.allclose(scores, all_queries, rtol=1e-3)
 
 
-@pytest.mark.parametrize("look_ahead", [1, 8])
-def test_batched_scoring_equals_one_by_one(look_ahead):
+@pytest.mark.parametrize("look_ahead,window", [(1, 1), (8, 1), (8, 16)])
+def test_batched_scoring_equals_one_by_one(look_ahead, window):
+    """Left-padded rows score as single runs, a window reaching past a short prompt's start included."""
     model = tiny_llama(seed=7)
     enable_query_capture(model)
-    config = ScoringConfig(look_ahead=look_ahead)
+    config = ScoringConfig(look_ahead=look_ahead, observation_window=window)
     prompts = [_prompt(n, seed=n) for n in (37, 300, 129, 300, 5)]
     batched, _ = score_prompts(model, prompts, config)
     for prompt, scores in zip(prompts, batched):
