@@ -144,6 +144,9 @@ class Bench(BaseSettings):
         ge=1,
         description="launched servers: the draft's first N layers only (with --draft-model target: a self-draft)",
     )
+    observation_window: int | None = Field(
+        None, ge=1, description="launched servers: the gateway's --observation-window (default: its own)"
+    )
     agents: bool = Field(
         False,
         description="coding agents' sessions instead: Claude Code (and Codex CLI) headless, "
@@ -313,6 +316,7 @@ def _meta(options: Bench, stack: Stack, model: str) -> dict:
         "target_model": options.target_model,
         "draft_model": options.draft_model,
         "draft_layers": options.draft_layers,
+        "observation_window": options.observation_window,
     }
 
 
@@ -340,6 +344,8 @@ def gateway_args(options: Bench) -> list[str]:
     args = ["--min-prompt-tokens", "1024" if options.workloads else str(min(options.lengths) // 2)]
     if options.draft_layers:
         args += ["--draft-layers", str(options.draft_layers)]
+    if options.observation_window:
+        args += ["--observation-window", str(options.observation_window)]
     if options.baseline:  # the gateway as it was before cache-aware planning
         return args + ["--planner", "fresh", "--no-warming", "--no-keep-system-whole"]
     if not options.gateway_warming:

