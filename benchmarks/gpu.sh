@@ -58,6 +58,7 @@ REAL_SAMPLES=${REAL_SAMPLES:-50}
 REAL_PARALLEL=${REAL_PARALLEL:-9}
 REAL_CAP_S=${REAL_CAP_S:-480}
 REAL_DEVICE=${REAL_DEVICE:-cuda}
+REAL_DRAFTS=${REAL_DRAFTS:-target,self-4,self-8,self-12,cross,random,head,tail,self-8/w16}  # self-8/w16: make serve's
 PYTHON=${PYTHON:-python3}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TQDM_MININTERVAL=30
@@ -145,7 +146,8 @@ real() {
     stamp "real: the quality table"
     timeout -k 10 "$REAL_CAP_S" "$PYTHON" -m specprefill eval --real --real-device "$REAL_DEVICE" \
         --real-parallel "$REAL_PARALLEL" ${haystacks:+--real-haystacks "$haystacks"} --real-lengths "$REAL_LENGTHS" \
-        --real-samples "$REAL_SAMPLES" --real-keep-rates 0.3,0.1,0.05 --out "$OUT/real" >"$OUT/real.txt" 2>&1
+        --real-samples "$REAL_SAMPLES" --real-keep-rates 0.3,0.1,0.05 --real-windows 16 --real-drafts "$REAL_DRAFTS" \
+        --out "$OUT/real" >"$OUT/real.txt" 2>&1
     local status=$?
     echo "real: $(wc -l <"$OUT/real/answers.jsonl") answers (exit $status)"
     rm -f "$OUT/real/haystacks.jsonl"  # the same as the ones sent
