@@ -27,9 +27,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import openai
+import torch
 from tqdm import tqdm
+from transformers import AutoConfig
 
-from common.models import load_tokenizer
+from common.models import compute_dtype, load_tokenizer
 from specprefill.lab.haystack import RULE_TASK, TASKS, HaystackSample, make_haystack
 from specprefill.lab.launch import launched_gateway
 from specprefill.lab.real_model import REAL_MODEL_NAME
@@ -219,6 +221,8 @@ def run_real_eval(
     save_items(everything, out / "haystacks.jsonl")
     order = [n for n in dict.fromkeys([*lengths, *sorted(wanted)]) if any(i.length == n for i in everything)]
     common = _gateway_args(real, device)
+    # what the gateways compute in (float32 on a CPU without fast bfloat16 kernels): kept with every answer
+    dtype = str(compute_dtype(AutoConfig.from_pretrained(real).dtype, torch.device(device))).removeprefix("torch.")
     lock = threading.Lock()
     with answers.open("a") as sink:
 
@@ -229,7 +233,7 @@ def run_real_eval(
             ):
                 for item, keep in tqdm(job.todo, desc=f"real eval: {job.length} tokens, {job.name}", unit="answer"):
                     headers = {"x-specprefill": "off"} if keep == 1 else {"x-keep-rate": f"{keep:g}"}
-                    row = _ask(client, item, job.name, keep, headers) | {"device": device}
+                    row = _ask(client, item, job.name, keep, headers) | {"device": device, "dtype": dtype}
                     with lock:
                         done[_key(job.length, item.index, item.sample.task, job.name, keep)] = row
                         sink.write(json.dumps(row) + "\n")

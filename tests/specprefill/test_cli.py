@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
-from common.models import load_causal_lm
+from common.models import compute_dtype, load_causal_lm
 from engine.server import create_app as create_engine_app
 from engine.settings import EngineSettings
 from gateway.app import create_app
@@ -151,11 +151,14 @@ def test_a_shaped_pair_without_weights_makes_the_same_weights_at_every_load(tmp_
     assert not list(tmp_path.glob("*/*.safetensors"))
     assert json.loads((tmp_path / "demo.json").read_text())["weights"] == "made at load"
     first, again = (load_causal_lm(tmp_path / "target", device="cpu") for _ in range(2))
-    assert first.dtype == torch.bfloat16 and first.config.max_position_embeddings == 131072
+    # bfloat16 as made, or float32 where this CPU has no fast bfloat16 kernels (common.models.compute_dtype)
+    assert first.dtype == compute_dtype(torch.bfloat16, torch.device("cpu"))
+    assert first.config.max_position_embeddings == 131072
     assert first.config.num_hidden_layers == SHAPES["demo-target"].num_hidden_layers
     for (name, a), b in zip(first.state_dict().items(), again.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
     assert load_causal_lm(tmp_path / "draft", device="cpu", dtype="float32").dtype == torch.float32
+    assert load_causal_lm(tmp_path / "draft", device="cpu", dtype="bfloat16").dtype == torch.bfloat16  # as asked
     with serve(create_engine_app(EngineSettings(model=str(tmp_path / "target"), device="cpu"))) as url:
         answer = httpx.post(
             f"{url}/v1/completions",
