@@ -23,6 +23,7 @@
 #              finished; a later run resumes it). The GGUF file is REAL_GGUF, or REAL_PARTS joined (a device run
 #              carries at most 64 MiB: the 94 MiB file goes in two calls); REAL_HAYSTACKS (gzipped or not) are
 #              the haystacks a run here wrote, so that this machine's Python asks the same prose
+#              (with them, the committed answers, REAL_RESUME, seed answers.jsonl: only what they lack is asked)
 #
 # Each step has a time cap (STEP_CAP_S, and the sweep's and Poisson's own): a step over it is stopped and the next
 # one runs. With PACK=FILE, OUT is packed into that tar.gz after every step (a device run gets only a few files
@@ -54,6 +55,8 @@ REAL_GGUF=${REAL_GGUF:-/tmp/specprefill-real.gguf}
 REAL_PARTS=${REAL_PARTS:-}
 REAL_HAYSTACKS=${REAL_HAYSTACKS:-}
 REAL_LENGTHS=${REAL_LENGTHS:-7000,4000,2000}
+# answers already asked on the haystacks written here: with REAL_HAYSTACKS, only what they lack is asked
+REAL_RESUME=${REAL_RESUME:-$(ls docs/results/data/real-eval-{7k,gpu,4k,2k}-answers.jsonl 2>/dev/null)}
 REAL_SAMPLES=${REAL_SAMPLES:-50}
 REAL_PARALLEL=${REAL_PARALLEL:-9}
 REAL_CAP_S=${REAL_CAP_S:-480}
@@ -143,6 +146,10 @@ real() {
     if [[ "$haystacks" == *.gz ]]; then gunzip -c "$haystacks" >/tmp/specprefill-haystacks.jsonl; haystacks=/tmp/specprefill-haystacks.jsonl; fi
     export SPECPREFILL_REAL_GGUF=$REAL_GGUF SPECPREFILL_CACHE_DIR=${SPECPREFILL_CACHE_DIR:-/tmp/specprefill-cache}
     "$PYTHON" -m specprefill real-model || return 1
+    mkdir -p "$OUT/real"
+    if [ -n "$haystacks" ] && [ -n "$REAL_RESUME" ] && [ ! -s "$OUT/real/answers.jsonl" ]; then
+        cat $REAL_RESUME >"$OUT/real/answers.jsonl"
+    fi
     stamp "real: the quality table"
     timeout -k 10 "$REAL_CAP_S" "$PYTHON" -m specprefill eval --real --real-device "$REAL_DEVICE" \
         --real-parallel "$REAL_PARALLEL" ${haystacks:+--real-haystacks "$haystacks"} --real-lengths "$REAL_LENGTHS" \
