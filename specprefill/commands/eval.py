@@ -108,7 +108,7 @@ class Eval(BaseSettings):
     real_parallel: int = Field(1, ge=1, description="real: gateways (drafts) asked at a time")
     real_speed: list[str] = Field(
         [],
-        description="real: DRAFT=FOLDER, a `specprefill bench` run of that draft "
+        description="real: DRAFT=FOLDER, a `specprefill bench` run of that draft (its folder or bench.json) "
         "(repeatable): accuracy against cold TTFT, plotted (real-frontier.png)",
     )
 

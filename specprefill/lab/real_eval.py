@@ -113,6 +113,7 @@ def _ask(client: openai.OpenAI, item: Item, variant: str, keep: float, headers: 
         "tokens": int(raw.headers["x-specprefill-original-tokens"]),
         "kept": int(raw.headers["x-specprefill-kept-tokens"]),
         "status": raw.headers["x-specprefill-status"],
+        "reason": raw.headers.get("x-specprefill-reason"),  # why it went whole, where it did
         "answer": text,
         "expected": item.sample.answer,
         "correct": item.sample.correct(text),
@@ -322,10 +323,11 @@ FRONTIER_TASKS = ("passkey", "fact")  # the goal's tasks: a passkey and a one-pa
 def frontier(cells: list[dict], speeds: dict[str, Path]) -> list[dict]:
     """One point per draft and keep rate: its accuracy as a share of the full prompt's on the goal's tasks (the
     mean over them, at each length the speed run measured) against its cold TTFT as a share of direct's (from
-    ``speeds``: each draft's ``specprefill bench`` folder)."""
+    ``speeds``: each draft's ``specprefill bench`` folder, or its ``bench.json`` as the docs keep it)."""
     points = []
-    for draft, folder in speeds.items():
-        rows = json.loads((Path(folder) / "bench.json").read_text())["rows"]
+    for draft, where in speeds.items():
+        path = Path(where)
+        rows = json.loads((path if path.is_file() else path / "bench.json").read_text())["rows"]
         for row in rows:
             mine = [
                 c

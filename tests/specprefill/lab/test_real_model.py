@@ -4,6 +4,7 @@ answering with it (greedy). The conversion runs once per machine (about 20 s) in
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import random
 
 import openai
@@ -156,3 +157,22 @@ def test_vllm_gets_a_tool_parser_only_where_the_tokenizer_has_its_marker(real):
     # SmolLM2's tokenizer has no tool-call marker: vLLM refuses llama3_json for it at start
     assert readme_vllm_args(real) == ("--enable-prompt-tokens-details",)
     assert readme_vllm_args(ensure_demo_models() / "target") == README_VLLM_ARGS  # Llama 3.1's marker
+
+
+def test_the_frontier_reads_a_bench_folder_or_its_json_as_the_docs_keep_it(tmp_path):
+    from specprefill.lab.real_eval import frontier, summarize
+
+    rows = [
+        {"task": t, "length": 2000, "variant": v, "keep": k, "correct": c, "tokens": 2000, "kept": 200, "obeys": None}
+        for t in ("passkey", "fact")
+        for v, k, c in (("full", 1.0, True), ("self-8", 0.1, False), ("self-8", 0.3, True))
+    ]
+    bench = {"rows": [{"tokens": 2000, "keep_rate": 0.1, "gateway_s": 1.0, "direct_s": 4.0}]}
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "bench.json").write_text(json.dumps(bench))
+    (tmp_path / "self-8.json").write_text(json.dumps(bench))
+    want = [{"draft": "self-8", "keep": 0.1, "length": 2000, "ttft_of_direct": 0.25, "accuracy_of_full": 0.0}]
+    cells = summarize(rows)
+    assert (
+        frontier(cells, {"self-8": tmp_path / "run"}) == frontier(cells, {"self-8": tmp_path / "self-8.json"}) == want
+    )
