@@ -32,6 +32,7 @@ from tqdm import tqdm
 from transformers import AutoConfig
 
 from common.models import compute_dtype, load_tokenizer
+from gateway.planning.policy import Reason
 from specprefill.lab.haystack import RULE_TASK, TASKS, HaystackSample, make_haystack
 from specprefill.lab.launch import launched_gateway
 from specprefill.lab.real_model import REAL_MODEL_NAME
@@ -86,12 +87,16 @@ def _key(length: int, index: int, task: str, variant: str, keep: float) -> str:
     return f"{length}/{index}/{task}/{variant}/{keep:g}"
 
 
+FINAL = {Reason.PROMPT_TOO_LONG}  # bypasses a resume would meet again: the answer stands
+
+
 def _done(path: Path) -> dict[str, dict]:
     if not path.exists():
         return {}
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    # a draft's answer from a prompt that went whole (its draft failed) measured nothing: asked again
-    rows = [r for r in rows if r["variant"] == "full" or r["status"] == "compressed"]
+    # a draft's answer from a prompt that went whole because its draft failed measured nothing: asked again; one
+    # that went whole because the draft cannot read that many tokens would go whole again: kept
+    rows = [r for r in rows if r["variant"] == "full" or r["status"] == "compressed" or r.get("reason") in FINAL]
     return {_key(r["length"], r["index"], r["task"], r["variant"], r["keep"]): r for r in rows}
 
 

@@ -176,3 +176,18 @@ def test_the_frontier_reads_a_bench_folder_or_its_json_as_the_docs_keep_it(tmp_p
     assert (
         frontier(cells, {"self-8": tmp_path / "run"}) == frontier(cells, {"self-8": tmp_path / "self-8.json"}) == want
     )
+
+
+def test_a_resume_asks_again_only_what_could_go_otherwise(tmp_path):
+    from specprefill.lab.real_eval import _done
+
+    base = {"length": 4000, "task": "fact", "keep": 0.1}
+    rows = [
+        {**base, "index": 0, "variant": "full", "status": "bypassed", "reason": "off"},
+        {**base, "index": 1, "variant": "self-8", "status": "compressed", "reason": None},
+        {**base, "index": 2, "variant": "self-8", "status": "bypassed", "reason": "draft_error"},  # asked again
+        {**base, "index": 3, "variant": "cross", "status": "bypassed", "reason": "prompt_too_long"},  # would be again
+        {**base, "index": 4, "variant": "cross", "status": "bypassed"},  # before answers kept the reason
+    ]
+    (tmp_path / "answers.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert sorted(r["index"] for r in _done(tmp_path / "answers.jsonl").values()) == [0, 1, 3]
