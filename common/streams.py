@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from common.errors import APIError, as_api_error
+from common.json_wire import dumps
 
 SSE_DONE = b"data: [DONE]\n\n"
 
@@ -15,7 +15,7 @@ SSE_DONE = b"data: [DONE]\n\n"
 def sse(payload: dict[str, Any], named: bool = False) -> bytes:
     """One frame; ``named`` streams (OpenAI's Responses events) also carry the payload's type as the event name."""
     head = f"event: {payload.get('type')}\n".encode() if named else b""
-    return head + b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+    return head + b"data: " + dumps(payload) + b"\n\n"
 
 
 def sse_error(

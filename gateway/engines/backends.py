@@ -21,6 +21,7 @@ import aiohttp
 from pydantic import BaseModel
 
 from common.errors import APIError, NotFoundError, OverloadedError, UpstreamError, parse_body
+from common.json_wire import dumps, loads
 from common.messages import MessagesRequest
 from common.protocol import ChatCompletionRequest
 from common.responses import ResponsesRequest
@@ -33,6 +34,7 @@ from gateway.engines.kinds import KINDS, Kind
 # before it is read (a 502, or a stream cut at its start). Kept 60 s, that race cost a chaos run with one core
 # busy a 502 and a broken stream while nothing was down; a new loopback connection costs well under 1 ms.
 KEEPALIVE_S = 4.0
+JSON_HEADERS = {"content-type": "application/json"}  # a body goes as the bytes ``common.json_wire`` makes
 
 
 class BackendGone(UpstreamError):
@@ -238,7 +240,12 @@ class HTTPBackend:
     async def _open(self, method: str, path: str, body: dict[str, Any] | None = None) -> aiohttp.ClientResponse:
         """The backend's response once its status is 200 (its body unread); any other status a typed error."""
         try:
-            response = await self.session.request(method, self.base_url + path, json=body)
+            response = await self.session.request(
+                method,
+                self.base_url + path,
+                data=None if body is None else dumps(body),
+                headers=JSON_HEADERS if body is not None else None,
+            )
             if response.status != 200:
                 with contextlib.closing(response):
                     raise _status_error(response.status, await response.read(), response.headers.get("retry-after"))
@@ -254,7 +261,7 @@ class HTTPBackend:
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             raise _transport_error(exc) from None
         try:
-            answer = json.loads(content)
+            answer = loads(content)
         except ValueError:
             answer = None
         if not isinstance(answer, dict):  # an event stream, say, where a JSON answer was asked for
@@ -357,7 +364,7 @@ async def _sse_events(response: aiohttp.ClientResponse) -> AsyncGenerator[dict[s
             if data == b"[DONE]":
                 await _drained(response)
                 return
-            event = json.loads(data)
+            event = loads(data)
             if "error" in event or event.get("type") == "error":
                 error = event.get("error") or event
                 raise UpstreamError(f"the backend failed mid-stream: {error.get('message', 'unknown error')}")

@@ -14,6 +14,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import HTMLResponse, JSONResponse
 
 from common.errors import InvalidRequestError, OverloadedError, parse_body
+from common.json_wire import WireJSONResponse
 from common.protocol import ChatCompletionRequest, CompletionRequest
 from common.selection import always_kept, select_tokens
 from common.tokenize import token_pieces
@@ -140,13 +141,13 @@ async def compress(body: dict[str, Any], raw_request: Request, return_scores: bo
     """A dry run: what a chat or completion body would send to the backend (kept token IDs and their
     positions; ``return_scores``: every token's score too), without calling it."""
     dry_run = raw_request.app.state.surfaces[NAME]
-    return JSONResponse(await dry_run.compress(body, raw_request.headers, return_scores))
+    return WireJSONResponse(await dry_run.compress(body, raw_request.headers, return_scores))
 
 
 @router.post("/v1/specprefill/inspect", dependencies=AUTH)
 async def inspect_data(body: dict[str, Any], raw_request: Request) -> JSONResponse:
     """The inspector's data for a prompt: tokens, scores, and the kept tokens at each keep rate."""
-    return JSONResponse(await raw_request.app.state.surfaces[NAME].inspect(body, raw_request.headers))
+    return WireJSONResponse(await raw_request.app.state.surfaces[NAME].inspect(body, raw_request.headers))
 
 
 @router.get("/specprefill/inspect", dependencies=[Depends(require_key_in_browser)])

@@ -11,9 +11,10 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import Depends, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from common.errors import APIError, AuthenticationError
+from common.json_wire import WireJSONResponse
 from common.streams import sse_body
 from gateway.dispatch.answer import Answer
 from gateway.metrics import GatewayMetrics
@@ -56,7 +57,7 @@ async def respond(
             headers=answer.trace.headers(),
         )
     first_byte()
-    return JSONResponse(answer.body, headers=answer.trace.headers())
+    return WireJSONResponse(answer.body, headers=answer.trace.headers())
 
 
 def _expected(request: Request) -> bytes | None:

@@ -201,9 +201,10 @@ def launched_gateway(args: list[str]) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def launched_gateway_process(args: list[str]) -> Iterator[tuple[str, subprocess.Popen]]:
-    """``specprefill serve ARGS`` on a free port; its base URL and process once it answers."""
-    with served(lambda port: CLI + ["serve", "--port", str(port), "--log-level", "warning", *args]) as both:
+def launched_gateway_process(args: list[str], cwd: Path | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
+    """``specprefill serve ARGS`` on a free port; its base URL and process once it answers. ``cwd``: another
+    checkout, whose code then serves (``python -m`` imports from the folder it starts in)."""
+    with served(lambda port: CLI + ["serve", "--port", str(port), "--log-level", "warning", *args], cwd) as both:
         yield both
 
 
@@ -216,11 +217,12 @@ def launched_instant_backend(chunks: int = 8) -> Iterator[tuple[str, subprocess.
 
 
 @contextlib.contextmanager
-def served(command: Callable[[int], list[str]]) -> Iterator[tuple[str, subprocess.Popen]]:
-    """``command(port)`` started on a free port; its base URL and process once it answers ``/health``."""
+def served(command: Callable[[int], list[str]], cwd: Path | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
+    """``command(port)`` started on a free port (in ``cwd``); its base URL and process once it answers
+    ``/health``."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    process = subprocess.Popen(command(port), env=quiet_openmp())
+    process = subprocess.Popen(command(port), env=quiet_openmp(), cwd=cwd)
     try:
         wait_healthy(url, process)
         yield url, process
