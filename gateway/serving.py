@@ -283,6 +283,7 @@ class GatewayServing:
             draft_ms=plan.draft_ms,
             tokenize_ms=plan.tokenize_ms,
             replica=plan.replica,
+            tokens=plan.tokens,
         )
         return await self.forward(await self.planner.priced(whole), body, endpoint)
 

@@ -122,7 +122,7 @@ class Planner:
         plan = await self._plan(token_ids, tokens, options, unsupported, keep, boundary, scored, replica, whole)
         if not dry_run and plan.status == "compressed":
             self.metrics.keep_rate.observe(options.keep_rate)
-        return plan.but(replica=replica)
+        return plan.but(replica=replica, tokens=tokens)
 
     async def _plan(
         self,
@@ -391,9 +391,7 @@ class Planner:
     async def priced(self, plan: Plan) -> Plan:
         """``plan`` with its predictions at its replica, for a plan that goes elsewhere than it was priced for: to
         another replica (its own is down), or whole (its swap was refused)."""
-        there = await self.candidate(
-            plan.kind, np.asarray(plan.token_ids, dtype=np.int64), plan.position_ids, plan.replica
-        )
+        there = await self.candidate(plan.kind, plan.token_array(), plan.position_ids, plan.replica)
         return plan.but(engine_cached=there.cached, target_s=there.seconds)
 
     def _choose(self, candidates: list[Candidate]) -> Candidate:
@@ -454,8 +452,8 @@ class Planner:
         """A backend answered ``plan`` (its first event after ``backend_s``); ``usage`` as the backend reported it;
         ``contended``: something else ran at the engine meanwhile, so the timing is not the plan's own cost.
         A request whose prompt the gateway did not read (images, an unrenderable Responses input) teaches nothing."""
-        sent = plan.kept_token_ids()
-        if not sent:
+        sent = plan.kept_array()
+        if not len(sent):
             return
         engine_cache = (plan.replica or self.replicas[0]).cache
         cached = cached_tokens(usage)
@@ -472,7 +470,8 @@ class Planner:
             await engine_cache.record(sent, positions)
         if plan.status == "compressed" and plan.position_ids is not None:
             self.selections.add(
-                plan.token_ids, Selection(tuple(plan.position_ids), plan.keep_rate, plan.protected, len(plan.token_ids))
+                plan.token_array(),
+                Selection(tuple(plan.position_ids), plan.keep_rate, plan.protected, len(plan.token_ids)),
             )
         self.metrics.plans.labels(plan.kind).inc()
 

@@ -69,7 +69,7 @@ class Router:
     async def place(self, plan: Plan, among: list[Replica] | None = None) -> Plan:
         """``plan`` at the replica among ``among`` (default: those up) where it costs least, priced there."""
         live = among or self.live()
-        tokens = np.asarray(plan.token_ids, dtype=np.int64)
+        tokens = plan.token_array()
         priced = {}
         for replica in live:
             there = await self.planner.candidate(plan.kind, tokens, plan.position_ids, replica)

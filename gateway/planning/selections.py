@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import collections
 import threading
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -38,7 +37,7 @@ class RecentPrompts(Generic[T]):
         self._ids = 0
         self._lock = threading.Lock()
 
-    def add(self, token_ids: Sequence[int], value: T) -> None:
+    def add(self, token_ids: Ints, value: T) -> None:
         if self.capacity <= 0:
             return
         with self._lock:

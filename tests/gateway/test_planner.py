@@ -211,6 +211,19 @@ async def test_the_outcome_teaches_the_cost_model_and_the_cache_model():
     assert fixed.target_cost.coefficients.tolist() == COSTS["target"]  # given coefficients stay
 
 
+async def test_a_plan_carries_the_array_it_was_priced_with():
+    """The prompt is converted to an array once a request (1-2 ms of the event loop for an agent's 35,000
+    tokens): what the planner priced is what the cache model records, and what any later step reads."""
+    planner, _ = _planner()
+    prompt = _ids(3000, 10)
+    plan = await planner.plan(prompt, OPTIONS, [])
+    assert plan.tokens is not None and plan.token_array() is plan.tokens
+    assert plan.token_array().tolist() == prompt and plan.kept_array().tolist() == plan.kept_token_ids()
+    assert plan.but(status="x") == plan.but(status="x", tokens=None)  # the array is no part of what a plan is
+    made = plan.but(tokens=None)  # a plan made elsewhere (a warm's piece): converted where asked
+    assert made.token_array().tolist() == prompt and made.kept_array().tolist() == plan.kept_token_ids()
+
+
 def test_no_plan_changes_an_answer(model_pair, tmp_path):
     """Through a live gateway (cost planner, warming, an engine with its prefix cache): a fresh selection, an
     extension, the whole prompt after warming, and an extension again each answer exactly as a fresh engine
