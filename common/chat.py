@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import jinja2
@@ -27,6 +27,7 @@ class RenderedChat:
     text: str
     token_ids: list[int]
     offsets: np.ndarray  # int64 [N, 2]: each token's character span in ``text``
+    _order: Any = field(default=False, init=False, repr=False, compare=False)  # ``_ordered``'s, once
 
     def content_spans(self, messages: list[ChatMessage]) -> list[tuple[int, int] | None]:
         """Each message's content as a character span of the text (None where the template changed it)."""
@@ -45,6 +46,28 @@ class RenderedChat:
     def tokens_in(self, span: tuple[int, int]) -> list[int]:
         """Indices of the tokens that start inside a character span."""
         return np.flatnonzero(self.token_mask(span)).tolist()
+
+    def mark(self, mask: np.ndarray, span: tuple[int, int]) -> None:
+        """``mask |= token_mask(span)``, in place: two binary searches where the tokens' starts are in order (an
+        agent's prompt of 40,000 tokens and 20 messages took 2 ms of full-length masks a request)."""
+        order = self._ordered()
+        if order is None:
+            mask |= self.token_mask(span)
+            return
+        index, starts = order
+        low, high = np.searchsorted(starts, span, side="left")
+        mask[index[low:high] if index is not None else slice(low, high)] = True
+
+    def _ordered(self) -> tuple[np.ndarray | None, np.ndarray] | None:
+        """The tokens with a width (their indices; None where every token has one) and their starts, where those
+        starts never go back; else None."""
+        if self._order is False:
+            starts, ends = self.offsets[:, 0], self.offsets[:, 1]
+            wide = ends > starts
+            index = None if bool(wide.all()) else np.flatnonzero(wide)
+            ordered = starts if index is None else starts[index]
+            self._order = (index, ordered) if bool(np.all(ordered[1:] >= ordered[:-1])) else None
+        return cast("tuple[np.ndarray | None, np.ndarray] | None", self._order)
 
     def token_mask(self, span: tuple[int, int]) -> np.ndarray:
         """Boolean [S]: the tokens that start inside a character span (vectorised: a long system prompt's

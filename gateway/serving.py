@@ -130,12 +130,12 @@ class GatewayServing:
         spans = rendered.content_spans(request.messages)
         for message, span in zip(request.messages, spans):
             if message.role in SYSTEM_ROLES and span is not None:
-                keep |= rendered.token_mask(span)
+                rendered.mark(keep, span)
         if request.tools:  # tool definitions are the template's own text, between the message contents
             inside = np.zeros_like(keep)
             for span in spans:
                 if span is not None:
-                    inside |= rendered.token_mask(span)
+                    rendered.mark(inside, span)
             keep |= ~inside
         return torch.from_numpy(keep)
 

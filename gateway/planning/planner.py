@@ -292,9 +292,10 @@ class Planner:
     def held_system(keep: torch.Tensor | None, cached: int, replica: Replica) -> int:
         """The system prompt's length if it must stay whole: the engine holds it (warming put it there), so
         keeping it costs nothing more, shared prefixes stay cacheable and instructions do not fade. Else 0."""
-        if keep is None or not bool(keep.any()):
+        flags = keep.numpy() if keep is not None else None
+        if flags is None or not flags.any():
             return 0
-        end = int(keep.nonzero().max()) + 1
+        end = len(flags) - int(np.argmax(flags[::-1]))  # one past the last (torch's nonzero lists them all)
         block = replica.cache.block_size if replica.cache is not None else 1
         return end if cached + block > end else 0
 

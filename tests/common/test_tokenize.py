@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from tokenizers import AddedToken
 
-from common.chat import render_chat
+from common.chat import RenderedChat, render_chat
 from common.protocol import ChatMessage
 from common.tokenize import PieceCache
 from specprefill.lab.demo_models import train_tokenizer
@@ -64,6 +64,20 @@ def test_tokens_in_a_span_are_those_that_start_inside_it(tokenizer):
         expected = [i for i, (a, b) in enumerate(rendered.offsets) if b > a and span[0] <= a < span[1]]
         assert rendered.tokens_in(span) == expected
         assert rendered.token_mask(span).nonzero()[0].tolist() == expected
+        marked = np.zeros(len(rendered.token_ids), dtype=bool)
+        rendered.mark(marked, span)
+        assert marked.nonzero()[0].tolist() == expected
+    assert rendered._ordered() is not None  # the binary searches, not the masks, answered above
+
+
+def test_marking_a_span_where_the_starts_go_back_falls_back_to_the_mask():
+    offsets = np.array([[0, 3], [3, 3], [3, 6], [1, 2], [6, 9]])  # an empty token, and one whose start goes back
+    rendered = RenderedChat("x" * 9, [1, 2, 3, 4, 5], offsets)
+    assert rendered._ordered() is None
+    for span in ((0, 9), (1, 4), (3, 3), (5, 7)):
+        marked = np.zeros(5, dtype=bool)
+        rendered.mark(marked, span)
+        assert marked.tolist() == rendered.token_mask(span).tolist()
 
 
 @pytest.mark.parametrize(
