@@ -6,9 +6,10 @@ prompt, then the same request with a short question each round, directly and thr
 the order alternating, after both are idle; each answer read to its end, as the workload bench reads them.
 Backends: ``vllm`` (the CPU build with the plugin, prefix caching on: the system prompt read once, then
 served from its cache), or ``fast`` (``specprefill.lab.fast_backend``, which answers at once: what is left is the
-gateway's own time and the client's).
+gateway's own time and the client's). ``--agent N`` makes each request an agent's later turn: N tool schemas
+and N tool calls with their results between the system prompt and the question.
 
-    .venv/bin/python benchmarks/gateway_overhead.py [--backend vllm|fast] [--rounds 14] [--think 0.1]
+    .venv/bin/python benchmarks/gateway_overhead.py [--backend vllm|fast] [--rounds 14] [--think 0.1] [--agent N]
 """
 
 from __future__ import annotations
@@ -30,8 +31,33 @@ from specprefill.lab.launch import launched_gateway, launched_instant_backend
 COUNTED_FROM = 2  # the first reads the system prompt; the second follows it
 
 
+def agent_turns(n: int) -> tuple[list[dict], list[dict]]:
+    """An agent's conversation after ``n`` tool calls, and its tools: ``n`` tool schemas, then for each call the
+    assistant's call and the tool's result (about 600 characters), as a coding agent's later turns look."""
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": f"tool_{i}",
+                "description": f"Tool {i}: " + " ".join(f"does step {j} of the work" for j in range(40)),
+                "parameters": {
+                    "type": "object",
+                    "properties": {f"arg_{j}": {"type": "string", "description": f"argument {j}"} for j in range(8)},
+                },
+            },
+        }
+        for i in range(n)
+    ]
+    messages: list[dict] = [{"role": "user", "content": "Fix the failing test."}]
+    for i in range(n):
+        call = {"id": f"call_{i}", "type": "function", "function": {"name": f"tool_{i}", "arguments": '{"arg_0": "x"}'}}
+        messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        messages.append({"role": "tool", "tool_call_id": f"call_{i}", "content": f"line {i}: " + "ok " * 200})
+    return messages, tools
+
+
 async def alternate(
-    urls: dict[str, str], system: str, rounds: int, think: float, verbose: bool
+    urls: dict[str, str], system: str, rounds: int, think: float, verbose: bool, agent: int = 0
 ) -> dict[str, list[float]]:
     times: dict[str, list[float]] = {name: [] for name in urls}
     async with httpx.AsyncClient(timeout=600) as client:
@@ -49,6 +75,9 @@ async def alternate(
                         {"role": "user", "content": f"Question {i}: which number comes last?"},
                     ],
                 }
+                if agent:  # the conversation so far, then this round's question
+                    turns, body["tools"] = agent_turns(agent)
+                    body["messages"] = [body["messages"][0], *turns, body["messages"][1]]
                 ttft, headers = await stream_ttft(
                     client, f"{url}/v1/chat/completions", body, {"x-keep-rate": "0.3"}, usage={}
                 )
@@ -93,6 +122,12 @@ def main() -> None:
     parser = options(__doc__, f"requests per path; the first {COUNTED_FROM} are not counted")
     parser.add_argument("--backend", choices=("vllm", "fast"), default="vllm")
     parser.add_argument("--think", type=float, default=0.1, help="seconds between requests, once both are idle")
+    parser.add_argument(
+        "--agent",
+        type=int,
+        default=0,
+        help="an agent's turn: this many tools and tool calls so far between the system prompt and the question",
+    )
     args = parser.parse_args()
     system = system_prompt(args.words)
     root = ensure_demo_models()
@@ -117,7 +152,12 @@ def main() -> None:
     ):
         times = asyncio.run(
             alternate(
-                {"direct": url, "gateway": gateway}, system, args.rounds, args.think, verbose=args.backend == "vllm"
+                {"direct": url, "gateway": gateway},
+                system,
+                args.rounds,
+                args.think,
+                verbose=args.backend == "vllm",
+                agent=args.agent,
             )
         )
     for name, seconds in times.items():

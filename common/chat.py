@@ -27,6 +27,7 @@ class RenderedChat:
     text: str
     token_ids: list[int]
     offsets: np.ndarray  # int64 [N, 2]: each token's character span in ``text``
+    ids: np.ndarray | None = None  # ``token_ids`` as an int64 array, where the tokenizer made one
     _order: Any = field(default=False, init=False, repr=False, compare=False)  # ``_ordered``'s, once
 
     def content_spans(self, messages: list[ChatMessage]) -> list[tuple[int, int] | None]:
@@ -79,12 +80,13 @@ class RenderedChat:
 def render_chat(
     tokenizer: PreTrainedTokenizerBase,
     messages: list[ChatMessage],
-    encode: Callable[[str], tuple[list[int], np.ndarray]] | None = None,
+    encode: Callable[[str], tuple[np.ndarray, np.ndarray]] | None = None,
     tools: list[dict[str, Any]] | None = None,
     add_special_tokens: bool = False,
 ) -> RenderedChat:
     """The prompt the target model reads, with the generation prompt appended, as vLLM renders it (tools go to
-    the template). ``encode(text) -> (ids, offsets)`` replaces a plain tokenization (a ``tokenize.PieceCache``'s)."""
+    the template). ``encode(text) -> (ids, offsets)``, both int64 arrays, replaces a plain tokenization (a
+    ``tokenize.PieceCache``'s ``encode_arrays``)."""
     plain = developer_as_system([m.for_template() for m in messages], tokenizer.chat_template)
     try:
         text = str(
@@ -99,7 +101,8 @@ def render_chat(
     except ValueError as exc:  # no chat template
         raise InvalidRequestError(str(exc), param="messages") from None
     if encode is not None and not add_special_tokens:
-        return RenderedChat(text, *encode(text))
+        ids, offsets = encode(text)
+        return RenderedChat(text, ids.tolist(), offsets, ids)
     encoding = tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
     return RenderedChat(text, encoding.input_ids, np.asarray(encoding["offset_mapping"], dtype=np.int64).reshape(-1, 2))
 

@@ -226,7 +226,7 @@ class EngineServing:
         ids = render_chat(
             self.engine.tokenizer,
             request.messages,
-            self.pieces.encode,
+            self.pieces.encode_arrays,
             tools=request.tools,
             add_special_tokens=request.add_special_tokens,
         ).token_ids
@@ -269,7 +269,9 @@ class EngineServing:
                 code="model_not_found",
             )
         chat = request.as_chat(self.merge_inline_system)
-        return len(render_chat(self.engine.tokenizer, chat.messages, self.pieces.encode, tools=chat.tools).token_ids)
+        return len(
+            render_chat(self.engine.tokenizer, chat.messages, self.pieces.encode_arrays, tools=chat.tools).token_ids
+        )
 
     def _logprobs(self, steps: list[StepOutput], offset: int) -> dict:
         decode = self.engine.tokenizer.decode

@@ -55,6 +55,11 @@ class Prompt:
     keep: torch.Tensor | None = None  # [S] bool: the system prompt, kept whole where affordable
     boundary: int | None = None  # where a chat's last message begins: another user's request leaves this one there
 
+    def token_array(self) -> np.ndarray:
+        """``token_ids`` as an int64 array: the tokenizer's own, where it made one."""
+        made = self.rendered.ids if self.rendered is not None else None
+        return made if made is not None else np.asarray(self.token_ids, dtype=np.int64)
+
 
 class GatewayServing:
     def __init__(
@@ -109,7 +114,7 @@ class GatewayServing:
             rendered = render_chat(
                 self.tokenizer,
                 request.messages,
-                self.pieces.encode,
+                self.pieces.encode_arrays,
                 tools=request.tools,
                 add_special_tokens=request.add_special_tokens,
             )
@@ -228,7 +233,7 @@ class GatewayServing:
         scored: tuple[torch.Tensor, str] | None = None,
     ) -> Plan:
         """The prompt routed to a replica (``gateway.planning.routing``) and planned there."""
-        tokens = np.asarray(prompt.token_ids, dtype=np.int64)
+        tokens = prompt.token_array()
         replica, whole = await self.router.route(tokens, options, prompt.keep, dry_run=dry_run)
         return await self.planner.plan(
             prompt.token_ids,

@@ -18,8 +18,10 @@ def test_pieces_give_exactly_the_plain_tokens_and_repeats_come_from_the_cache(to
     assert cache.enabled
     for question in ("What is it?", "  And this one?  ", "\nTell me\n\n"):
         messages = [ChatMessage(role="system", content=LONG_DOC), ChatMessage(role="user", content=question)]
-        fast, plain = render_chat(tokenizer, messages, cache.encode), render_chat(tokenizer, messages)
+        fast, plain = render_chat(tokenizer, messages, cache.encode_arrays), render_chat(tokenizer, messages)
         assert fast.token_ids == plain.token_ids and np.array_equal(fast.offsets, plain.offsets)
+        assert fast.ids is not None and fast.ids.dtype == np.int64 and fast.ids.tolist() == plain.token_ids
+        assert cache.encode(fast.text)[0] == plain.token_ids
     assert "\n\n" + LONG_DOC in cache._pieces  # the system prompt (after its header) was tokenized once
 
 
