@@ -210,11 +210,15 @@ class GatewayServing:
     ) -> tuple[Plan, Prompt]:
         """The request checked, tokenized as the target reads it, and planned."""
         self.check_model(request.model)
-        self.admit()
         options = request_options(headers, request.specprefill, self.settings.keep_rate)
-        if isinstance(request, ChatCompletionRequest) and not all(m.has_only_text() for m in request.messages):
+        unscored = isinstance(request, ChatCompletionRequest) and not all(m.has_only_text() for m in request.messages)
+        # a request that can never fit is the client's to change, busy engine or not: its 400 before any 503
+        chars = (
+            0 if unscored else refuse_unfittable(request, self.tokenizer, prompt_limit(self.settings, self.tokenizer))
+        )
+        self.admit()
+        if unscored:
             return Plan([], reason=Reason.UNSCORED_CONTENT, passthrough=True), Prompt([])  # images, audio
-        chars = refuse_unfittable(request, self.tokenizer, prompt_limit(self.settings, self.tokenizer))
         start = time.perf_counter()
         # a long prompt is rendered and tokenized on a worker thread: other requests and /health go on meanwhile
         prompt = await asyncio.to_thread(self.prompt, request) if chars > OFF_LOOP_CHARS else self.prompt(request)

@@ -133,6 +133,10 @@ def test_past_the_queue_bound_requests_are_shed_at_once_in_shape(model_pair, eng
             assert anthropic.status_code == 503 and anthropic.json()["error"]["type"] == "overloaded_error"
             assert "retry-after" in anthropic.headers
             assert "specprefill_requests_shed_total 2.0" in httpx.get(f"{url}/metrics", timeout=60).text
+            # a prompt that can never fit is the client's mistake, busy engine or not (in a chaos run a 15 MB
+            # prompt met a full queue and got a 503, so its client would have retried it in vain)
+            huge = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "word " * 400_000}, timeout=60)
+            assert huge.status_code == 400 and huge.json()["error"]["code"] == "context_length_exceeded"
         finally:
             load.end(backlog)
         assert httpx.post(f"{url}/v1/chat/completions", json=_chat(), timeout=60).status_code == 200
