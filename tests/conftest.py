@@ -91,3 +91,12 @@ def pytest_collection_modifyitems(config, items):
     kept = [item for item in items if "vllm" not in item.keywords]
     config.hook.pytest_deselected(items=[item for item in items if "vllm" in item.keywords])
     items[:] = kept
+
+
+@pytest.fixture(scope="session")
+def make_serve_gateway():
+    """The gateway as `make serve` starts it: the default real pair (made on first use), in process."""
+    from specprefill.commands.servers import Serve
+
+    with serve(create_app(Serve(port=0).with_default_models()), timeout=600) as url:
+        yield url

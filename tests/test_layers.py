@@ -20,6 +20,7 @@ LAYERS = [
     ("common",),
     ("draft_worker", "engine"),
     ("gateway",),
+    ("specprefill.real_models",),
     ("specprefill.lab",),
     ("specprefill",),
     ("benchmarks",),

@@ -15,6 +15,7 @@ from pydantic_settings import BaseSettings
 from common.options import SETTINGS_CONFIG
 from specprefill.lab.launch import Stack, launched
 from specprefill.lab.workloads import EXTRA_WORKLOADS, MODES, WORKLOADS
+from specprefill.real_models.catalog import DEFAULT_PAIR, PAIRS, real_pair
 
 
 class Bench(BaseSettings):
@@ -132,13 +133,14 @@ class Bench(BaseSettings):
     target_model: str | None = Field(
         None,
         description="launched servers: the target's folder instead of the pair's "
-        "(`real`: the real model, SmolLM2-135M-Instruct)",
+        "(`real`: the target of --real-pair, made on first use)",
     )
     draft_model: str | None = Field(
         None,
         description="launched servers: the gateway's draft instead of the pair's "
-        "(a folder, `target` for the target itself, or baseline:KIND)",
+        "(a folder, `target` for the target itself, `real` for --real-pair's draft, or baseline:KIND)",
     )
+    real_pair: str = Field(DEFAULT_PAIR, description=f"`real` models: the real pair ({', '.join(PAIRS)})")
     draft_layers: int | None = Field(
         None,
         ge=1,
@@ -315,6 +317,7 @@ def _meta(options: Bench, stack: Stack, model: str) -> dict:
         "pair": _pair_description(options.pair) if options.base_url is None else None,
         "target_model": options.target_model,
         "draft_model": options.draft_model,
+        "real_pair": options.real_pair if "real" in (options.target_model, options.draft_model) else None,
         "draft_layers": options.draft_layers,
         "observation_window": options.observation_window,
     }
@@ -322,14 +325,17 @@ def _meta(options: Bench, stack: Stack, model: str) -> dict:
 
 def _models(options: Bench) -> tuple[Path | None, str | None]:
     """The launched target's folder and the gateway's draft, where the options name them (else the pair's)."""
-    target = None
-    if options.target_model == "real":
-        from specprefill.lab.real_model import ensure_real_model
+    from specprefill.real_models.checkpoint import ensure_checkpoint
 
-        target = ensure_real_model()
+    target = None
+    pair = real_pair(options.real_pair)
+    if options.target_model == "real":
+        target = ensure_checkpoint(pair.target)
     elif options.target_model:
         target = Path(options.target_model)
     draft = options.draft_model
+    if draft == "real":
+        draft = str(ensure_checkpoint(pair.draft))
     if draft == "target":
         draft = str(target) if target else str(Path(options.pair) / "target") if options.pair else None
         if draft is None:

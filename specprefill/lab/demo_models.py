@@ -8,7 +8,6 @@ seed. The target costs far more than 10x the draft's FLOPs per token, so speed m
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 import tempfile
@@ -20,6 +19,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from common.models import RANDOM_WEIGHTS
+from specprefill.real_models.checkpoint import default_cache_dir
 
 DEMO_VERSION = "v3"  # v2: the chat template renders tools; v3: 131,072 positions (a coding agent's prompts)
 DEMO_POSITIONS = 131_072  # random weights need no training at any length
@@ -227,13 +227,6 @@ def write_shaped_pair(
         )
     )
     return out_dir
-
-
-def default_cache_dir() -> Path:
-    root = os.environ.get("SPECPREFILL_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "specprefill"
-    )
-    return Path(root)
 
 
 def ensure_demo_models(cache_dir: str | Path | None = None) -> Path:

@@ -1,18 +1,21 @@
-"""Quality on real text with the real model (``specprefill eval --real``): SmolLM2-135M-Instruct answering
-questions about facts planted in the standard library's prose (``specprefill.lab.haystack``), through live
+"""Quality on real text with a real pair (``specprefill eval --real``): the target answering questions about
+facts planted in the standard library's prose and about its code (``specprefill.lab.haystack``), through live
 gateways, with each draft and at each keep rate.
 
-Every draft is one ``specprefill serve`` process serving the real model on the in-process reference engine,
-asked with the OpenAI SDK as a user would (``x-keep-rate`` per request, greedy, 16 tokens):
+Every draft is one ``specprefill serve`` process serving the pair's target on the in-process reference engine,
+asked with the OpenAI SDK as a user would (``x-keep-rate`` per request, greedy, 24 tokens):
 
 - ``target``: the target as its own draft (the paper's upper bound);
 - ``self-K``: the target's first K layers with its final norm and head (``--draft-layers K``);
-- ``cross``: the project's small trained draft with another tokenizer, mapped (``--draft-tokenizer-mapping``);
+- the pair's smaller model (``0.5b`` for the Qwen2.5-Coder pair), whole and as its first K layers (``0.5b-K``);
+- ``cross``: the project's small trained draft with another tokenizer, mapped (``--draft-tokenizer-mapping``;
+  SmolLM2 only: it reads at most about 2,000 tokens);
 - ``random``, ``head``, ``tail``: the same selection rule on baseline scores.
 
-The full prompt (``x-specprefill: off``) is asked once per sample. Planner ``fresh``: every request gets a fresh
-selection at its keep rate (the cost planner would send some prompts whole and measure nothing). Answers go
-to ``answers.jsonl`` as they come: a run that stops resumes where it stopped.
+Each model draft may also score with an observation window (``NAME/wN``). The full prompt (``x-specprefill:
+off``) is asked once per sample. Planner ``fresh``: every request gets a fresh selection at its keep rate (the
+cost planner would send some prompts whole and measure nothing). Answers go to ``answers.jsonl`` as they come:
+a run that stops resumes where it stopped.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import json
 import math
 import random
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -33,23 +36,80 @@ from transformers import AutoConfig
 
 from common.models import compute_dtype, load_tokenizer
 from gateway.planning.policy import Reason
-from specprefill.lab.haystack import RULE_TASK, TASKS, HaystackSample, make_haystack
+from specprefill.lab.haystack import (
+    CODE_TASK,
+    RULE_TASK,
+    TASKS,
+    HaystackSample,
+    make_code_haystack,
+    make_haystack,
+)
 from specprefill.lab.launch import launched_gateway
-from specprefill.lab.real_model import REAL_MODEL_NAME
+from specprefill.real_models.catalog import RealPair
+from specprefill.real_models.checkpoint import ensure_checkpoint
 
 KEEP_RATES = (0.3, 0.1, 0.05)
-LENGTHS = (2000, 4000, 7000)
+LENGTHS = (2000, 8000, 16000)
 SELF_LAYERS = (4, 8, 12)
 CROSS_DRAFT = Path(__file__).resolve().parents[1] / "data" / "retrieval-pair" / "draft-bpe"
-MAX_TOKENS = 16
+MAX_TOKENS = 24
 
 
-def variants(real: Path, self_layers=SELF_LAYERS, windows=()) -> dict[str, list[str]]:
+@dataclass(frozen=True)
+class EvalPair:
+    """A real pair's checkpoints as the eval runs them, and what its drafts are called."""
+
+    pair: RealPair
+    target: Path
+    draft: Path | None  # the pair's smaller model (None: the target drafts for itself)
+
+    @classmethod
+    def made(cls, pair: RealPair) -> EvalPair:
+        """The pair with its checkpoints made (on first use)."""
+        draft = ensure_checkpoint(pair.draft) if pair.draft != pair.target else None
+        return cls(pair, ensure_checkpoint(pair.target), draft)
+
+    @property
+    def draft_label(self) -> str:
+        """The smaller model's name in the tables: its size (``0.5b``)."""
+        return self.pair.draft.key.rsplit("-", 1)[-1]
+
+    @property
+    def default_variant(self) -> str:
+        """The variant that `specprefill serve` runs for this pair by default."""
+        pair = self.pair
+        name = self.draft_label if self.draft is not None else "self"
+        if pair.draft_layers:
+            name += f"-{pair.draft_layers}"
+        elif self.draft is None:
+            name = "target"
+        return name + (f"/w{pair.observation_window}" if pair.observation_window > 1 else "")
+
+    @property
+    def rule(self) -> str:
+        """The system-prompt rule its target obeys with the whole prompt (``haystack.RULES``)."""
+        return "french" if self.pair.key == "smollm2" else "json"
+
+    @property
+    def code(self) -> bool:
+        """Whether its target is asked about code (a coder model)."""
+        return self.pair.key != "smollm2"
+
+
+def variants(
+    pair: EvalPair, self_layers: Sequence[int] = SELF_LAYERS, draft_layers: Sequence[int] = (), windows=()
+) -> dict[str, list[str]]:
     """Each draft as the gateway's flags; each model draft also with each observation window in ``windows``
     (``NAME/wN``: ``--observation-window N``)."""
-    out = {"target": ["--draft-model", str(real)]}
-    out |= {f"self-{k}": ["--draft-model", str(real), "--draft-layers", str(k)] for k in self_layers}
-    out["cross"] = ["--draft-model", str(CROSS_DRAFT)]
+    target = str(pair.target)
+    out = {"target": ["--draft-model", target]}
+    out |= {f"self-{k}": ["--draft-model", target, "--draft-layers", str(k)] for k in self_layers}
+    if pair.draft is not None:
+        label, draft = pair.draft_label, str(pair.draft)
+        out[label] = ["--draft-model", draft]
+        out |= {f"{label}-{k}": ["--draft-model", draft, "--draft-layers", str(k)] for k in draft_layers}
+    if not pair.code:  # SmolLM2's: the cross-tokenizer draft reads about 2,000 of its tokens
+        out["cross"] = ["--draft-model", str(CROSS_DRAFT)]
     out |= {
         f"{name}/w{n}": [*args, "--observation-window", str(n)] for name, args in list(out.items()) for n in windows
     }
@@ -64,9 +124,10 @@ class Item:
     sample: HaystackSample
 
 
-def items(real: Path, lengths, samples: int, rule_length: int | None, seed: int = 1234) -> list[Item]:
-    """Every length's haystacks (each asked every task's question), and the rule's own haystacks."""
-    tokenizer = load_tokenizer(real)
+def items(pair: EvalPair, lengths, samples: int, rule_lengths: Sequence[int] = (), seed: int = 1234) -> list[Item]:
+    """Every length's haystacks (each asked every task's question), its code haystacks where the pair is asked
+    about code, and the rule's own haystacks at each of ``rule_lengths``."""
+    tokenizer = load_tokenizer(pair.target)
 
     def count(messages: list[dict]) -> int:
         return len(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False))
@@ -76,10 +137,13 @@ def items(real: Path, lengths, samples: int, rule_length: int | None, seed: int 
         rng = random.Random(seed + length)
         for index in range(samples):
             out += [Item(length, index, s) for s in make_haystack(length, rng, count)]
-    if rule_length:
-        rng = random.Random(seed + rule_length + 1)
+        if pair.code:
+            rng = random.Random(seed + length + 2)
+            out += [Item(length, index, make_code_haystack(length, rng, count)) for index in range(samples)]
+    for length in rule_lengths:
+        rng = random.Random(seed + length + 1)
         for index in range(samples):
-            out += [Item(rule_length, index, s) for s in make_haystack(rule_length, rng, count, (RULE_TASK,))]
+            out += [Item(length, index, s) for s in make_haystack(length, rng, count, (RULE_TASK,), rule=pair.rule)]
     return out
 
 
@@ -100,9 +164,9 @@ def _done(path: Path) -> dict[str, dict]:
     return {_key(r["length"], r["index"], r["task"], r["variant"], r["keep"]): r for r in rows}
 
 
-def _ask(client: openai.OpenAI, item: Item, variant: str, keep: float, headers: dict) -> dict:
+def _ask(client: openai.OpenAI, model: str, item: Item, variant: str, keep: float, headers: dict) -> dict:
     raw = client.chat.completions.with_raw_response.create(
-        model=REAL_MODEL_NAME,
+        model=model,
         messages=item.sample.messages,
         max_tokens=MAX_TOKENS,
         temperature=0,
@@ -147,7 +211,7 @@ def load_items(path: Path) -> list[Item]:
 
 def draft_limit(args: list[str]) -> int | None:
     """The longest prompt a draft reads: its checkpoint's positions (the cross draft's 8,192 count its own
-    tokenizer's tokens, 3.8-3.9 to each of this model's on this prose), or no limit."""
+    tokenizer's tokens, 3.8-3.9 to each of SmolLM2's on this prose), or no limit."""
     folder = Path(args[args.index("--draft-model") + 1])
     config = folder / "config.json"
     if not config.is_file():
@@ -166,11 +230,35 @@ class Job:
     todo: list[tuple[Item, float]]
 
 
-def _jobs(everything: list[Item], drafts: dict[str, list[str]], keep_rates, done: dict, order) -> list[Job]:
+@dataclass(frozen=True)
+class Counts:
+    """How many haystacks each cell asks: ``samples``, and ``more`` for the full prompt and for the variant
+    ``favoured`` at the keep rates ``favoured_keeps`` (the default draft's cells that the goal reads)."""
+
+    samples: int
+    more: int = 0
+    favoured: str | None = None
+    favoured_keeps: tuple[float, ...] = (0.3, 0.1)
+
+    def wanted(self, variant: str, keep: float) -> int:
+        if variant == "full" or (variant == self.favoured and keep in self.favoured_keeps):
+            return max(self.samples, self.more)
+        return self.samples
+
+    @property
+    def most(self) -> int:
+        return max(self.samples, self.more)
+
+
+def _jobs(everything: list[Item], drafts: dict[str, list[str]], keep_rates, done: dict, order, counts) -> list[Job]:
     jobs = []
     for length in order:
         mine = [i for i in everything if i.length == length]
-        full = [(i, 1.0) for i in mine if _key(length, i.index, i.sample.task, "full", 1.0) not in done]
+        full = [
+            (i, 1.0)
+            for i in mine
+            if i.index < counts.wanted("full", 1.0) and _key(length, i.index, i.sample.task, "full", 1.0) not in done
+        ]
         if full:  # asked once per sample, whatever the draft (the gateway does not draft it)
             jobs.append(Job(length, "full", drafts.get("random", next(iter(drafts.values()))), full))
         for name, args in drafts.items():
@@ -182,71 +270,70 @@ def _jobs(everything: list[Item], drafts: dict[str, list[str]], keep_rates, done
                 (i, keep)
                 for i in mine
                 for keep in keep_rates
-                if _key(length, i.index, i.sample.task, name, keep) not in done
+                if i.index < counts.wanted(name, keep) and _key(length, i.index, i.sample.task, name, keep) not in done
             ]
             if todo:
                 jobs.append(Job(length, name, args, todo))
     return jobs
 
 
-def _gateway_args(real: Path, device: str) -> list[str]:
-    """Every draft's gateway: the real model, a fresh selection per request at its keep rate."""
+def _gateway_args(pair: EvalPair, device: str) -> list[str]:
+    """Every draft's gateway: the pair's target, a fresh selection per request at its keep rate."""
     return [
-        *("--target-model", str(real), "--served-model-name", REAL_MODEL_NAME, "--planner", "fresh"),
-        *("--min-prompt-tokens", "64", "--device", device, "--log-level", "warning"),
+        *("--target-model", str(pair.target), "--served-model-name", pair.pair.target.name),
+        *("--planner", "fresh", "--min-prompt-tokens", "64", "--device", device, "--log-level", "warning"),
         *("--draft-timeout", "600"),  # accuracy, not speed: a draft slowed by a busy machine still answers
     ]
 
 
 def run_real_eval(
-    real: Path,
+    pair: EvalPair,
     out: Path,
     *,
     lengths=LENGTHS,
-    samples: int = 50,
+    counts: Counts = Counts(30),
     keep_rates=KEEP_RATES,
-    self_layers=SELF_LAYERS,
-    windows=(),
-    names: list[str] | None = None,
-    rule_length: int | None = 2000,
+    drafts: dict[str, list[str]],
+    rule_lengths: Sequence[int] = (),
     haystacks: Path | None = None,
     device: str = "cpu",
     parallel: int = 1,
 ) -> list[dict]:
     """Every answer (resumed from ``out/answers.jsonl``), lengths in the order given, each length's drafts in the
-    order ``names`` gives them, ``parallel`` gateways at a time. The haystacks are written to
+    order ``drafts`` gives them, ``parallel`` gateways at a time. The haystacks are written to
     ``out/haystacks.jsonl``, or read from ``haystacks`` (another run's)."""
     out.mkdir(parents=True, exist_ok=True)
     answers = out / "answers.jsonl"
     done = _done(answers)
-    known = variants(real, self_layers, windows)
-    drafts = {name: known[name] for name in names} if names is not None else known  # in the order asked
-    everything = load_items(haystacks) if haystacks else items(real, lengths, samples, rule_length)
-    wanted = set(lengths) | ({rule_length} if rule_length else set())
-    everything = [i for i in everything if i.length in wanted and i.index < samples]
+    everything = load_items(haystacks) if haystacks else items(pair, lengths, counts.most, rule_lengths)
+    wanted = set(lengths) | set(rule_lengths)
+    everything = [i for i in everything if i.length in wanted and i.index < counts.most]
     save_items(everything, out / "haystacks.jsonl")
     order = [n for n in dict.fromkeys([*lengths, *sorted(wanted)]) if any(i.length == n for i in everything)]
-    common = _gateway_args(real, device)
+    common = _gateway_args(pair, device)
     # what the gateways compute in (float32 on a CPU without fast bfloat16 kernels): kept with every answer
-    dtype = str(compute_dtype(AutoConfig.from_pretrained(real).dtype, torch.device(device))).removeprefix("torch.")
+    config = AutoConfig.from_pretrained(pair.target)
+    dtype = str(compute_dtype(config.dtype, torch.device(device))).removeprefix("torch.")
     lock = threading.Lock()
     with answers.open("a") as sink:
 
         def answer(job: Job) -> None:
             with (
                 launched_gateway([*common, *job.args]) as url,
-                openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600) as client,
+                openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=1800) as client,
             ):
                 for item, keep in tqdm(job.todo, desc=f"real eval: {job.length} tokens, {job.name}", unit="answer"):
                     headers = {"x-specprefill": "off"} if keep == 1 else {"x-keep-rate": f"{keep:g}"}
-                    row = _ask(client, item, job.name, keep, headers) | {"device": device, "dtype": dtype}
+                    row = _ask(client, pair.pair.target.name, item, job.name, keep, headers)
+                    row |= {"device": device, "dtype": dtype}
                     with lock:
                         done[_key(job.length, item.index, item.sample.task, job.name, keep)] = row
                         sink.write(json.dumps(row) + "\n")
                         sink.flush()
 
         with ThreadPoolExecutor(parallel) as pool:
-            for future in [pool.submit(answer, job) for job in _jobs(everything, drafts, keep_rates, done, order)]:
+            jobs = _jobs(everything, drafts, keep_rates, done, order, counts)
+            for future in [pool.submit(answer, job) for job in jobs]:
                 future.result()
     return list(done.values())
 
@@ -319,10 +406,10 @@ def format_summary(cells: list[dict]) -> Iterator[str]:
             yield ""
 
 
-TASK_ORDER = (*TASKS, RULE_TASK)
+TASK_ORDER = (*TASKS, CODE_TASK, RULE_TASK)
 
 
-FRONTIER_TASKS = ("passkey", "fact")  # the goal's tasks: a passkey and a one-paragraph fact
+FRONTIER_TASKS = ("passkey", "fact", CODE_TASK)  # the goal's tasks: a passkey, a one-paragraph fact, a code lookup
 
 
 def frontier(cells: list[dict], speeds: dict[str, Path]) -> list[dict]:
@@ -352,12 +439,13 @@ def frontier(cells: list[dict], speeds: dict[str, Path]) -> list[dict]:
                     "length": row["tokens"],
                     "ttft_of_direct": row["gateway_s"] / row["direct_s"],
                     "accuracy_of_full": sum(c["of_full"] for c in mine) / len(mine),
+                    "tasks": sorted({c["task"] for c in mine}),
                 }
             )
     return points
 
 
-def plot_frontier(points: list[dict], path: Path) -> None:
+def plot_frontier(points: list[dict], path: Path, model: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -378,8 +466,9 @@ def plot_frontier(points: list[dict], path: Path) -> None:
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
     ax.axvline(1.0, color="grey", lw=0.8, ls="--")
     ax.set_xlabel("cold TTFT through the gateway / direct (lower is faster)")
-    ax.set_ylabel(f"accuracy / the full prompt's ({' and '.join(FRONTIER_TASKS)})")
-    ax.set_title("SmolLM2-135M-Instruct on real text: each draft and keep rate")
+    tasks = [t for t in FRONTIER_TASKS if t in {c for p in points for c in p.get("tasks", FRONTIER_TASKS)}]
+    ax.set_ylabel(f"accuracy / the full prompt's ({', '.join(tasks)})")
+    ax.set_title(f"{model} on real text: each draft and keep rate")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -387,12 +476,18 @@ def plot_frontier(points: list[dict], path: Path) -> None:
 
 
 def _variant_order(variant: str) -> tuple[int, int, str]:
-    """The target first, then the self-drafts, deepest first, then the cross draft and the baselines; each with
-    an observation window (``DRAFT/wN``) after it."""
+    """The target first, then the self-drafts, deepest first, then the smaller model whole and as its first
+    layers, deepest first, then the cross draft and the baselines; each with an observation window
+    (``DRAFT/wN``) after it."""
     draft = variant.split("/")[0]
     if draft.startswith("self-"):
         return 1, -int(draft.removeprefix("self-")), variant
-    return {"target": 0, "cross": 2}.get(draft, 3), 0, variant
+    if draft[:1].isdigit():  # the smaller model: "0.5b", "0.5b-12"
+        layers = draft.partition("-")[2]
+        return 2, -int(layers) if layers else -1000, variant
+    if draft in ("random", "head", "tail"):
+        return 4, 0, variant
+    return {"target": 0, "cross": 3}.get(draft, 3), 0, variant
 
 
 def markdown_summary(cells: list[dict]) -> Iterator[str]:

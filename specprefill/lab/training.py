@@ -18,8 +18,8 @@ from transformers import AttentionInterface, GenerationConfig, LlamaConfig, Llam
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from specprefill.lab.demo_models import default_cache_dir
 from specprefill.lab.retrieval import QUESTION_LEN, TASK_VERSION, make_bpe_tokenizer, make_sample, make_tokenizer
+from specprefill.real_models.checkpoint import default_cache_dir
 
 TRAIN_ATTENTION = "specprefill_train_sdpa"
 
