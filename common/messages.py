@@ -20,10 +20,12 @@ from typing import Any, Literal
 
 import jinja2
 import jinja2.sandbox
-from pydantic import Field, field_validator
+from pydantic import Field, ValidatorFunctionWrapHandler, model_validator
 from transformers import PreTrainedTokenizerBase
 
 from common.errors import APIError, InvalidRequestError, parse_body
+from common.hosted_tools import anthropic_forced, anthropic_server, leave_out_offered
+from common.max_tokens import OutputLimit
 from common.protocol import ChatCompletionRequest, SpecPrefillOptions, WireModel
 
 BILLING_HEADER = "x-anthropic-billing-header"  # Claude Code's per-request hash: it would defeat prefix caching
@@ -88,20 +90,16 @@ class Conversation(WireModel):
     tool_choice: ToolChoice | None = None
     thinking: dict[str, Any] | None = None
 
-    @field_validator("tools", mode="before")
+    @model_validator(mode="wrap")
     @classmethod
-    def _client_tools(cls, tools: Any) -> Any:
+    def _hosted_tools(cls, data: Any, handler: ValidatorFunctionWrapHandler) -> Any:
         """Tools with a ``type`` (web search, code execution, Anthropic's computer, bash and editor tools) run on
-        Anthropic's servers or take Anthropic's own schemas: a chat template renders neither."""
-        for tool in tools if isinstance(tools, list) else ():
-            kind = tool.get("type") if isinstance(tool, dict) else None
-            if kind not in (None, "custom"):
-                raise ValueError(
-                    f"the tool {tool.get('name', kind)!r} is Anthropic's {kind}, which its servers run "
-                    "or define; this gateway's model calls client tools (a name and an input_schema) "
-                    "only: leave it out"
-                )
-        return tools
+        Anthropic's servers or take Anthropic's own schemas, which a chat template renders neither of: offered,
+        they are left out; required, a 400 (``common.hosted_tools``)."""
+        data, left = leave_out_offered(data, anthropic_server, anthropic_forced, "Anthropic")
+        request = handler(data)
+        request._tools_left_out = left
+        return request
 
     def chat_messages(self, merge_inline_system: bool = False) -> list[dict[str, Any]]:
         """The conversation as chat messages, as vLLM converts it (``merge_inline_system``: system messages
@@ -214,7 +212,9 @@ class MessagesRequest(Conversation):
                 fields[name] = value
         if self.stream:
             fields["stream_options"] = {"include_usage": True}
-        return _chat(fields)
+        chat = _chat(fields)
+        chat._output_limit = OutputLimit("max_tokens", clamp=True)  # Claude Code asks for 32,000 whatever the model
+        return chat
 
 
 def _chat(fields: dict[str, Any]) -> ChatCompletionRequest:

@@ -6,10 +6,20 @@ import json
 import logging
 from typing import Any, Self, cast
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+    model_validator,
+)
 from transformers import PreTrainedTokenizerBase
 
 from common.errors import InvalidRequestError
+from common.hosted_tools import leave_out_offered, openai_forced, openai_hosted
+from common.max_tokens import OutputLimit
 
 logger = logging.getLogger("specprefill")
 
@@ -18,6 +28,12 @@ class WireModel(BaseModel):
     """Base of the request models: unknown fields are tolerated (and logged), as OpenAI clients send many."""
 
     model_config = ConfigDict(extra="allow")
+    _tools_left_out: list[str] = PrivateAttr(default_factory=list)
+
+    @property
+    def tools_left_out(self) -> list[str]:
+        """Hosted tools the client offered and the model does not see (``common.hosted_tools``)."""
+        return self._tools_left_out
 
     @model_validator(mode="after")
     def _log_unknown_fields(self) -> Self:
@@ -58,6 +74,16 @@ class SamplingFields(WireModel):
     """vLLM's per-request extension (it reaches ``SamplingParams.extra_args``); carries the swap (``common.swap``)."""
     specprefill: SpecPrefillOptions | None = None
     """Per-request options (``extra_body={"specprefill": {"keep_rate": 0.2}}`` in the OpenAI SDK)."""
+    _output_limit: OutputLimit | None = PrivateAttr(None)  # a request converted from another API's: that API's
+
+    @property
+    def output_limit(self) -> OutputLimit:
+        """The field the client asked for tokens with, and whether one past the room is lowered or refused."""
+        return self._output_limit or OutputLimit("max_tokens")
+
+    def lower_max_tokens(self, tokens: int) -> None:
+        """Asks for ``tokens`` instead (a Messages request's room left)."""
+        self.max_tokens = tokens
 
     @field_validator("stop")
     @classmethod
@@ -166,11 +192,30 @@ class ChatCompletionRequest(SamplingFields):
     add_special_tokens: bool = False
     """vLLM's: also add the tokenizer's special tokens (BOS) to the rendered chat; vLLM's Responses API does."""
 
+    @model_validator(mode="wrap")
+    @classmethod
+    def _hosted_tools(cls, data: Any, handler: ValidatorFunctionWrapHandler) -> Self:
+        data, left = leave_out_offered(data, openai_hosted, openai_forced, "OpenAI")
+        request = cast(Self, handler(data))
+        request._tools_left_out = left
+        return request
+
     def unsupported_features(self) -> list[str]:
         found = super().unsupported_features()
         if self.tools or self.functions:
             found.append("tools")
         return found
+
+    @property
+    def output_limit(self) -> OutputLimit:
+        if self._output_limit is None and self.max_completion_tokens is not None:
+            return OutputLimit("max_completion_tokens")
+        return super().output_limit
+
+    def lower_max_tokens(self, tokens: int) -> None:
+        if self.max_completion_tokens is not None:
+            self.max_completion_tokens = tokens
+        self.max_tokens = tokens
 
     def completion_params(self) -> dict[str, Any]:
         """The fields of an equivalent ``/v1/completions`` body."""

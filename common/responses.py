@@ -14,15 +14,16 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator
-from typing import Any
+from typing import Any, cast
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidatorFunctionWrapHandler, model_validator
 
 from common.errors import InvalidRequestError
+from common.hosted_tools import leave_out_offered, openai_forced, openai_hosted
+from common.max_tokens import OutputLimit
 from common.protocol import ChatCompletionRequest, SpecPrefillOptions, WireModel
 
 logger = logging.getLogger("specprefill")
-HOSTED_TOOLS = ("web_search", "file_search", "code_interpreter", "image_generation", "computer_use", "mcp")
 
 
 class ResponsesRequest(WireModel):
@@ -40,17 +41,13 @@ class ResponsesRequest(WireModel):
     vllm_xargs: dict[str, Any] | None = None
     specprefill: SpecPrefillOptions | None = None
 
-    @field_validator("tools")
+    @model_validator(mode="wrap")
     @classmethod
-    def _client_tools(cls, tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-        for tool in tools or ():
-            kind = str(tool.get("type"))
-            if kind.startswith(HOSTED_TOOLS):
-                raise ValueError(
-                    f"the {kind} tool runs on OpenAI's servers; this gateway's model calls the "
-                    "client's own tools (function, custom) only: leave it out"
-                )
-        return tools
+    def _hosted_tools(cls, data: Any, handler: ValidatorFunctionWrapHandler) -> ResponsesRequest:
+        data, left = leave_out_offered(data, openai_hosted, openai_forced, "OpenAI")
+        request = cast(ResponsesRequest, handler(data))
+        request._tools_left_out = left
+        return request
 
     def as_chat(self) -> ChatCompletionRequest:
         """The chat this request renders as (instructions as the system turn, items as messages, flat tools as
@@ -89,7 +86,9 @@ class ResponsesRequest(WireModel):
                 fields[name] = value
         if self.stream:
             fields["stream_options"] = {"include_usage": True}
-        return ChatCompletionRequest.model_validate(fields)
+        chat = ChatCompletionRequest.model_validate(fields)
+        chat._output_limit = OutputLimit("max_output_tokens")
+        return chat
 
 
 def _append_item(messages: list[dict[str, Any]], item: dict[str, Any]) -> None:

@@ -71,6 +71,7 @@ class GatewayServing:
         served_names: list[str],
         planner: Planner,
         health: HealthWatch | None = None,
+        context: int | None = None,
     ) -> None:
         self.settings = settings
         self.tokenizer = tokenizer
@@ -86,6 +87,7 @@ class GatewayServing:
         self.dispatch = Dispatcher(planner, self.router, metrics)
         self._mismatch_causes: set[str] = set()  # swap mismatches already logged
         self.pieces = PieceCache(tokenizer)  # chats' repeated parts are tokenized once
+        self.context = context  # the target's positions: a prompt's tokens and its answer's (None: not known)
 
     @property
     def model_name(self) -> str:
@@ -186,8 +188,11 @@ class GatewayServing:
 
     def check_model(self, model: str) -> None:
         if model not in self.served_names:
+            also = [repr(n) for n in self.served_names[1:]]
             raise NotFoundError(
-                f"model {model!r} does not exist; this gateway serves {self.model_name!r}",
+                f"model {model!r} does not exist; this gateway serves {self.model_name!r}"
+                + (f" (also as {', '.join(also)})" if also else "")
+                + f": send one of those, or start the gateway with --model-alias {model} to serve it as {model!r} too",
                 param="model",
                 code="model_not_found",
             )
@@ -216,6 +221,8 @@ class GatewayServing:
         chars = (
             0 if unscored else refuse_unfittable(request, self.tokenizer, prompt_limit(self.settings, self.tokenizer))
         )
+        output, requested = request.output_limit, request.completion_params().get("max_tokens")
+        output.never_fits(requested, self.context)
         self.admit()
         if unscored:
             return Plan([], reason=Reason.UNSCORED_CONTENT, passthrough=True), Prompt([])  # images, audio
@@ -224,6 +231,9 @@ class GatewayServing:
         prompt = await asyncio.to_thread(self.prompt, request) if chars > OFF_LOOP_CHARS else self.prompt(request)
         tokenize_ms = (time.perf_counter() - start) * 1e3
         self.check_limits(request, prompt.token_ids)
+        # the room counts the whole prompt's positions, compressed or not: generation continues after the last
+        if (fitted := output.fit(requested, len(prompt.token_ids), self.context)) != requested and fitted:
+            request.lower_max_tokens(fitted)
         plan = await self.plan(prompt, options, self.unsupported(request))
         return plan.but(tokenize_ms=tokenize_ms), prompt
 

@@ -14,6 +14,9 @@ from draft_worker.settings import ScoringOptions
 from gateway.planning.costs import cost_models
 
 BackendKind = Literal["reference", "vllm", "tokens", "text"]
+# the model names coding agents ask for unless told otherwise (Claude Code 2.1.332, Codex CLI 0.171.0): a client
+# configured as docs/using/agents.md says, without a model line, sends one of these
+AGENT_MODEL_NAMES = ("claude-opus-5-5", "gpt-6.2-sol")
 
 
 class GatewaySettings(ServerOptions, DeviceOptions, ScoringOptions):
@@ -80,6 +83,12 @@ class GatewaySettings(ServerOptions, DeviceOptions, ScoringOptions):
         default_factory=list,
         description="other names clients may send for the served model; repeated (or "
         "comma-separated): coding agents send their own, e.g. claude-sonnet-4-5 (Claude Code) or gpt-5 (Codex CLI)",
+    )
+    agent_model_names: bool = Field(
+        True,
+        description="also answer to the model names coding agents send by default ("
+        + ", ".join(AGENT_MODEL_NAMES)
+        + "), so that their configurations without a model line work",
     )
     redis_url: str | None = Field(None, description="Redis for the shared score cache (default: in-memory)")
     redis_key_prefix: str = Field("specprefill:", description="prefix of every Redis key")

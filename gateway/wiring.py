@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import urlsplit
 
-from transformers import PreTrainedTokenizerBase
+from transformers import AutoConfig, PreTrainedTokenizerBase
 
 from common.models import TokenizerMismatchError, check_same_tokenizer, load_tokenizer, tokenizer_fingerprint
 from draft_worker.baselines import BaselineScorer, baseline_kind
@@ -29,7 +29,7 @@ from gateway.planning.scores import ScoreProvider
 from gateway.planning.token_mapping import MappedDraft, TokenMapping
 from gateway.planning.warming import Warmer
 from gateway.serving import GatewayServing, prompt_limit
-from gateway.settings import GatewaySettings
+from gateway.settings import AGENT_MODEL_NAMES, GatewaySettings
 
 logger = logging.getLogger("specprefill.gateway")
 
@@ -53,8 +53,11 @@ async def build_serving(
     draft = draft or await _draft(settings, tokenizer, metrics)
     served = settings.served_model_name or settings.target_model
     backends = [backend] if backend is not None else _backends(settings, served)
+    agents = AGENT_MODEL_NAMES if settings.agent_model_names else ()
     names = list(
-        dict.fromkeys(n for n in (served, settings.target_model, settings.backend_model, *settings.model_alias) if n)
+        dict.fromkeys(
+            n for n in (served, settings.target_model, settings.backend_model, *settings.model_alias, *agents) if n
+        )
     )
     scores = ScoreProvider(draft, score_cache(settings), metrics, settings.redis_key_prefix)
     replicas = await _replicas(settings, backends, metrics)
@@ -85,7 +88,19 @@ async def build_serving(
     if len(replicas) > 1:
         health = HealthWatch(replicas, settings.backend_health_interval)
         health.start()
-    return GatewayServing(settings, tokenizer, draft, metrics, names, planner, health)
+    context = _context(str(settings.target_model), tokenizer)
+    return GatewayServing(settings, tokenizer, draft, metrics, names, planner, health, context)
+
+
+def _context(target: str, tokenizer: PreTrainedTokenizerBase) -> int | None:
+    """The target's positions: its config's, or its tokenizer's limit where smaller (or the config is not here)."""
+    limits = [getattr(tokenizer, "model_max_length", None)]
+    try:
+        limits.append(getattr(AutoConfig.from_pretrained(target), "max_position_embeddings", None))
+    except (OSError, ValueError):  # a tokenizer without the model's config beside it
+        pass
+    known = [n for n in limits if isinstance(n, int) and 0 < n < 10**9]
+    return min(known) if known else None
 
 
 def _warmer(settings: GatewaySettings, planner: Planner, replica: Replica, metrics: GatewayMetrics) -> Warmer | None:

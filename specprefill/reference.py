@@ -61,11 +61,12 @@ def cli() -> str:
 
 
 def settings() -> str:
-    from gateway.settings import GatewaySettings
+    """Every `specprefill serve` setting: the gateway's, and the command's own (which real pair it makes)."""
+    from specprefill.commands.servers import Serve
 
-    prefix = GatewaySettings.model_config.get("env_prefix", "")
+    prefix = Serve.model_config.get("env_prefix", "")
     lines = ["| flag | environment variable | default | description |", "| --- | --- | --- | --- |"]
-    for name, field in GatewaySettings.model_fields.items():
+    for name, field in Serve.model_fields.items():
         flag = "--" + name.replace("_", "-")
         lines.append(
             f"| `{flag}` | `{prefix}{name.upper()}` | {_code(_field_default(field))} | "

@@ -35,12 +35,14 @@ def _settings(pair: Path, **overrides):
     """The gateway as a deployment runs it (the cost planner, warming), serving the agents' model names."""
     return gateway_settings(
         pair,
-        served_model_name="tiny",
-        model_alias=ALIASES,
-        planner="cost",
-        warming=True,
-        min_prompt_tokens=1024,
-        **overrides,
+        **{
+            "served_model_name": "tiny",
+            "model_alias": ALIASES,
+            "planner": "cost",
+            "warming": True,
+            "min_prompt_tokens": 1024,
+            **overrides,
+        },
     )
 
 
@@ -115,13 +117,19 @@ def test_a_claude_code_session_of_two_turns_through_the_gateway(agents, long_pai
         assert tokens > 30_000
 
 
-def test_a_codex_exec_turn_through_the_gateway(agents, long_pair, tmp_path):
+@pytest.mark.parametrize("model", [None, "tiny"], ids=["default-model", "model-named"])
+def test_a_codex_exec_turn_through_the_gateway(agents, long_pair, tmp_path, model):
+    """docs/using/agents.md's config as it is (Codex asks for its default model, one of the agents' names the
+    gateway answers to), and with the line a user of a local model adds, naming the served model: Codex then
+    offers its hosted web_search tool too, which the gateway leaves out."""
     work = _workdir(tmp_path)
     codex_home = tmp_path / "codex"
     codex_home.mkdir()
-    with serve(create_app(_settings(long_pair)), timeout=120) as url:
+    recorder = RecordingApp(create_app(_settings(long_pair, model_alias=[])))  # no aliases: the defaults only
+    with serve(recorder, timeout=120) as url:
         (codex_home / "config.toml").write_text(
-            f'model_provider = "specprefill"\n\n[model_providers.specprefill]\nname = "SpecPrefill gateway"\n'
+            (f'model = "{model}"\n' if model else "")
+            + f'model_provider = "specprefill"\n\n[model_providers.specprefill]\nname = "SpecPrefill gateway"\n'
             f'base_url = "{url}/v1"\nwire_api = "responses"\n'
         )
         env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "CODEX_HOME": str(codex_home)}
@@ -137,7 +145,12 @@ def test_a_codex_exec_turn_through_the_gateway(agents, long_pair, tmp_path):
     assert out.returncode == 0, f"codex exited {out.returncode}:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}"
     assert out.stdout.strip() and "tokens used" in out.stderr
     assert "error" not in out.stderr.lower().replace("stderr", ""), out.stderr[-2000:]
-    assert "Model metadata" not in out.stderr  # it sends its default model's name, served as the target
+    sent = [r["body"] for r in recorder.requests if r["path"] == "/v1/responses"]
+    assert sent and sent[0]["model"] == (model or ALIASES[1])
+    if model is None:
+        assert "Model metadata" not in out.stderr  # its default model's name, served as the target
+    else:  # Codex offers web_search to a model it does not know
+        assert any(t.get("type") == "web_search" for t in sent[0]["tools"]), sent[0]["tools"]
 
 
 @pytest.mark.vllm

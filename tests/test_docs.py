@@ -14,10 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.app import create_app
 from specprefill import reference
 from specprefill.cli import Main, main
-from tests.helpers import serve
 
 ROOT = Path(__file__).resolve().parents[1]
 LINK = re.compile(r"\]\(([^)\s]+)\)")
@@ -88,22 +86,21 @@ def test_the_readme_is_short_and_its_links_resolve():
     assert "(docs/deploying/vllm.md)" in readme and "(docs/results/quality.md)" in readme
 
 
-def test_the_readme_quickstart_runs_against_a_live_gateway(tmp_path, monkeypatch):
-    """The README's Python example against `make serve`'s gateway (the real model, its defaults), over a document of
+def test_the_readme_quickstart_runs_against_a_live_gateway(make_serve_gateway, tmp_path, monkeypatch):
+    """The README's Python example against `make serve`'s gateway (the real pair, its defaults), over a document of
     the standard library's prose with a pass key in it."""
-    from specprefill.commands.servers import Serve
     from specprefill.lab.prose import paragraphs
 
     readme = (ROOT / "README.md").read_text()
     example = re.search(r"```python\n(.*?)```", readme, re.DOTALL).group(1)
     assert 'base_url="http://127.0.0.1:8000/v1"' in example
-    settings = Serve(port=0).with_default_models()
     prose = list(paragraphs()[:40])
     prose.insert(20, "The pass key is 31415. Remember it. 31415 is the pass key.")
     (tmp_path / "long_document.txt").write_text("\n\n".join(prose))
     monkeypatch.chdir(tmp_path)
     out = io.StringIO()
-    with serve(create_app(settings), timeout=180) as url, contextlib.redirect_stdout(out):
-        exec(compile(example.replace("http://127.0.0.1:8000/v1", f"{url}/v1"), "README.md", "exec"), {})
+    with contextlib.redirect_stdout(out):
+        exec(compile(example.replace("http://127.0.0.1:8000/v1", f"{make_serve_gateway}/v1"), "README.md", "exec"), {})
     first = out.getvalue().splitlines()[0].split()
     assert first[0] == "compressed" and int(first[1]) < int(first[3]), out.getvalue()
+    assert "31415" in out.getvalue(), out.getvalue()  # the target found the key in what the draft kept

@@ -4,7 +4,7 @@ when it was sent; the response headers say both."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gateway.planning.plan import Plan
 
@@ -16,6 +16,7 @@ class Trace:
     predicted_ms: float = 0.0  # the predicted backend time, when it was sent: the wait, then the target's time
     background_ms: float = 0.0  # time at the backend alongside this gateway's own background work
     backend_ms: float = 0.0  # request sent to first answer event received
+    notes: dict[str, str] = field(default_factory=dict)  # headers the API surface adds (tools it left out)
 
     def headers(self) -> dict[str, str]:
         plan = self.plan
@@ -44,4 +45,4 @@ class Trace:
         )
         if plan.replica is not None:
             headers["server-timing"] += f', replica;desc="{plan.replica.index}"'
-        return headers
+        return headers | self.notes

@@ -50,7 +50,9 @@ class MessagesAPI(Surface[MessagesRequest]):
             answer = await self.chat.answer(chat, headers)
             return answer.map(lambda body: chat_to_message(body, model), lambda stream: message_events(stream, model))
         plan, _ = await serving.planned(chat, headers)
-        return await serving.swapped(plan, await serving.backend_body(request), MESSAGES)
+        body = await serving.backend_body(request)
+        body["max_tokens"] = chat.max_tokens  # lowered to the room the prompt leaves, where it asked for more
+        return await serving.swapped(plan, body, MESSAGES)
 
     def next_turn(self, request: MessagesRequest, item: list[dict[str, Any]]) -> ChatCompletionRequest:
         answer = MessageParam(role="assistant", content=[ContentBlock.model_validate(block) for block in item])

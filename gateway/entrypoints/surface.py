@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Generic, TypeVar
 
+from common.hosted_tools import LEFT_OUT_HEADER
 from common.protocol import ChatCompletionRequest, WireModel
 from gateway.dispatch.answer import Answer
 from gateway.entrypoints import answers, echo
@@ -26,6 +27,8 @@ class Surface(Generic[Request]):
     async def __call__(self, request: Request, headers: Mapping[str, str]) -> Answer:
         async with self.serving.arrival():
             answer = await self.answer(request, headers)
+        if request.tools_left_out:
+            answer.trace.notes[LEFT_OUT_HEADER] = ", ".join(request.tools_left_out)
         if self.gather is not None and self.serving.warms_next_turn(answer.plan):
             plan = answer.plan
             answer = echo.echoed(

@@ -23,8 +23,10 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
+from gateway.settings import AGENT_MODEL_NAMES
+
 # the names the pinned agents send for their default models (scripts/agent-clis.sh), served as the target
-AGENT_MODELS = ("claude-opus-5-5", "gpt-6.2-sol")
+AGENT_MODELS = AGENT_MODEL_NAMES
 FIRST_EVENTS = (b'"content_block_start"', b'"response.output_text.delta"', b'"response.output_item.added"')
 HOP_HEADERS = {"host", "content-length", "transfer-encoding", "connection", "keep-alive"}
 QUESTIONS = (

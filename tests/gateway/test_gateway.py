@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import openai
@@ -161,8 +162,13 @@ def test_sdk_errors_carry_the_server_message(gateway_url):
         client.chat.completions.create(model="tiny", messages=_messages(), extra_headers={"x-keep-rate": "2"})
     assert "x-keep-rate must be a decimal in (0, 1]" in str(excinfo.value)
     assert excinfo.value.body["param"] == "x-keep-rate"
-    with pytest.raises(openai.NotFoundError, match="does not exist"):
+    with pytest.raises(openai.NotFoundError, match="does not exist") as missing:
         client.chat.completions.create(model="gpt-4o", messages=_messages())
+    # what it serves (the agents' default names too) and how to serve this name as well
+    assert "this gateway serves 'tiny'" in str(missing.value) and "'gpt-6.2-sol'" in str(missing.value)
+    assert "--model-alias gpt-4o" in str(missing.value)
+    for agents_default in ("claude-opus-5-5", "gpt-6.2-sol"):
+        client.chat.completions.create(model=agents_default, messages=_messages(), max_tokens=1)
 
 
 BAD_KEEP_RATES = ["", "abc", "nan", "NaN", "inf", "-inf", "0", "0.0", "-0.5", "1.5", "1e400", "0x1"]
@@ -307,3 +313,82 @@ def test_a_new_api_surface_is_one_module_and_one_registration(model_pair, engine
         assert counted.status_code == 200 and counted.json()["tokens"] > 0
         chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
         assert httpx.post(f"{url}/v1/chat/completions", json=chat, headers=key, timeout=60).status_code == 200
+
+
+# --- max_tokens past the room the prompt leaves (the small pair's target: 4,096 positions) ---
+
+
+def _room(gateway_url: str, messages: list[dict]) -> int:
+    answer = httpx.post(
+        f"{gateway_url}/v1/chat/completions",
+        json={"model": "tiny", "messages": messages, "max_tokens": 1},
+        headers={"x-specprefill": "off"},
+        timeout=60,
+    ).json()
+    return 4096 - answer["usage"]["prompt_tokens"]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "field"),
+    [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**12}, "max_tokens"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 10**12},
+            "max_completion_tokens",
+        ),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 10**30, "stream": True}, "max_tokens"),
+        ("/v1/responses", {"input": "hi", "max_output_tokens": 10**12}, "max_output_tokens"),
+    ],
+)
+def test_max_tokens_that_cannot_fit_is_a_400_at_once_naming_the_field(gateway_url, path, body, field):
+    start = time.perf_counter()
+    response = httpx.post(f"{gateway_url}{path}", json={"model": "tiny", **body}, timeout=60)
+    elapsed = time.perf_counter() - start
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == field and f"'{field}' is too large" in error["message"], error
+    assert "maximum context length is 4096 tokens" in error["message"]
+    assert elapsed < 5  # not run toward the context's end (a fault run's waited 60 s); 100 ms here, unloaded
+
+
+@pytest.mark.parametrize("keep", ["1", "0.3"], ids=["whole", "compressed"])
+def test_max_tokens_one_past_the_room_is_a_400_and_the_room_itself_is_served(gateway_url, keep):
+    """The room counts the whole prompt's positions, compressed or not: generation continues after the last."""
+    messages = _messages()
+    room = _room(gateway_url, messages)
+    headers = {"x-keep-rate": keep}
+    over = httpx.post(
+        f"{gateway_url}/v1/chat/completions",
+        json={"model": "tiny", "messages": messages, "max_tokens": room + 1},
+        headers=headers,
+        timeout=60,
+    )
+    assert over.status_code == 400 and over.json()["error"]["param"] == "max_tokens", over.text
+    assert f"ask for at most {room}" in over.json()["error"]["message"]
+    fits = httpx.post(
+        f"{gateway_url}/v1/chat/completions",
+        json={"model": "tiny", "messages": messages, "max_tokens": room, "stop": ["a", "e", "i", "o"]},
+        headers=headers,
+        timeout=300,
+    )
+    assert fits.status_code == 200, fits.text
+    assert fits.headers["x-specprefill-status"] == ("compressed" if keep != "1" else "bypassed")
+
+
+def test_a_messages_request_past_the_room_is_lowered_to_it(gateway_url, engine_backend):
+    """Claude Code asks for 32,000 tokens or more whatever the model: Messages lowers it, as vLLM does there."""
+    response = httpx.post(
+        f"{gateway_url}/v1/messages",
+        json={
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 10**12,
+            "stop_sequences": ["a", "e", "i", "o"],
+        },
+        headers={"x-specprefill": "off"},
+        timeout=60,
+    )
+    assert response.status_code == 200, response.text
+    sent = engine_backend[1].last("/v1/messages")["body"]
+    assert 4000 < sent["max_tokens"] < 4096

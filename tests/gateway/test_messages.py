@@ -258,6 +258,15 @@ def test_a_forced_tool_choice_is_compressed_and_reaches_the_engine(gateway_url, 
     assert sent["tool_choice"] == {"type": "any"} and sent["tools"] == TOOLS
 
 
+def test_a_server_tool_claude_offers_is_left_out(gateway_url, engine_backend):
+    tools = [*TOOLS, {"type": "web_search_20250305", "name": "web_search", "max_uses": 5}]
+    raw = _client(gateway_url).messages.with_raw_response.create(
+        model="tiny", messages=_transcript(1), tools=tools, max_tokens=3, extra_headers=KEEP
+    )
+    assert raw.headers["x-specprefill-tools-left-out"] == "web_search" and raw.parse().content
+    assert engine_backend[1].last("/v1/messages")["body"]["tools"] == TOOLS
+
+
 @pytest.mark.parametrize(
     "body,status,kind,says",
     [
@@ -295,12 +304,13 @@ def test_a_forced_tool_choice_is_compressed_and_reaches_the_engine(gateway_url, 
         (
             {
                 "messages": [{"role": "user", "content": "hi"}],
-                "max_tokens": 4,  # a server tool
+                "max_tokens": 4,  # a server tool, required
                 "tools": [{"type": "web_search_20250305", "name": "web_search"}],
+                "tool_choice": {"type": "tool", "name": "web_search"},
             },
             400,
             "invalid_request_error",
-            "Anthropic's web_search_20250305",
+            "requires the web_search tool, which runs on Anthropic's servers",
         ),
         (
             {

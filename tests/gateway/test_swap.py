@@ -245,12 +245,47 @@ def test_a_responses_swap_refused_by_a_dropped_stream_goes_whole(model_pair):
     assert raw.headers["x-specprefill-status"] == "bypassed" and raw.headers["x-specprefill-reason"] == "swap_mismatch"
 
 
-def test_a_hosted_tool_in_a_responses_request_is_a_400_naming_it(gateway_url):
+SHELL = {"type": "function", "name": "shell", "parameters": {"type": "object", "properties": {}}}
+
+
+def test_a_hosted_tool_a_responses_request_offers_is_left_out(gateway_url, engine_backend):
+    """Codex CLI offers OpenAI's web_search to every model it does not know, beside its own function tools."""
+    body = {"model": "tiny", "input": "hi", "max_output_tokens": 2, "tools": [{"type": "web_search"}, SHELL]}
+    response = httpx.post(f"{gateway_url}/v1/responses", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    assert response.headers["x-specprefill-tools-left-out"] == "web_search"
+    assert engine_backend[1].last("/v1/responses")["body"]["tools"] == [SHELL]  # nor does the engine see it
+    alone = {**body, "tools": [{"type": "web_search_preview"}], "tool_choice": "auto"}
+    response = httpx.post(f"{gateway_url}/v1/responses", json=alone, timeout=60)
+    assert response.status_code == 200, response.text
+    sent = engine_backend[1].last("/v1/responses")["body"]
+    assert "tools" not in sent and "tool_choice" not in sent  # as if the client had sent none
+
+
+@pytest.mark.parametrize(
+    "choice",
+    [
+        {"tools": [{"type": "web_search"}, SHELL], "tool_choice": {"type": "web_search"}},
+        {"tools": [{"type": "web_search"}], "tool_choice": "required"},
+    ],
+)
+def test_a_responses_request_that_requires_a_hosted_tool_is_a_400_naming_it(gateway_url, choice):
     response = httpx.post(
         f"{gateway_url}/v1/responses",
-        json={"model": "tiny", "input": "hi", "tools": [{"type": "web_search"}]},
+        json={"model": "tiny", "input": "hi", "max_output_tokens": 2, **choice},
         timeout=30,
     )
     assert response.status_code == 400, response.text
     error = response.json()["error"]
-    assert error["param"] == "tools" and "web_search tool runs on OpenAI's servers" in error["message"]
+    assert (
+        error["param"] == "tool_choice"
+        and "requires the web_search tool, which runs on OpenAI's servers" in error["message"]
+    )
+
+
+def test_a_hosted_tool_a_chat_offers_is_left_out_too(gateway_url, engine_backend):
+    function = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+    body = {"model": "tiny", "messages": _messages(), "max_tokens": 2, "tools": [{"type": "file_search"}, function]}
+    response = httpx.post(f"{gateway_url}/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    assert response.headers["x-specprefill-tools-left-out"] == "file_search"
