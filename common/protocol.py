@@ -47,7 +47,10 @@ class StreamOptions(WireModel):
 
 
 class SpecPrefillOptions(WireModel):
-    keep_rate: float | None = None
+    keep_rate: float | str | None = None  # a decimal in (0, 1], or "auto"
+    auto_target: float | None = None  # auto: the share of the score mass the kept chunks reach
+    auto_floor: float | None = None  # auto: the least keep rate it applies
+    auto_ceiling: float | None = None  # auto: the most
 
 
 class SamplingFields(WireModel):

@@ -37,6 +37,45 @@ class SelectionConfig:
             raise ConfigError("protect_first and protect_last must be >= 0")
 
 
+@dataclass(slots=True, frozen=True)
+class AutoKeepRate:
+    """``x-keep-rate: auto``: the keep rate chosen per prompt from the draft's scores. The kept chunks are the
+    fewest whose share of the score mass reaches ``target`` (the mass of the tokens not kept anyway: protection
+    aside), as AttnComp keeps the fewest documents whose attention passes a threshold; the rate is those
+    chunks and the tokens kept anyway, between ``floor`` and ``ceiling``. A prompt whose question points at one
+    paragraph keeps few chunks; one whose importance spreads over the whole document keeps many."""
+
+    target: float = 0.5
+    floor: float = 0.05
+    ceiling: float = 0.3
+
+    def __post_init__(self) -> None:
+        for name in ("target", "floor", "ceiling"):
+            value = getattr(self, name)
+            if not (0.0 < value <= 1.0):  # also false for NaN
+                raise ConfigError(f"the auto keep rate's {name} must be a number in (0, 1], got {value!r}")
+        if self.floor > self.ceiling:
+            raise ConfigError(f"the auto keep rate's floor ({self.floor}) is above its ceiling ({self.ceiling})")
+
+    def rate(self, scores: torch.Tensor, chunk_size: int, protected: torch.Tensor | None = None) -> float:
+        """The keep rate for these token scores [S] (``protected``: the boolean [S] mask of tokens kept anyway)."""
+        length = scores.numel()
+        n_chunks = math.ceil(length / chunk_size)
+        held = protected if protected is not None else torch.zeros(length, dtype=torch.bool)
+        mass = scores.float().clamp_min(0).masked_fill(held, 0.0)
+        chunk_mass = _pad_with_false(mass, n_chunks * chunk_size).view(n_chunks, chunk_size).sum(dim=1)
+        total = float(chunk_mass.sum())
+        if not math.isfinite(total) or total <= 0:
+            return self.ceiling  # nothing to tell the chunks apart: as much as allowed
+        share = torch.cumsum(torch.sort(chunk_mass, descending=True).values, dim=0) / total
+        chunks = min(n_chunks, int(torch.searchsorted(share, torch.tensor(self.target * (1 - 1e-6)))) + 1)
+        rate = (chunks * chunk_size + int(held.sum())) / (n_chunks * chunk_size)
+        return min(self.ceiling, max(self.floor, rate))
+
+
+KeepRate = float | AutoKeepRate  # a fixed rate, or the mass rule
+
+
 def validate_keep_rate(keep_rate: float) -> float:
     """A keep rate is a finite number in (0, 1]: checked once, where it comes in (the settings, the command line,
     a request's header or body), with this one rule."""
@@ -45,10 +84,24 @@ def validate_keep_rate(keep_rate: float) -> float:
     return float(keep_rate)
 
 
+def applied_keep_rate(
+    keep_rate: KeepRate,
+    token_ids: Sequence[int],
+    scores: torch.Tensor,
+    config: SelectionConfig,
+    special_ids: Collection[int] = (),
+    keep: torch.Tensor | None = None,
+) -> float:
+    """The keep rate ``select_tokens`` applies: a fixed one as it is, ``auto`` as the scores choose it."""
+    if not isinstance(keep_rate, AutoKeepRate):
+        return keep_rate
+    return keep_rate.rate(scores, config.chunk_size, always_kept(token_ids, config, special_ids, keep))
+
+
 def select_tokens(
     token_ids: Sequence[int],
     scores: torch.Tensor,
-    keep_rate: float,
+    keep_rate: KeepRate,
     config: SelectionConfig,
     special_ids: Collection[int] = (),
     keep: torch.Tensor | None = None,
@@ -61,8 +114,9 @@ def select_tokens(
     ``protect_first``, the last ``max(protect_last, 1)`` (the last prompt token always goes, so the first
     generated token stands right after the prompt), every token in ``special_ids`` (the chat template's
     markup: BOS, role headers), and the tokens ``keep`` marks (a boolean [S] mask: a system prompt kept
-    whole). Keep rate 1 keeps everything.
+    whole). Keep rate 1 keeps everything; ``auto`` is the rate ``applied_keep_rate`` chooses from the scores.
     """
+    keep_rate = applied_keep_rate(keep_rate, token_ids, scores, config, special_ids, keep)
     assert 0.0 < keep_rate <= 1.0, "validated where it came in (validate_keep_rate)"
     assert scores.dim() == 1 and scores.numel() == len(token_ids), "one score per token"
     if keep_rate >= 1.0:

@@ -215,7 +215,7 @@ class GatewayServing:
     ) -> tuple[Plan, Prompt]:
         """The request checked, tokenized as the target reads it, and planned."""
         self.check_model(request.model)
-        options = request_options(headers, request.specprefill, self.settings.keep_rate)
+        options = request_options(headers, request.specprefill, self.settings.default_keep_rate)
         unscored = isinstance(request, ChatCompletionRequest) and not all(m.has_only_text() for m in request.messages)
         # a request that can never fit is the client's to change, busy engine or not: its 400 before any 503
         chars = (

@@ -5,11 +5,11 @@ from __future__ import annotations
 import re
 from typing import Annotated, Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import NoDecode
 
 from common.options import DeviceOptions, ServerOptions
-from common.selection import validate_keep_rate
+from common.selection import AutoKeepRate, KeepRate, validate_keep_rate
 from draft_worker.settings import ScoringOptions
 from gateway.planning.costs import cost_models
 
@@ -96,7 +96,16 @@ class GatewaySettings(ServerOptions, DeviceOptions, ScoringOptions):
     score_cache_max_entry_kb: int = Field(4096, gt=0, description="larger score arrays are not cached")
     memory_cache_mb: int = Field(256, ge=0, description="in-memory score cache size without Redis (0: off)")
     draft_prefix_cache_mb: int = Field(1024, ge=0, description="in-process draft KV kept for prefix reuse (0: off)")
-    keep_rate: float = Field(0.3, description="default fraction of chunks kept, in (0, 1]")
+    keep_rate: float | Literal["auto"] = Field(
+        0.3,
+        description="default fraction of chunks kept, in (0, 1], or auto: the fewest chunks that hold "
+        "--auto-keep-target of the draft's score mass, between --auto-keep-floor and --auto-keep-ceiling",
+    )
+    auto_keep_target: float = Field(
+        0.5, gt=0, le=1, description="auto keep rate: the share of the score mass the kept chunks reach"
+    )
+    auto_keep_floor: float = Field(0.05, gt=0, le=1, description="auto keep rate: the least rate it applies")
+    auto_keep_ceiling: float = Field(0.3, gt=0, le=1, description="auto keep rate: the most (what it is priced at)")
     min_prompt_tokens: int = Field(
         1024, ge=1, description="shorter prompts bypass compression (a floor; above it the cost model decides)"
     )
@@ -214,10 +223,27 @@ class GatewaySettings(ServerOptions, DeviceOptions, ScoringOptions):
     max_messages: int = Field(4096, gt=0, description="chats with more messages get 400")
     metrics_public: bool = Field(False, description="serve /metrics without the API key")
 
-    @field_validator("keep_rate")
+    @field_validator("keep_rate", mode="before")
     @classmethod
-    def _keep_rate(cls, value: float) -> float:
-        return validate_keep_rate(value)
+    def _keep_rate(cls, value: float | str) -> float | str:
+        if isinstance(value, str) and value.strip().lower() == "auto":
+            return "auto"
+        return validate_keep_rate(float(value))
+
+    @model_validator(mode="after")
+    def _auto_bounds(self) -> GatewaySettings:
+        if self.auto_keep_floor > self.auto_keep_ceiling:
+            raise ValueError(
+                f"--auto-keep-floor ({self.auto_keep_floor}) is above --auto-keep-ceiling ({self.auto_keep_ceiling})"
+            )
+        return self
+
+    @property
+    def default_keep_rate(self) -> KeepRate:
+        """``--keep-rate``: a fixed rate, or the auto rule with its target and bounds."""
+        if self.keep_rate == "auto":
+            return AutoKeepRate(self.auto_keep_target, self.auto_keep_floor, self.auto_keep_ceiling)
+        return self.keep_rate
 
     @field_validator("cost_coefficients")
     @classmethod

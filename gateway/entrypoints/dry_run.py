@@ -16,7 +16,7 @@ from fastapi.responses import HTMLResponse, JSONResponse
 from common.errors import InvalidRequestError, OverloadedError, parse_body
 from common.json_wire import WireJSONResponse
 from common.protocol import ChatCompletionRequest, CompletionRequest
-from common.selection import always_kept, select_tokens
+from common.selection import always_kept, applied_keep_rate, select_tokens
 from common.tokenize import token_pieces
 from gateway.entrypoints.http import AUTH, require_key_in_browser
 from gateway.entrypoints.inspector import KEEP_RATES, inspection, page, runs
@@ -62,29 +62,34 @@ class DryRunAPI:
         scores, cache = await self._scores(prompt.token_ids)
         draft_ms = (time.perf_counter() - start) * 1e3
         config = serving.draft.config
-        plans = {}
-        for rate in KEEP_RATES:
-            plan = await serving.plan(
-                prompt, RequestOptions(rate, options.enabled), unsupported, dry_run=True, scored=(scores, cache)
-            )
-            entry = {
+
+        special = serving.planner.special_ids
+
+        async def entry(rate: float) -> dict[str, Any]:
+            rate_options = RequestOptions(rate, options.enabled)
+            plan = await serving.plan(prompt, rate_options, unsupported, dry_run=True, scored=(scores, cache))
+            shown = {
                 "status": plan.status,
                 "reason": plan.reason,
                 "plan": plan.kind,
                 "kept": runs(plan.sent_position_ids()),
             }
             if plan.status != "compressed" and rate < 1:  # sent whole: what the rule would have dropped
-                entry["selected"] = runs(
-                    select_tokens(prompt.token_ids, scores, rate, config, serving.planner.special_ids, prompt.keep)
-                )
-            plans[rate] = entry
-        protected = always_kept(prompt.token_ids, config, serving.planner.special_ids, prompt.keep)
+                shown["selected"] = runs(select_tokens(prompt.token_ids, scores, rate, config, special, prompt.keep))
+            return shown
+
+        plans = {rate: await entry(rate) for rate in KEEP_RATES}
+        shown_rate = options.keep_rate
+        if options.auto is not None:  # the rate the scores choose, beside the grid's, and the page opens at it
+            shown_rate = applied_keep_rate(options.auto, prompt.token_ids, scores, config, special, prompt.keep)
+            plans[shown_rate] = await entry(shown_rate)
+        protected = always_kept(prompt.token_ids, config, special, prompt.keep)
         return inspection(
             token_pieces(serving.tokenizer, prompt.token_ids),
             scores,
             protected,
             config.chunk_size,
-            options.keep_rate,
+            shown_rate,
             plans,
             draft_ms=draft_ms,
             cache=cache,
@@ -122,7 +127,7 @@ class DryRunAPI:
         request: ChatCompletionRequest | CompletionRequest = (
             parse_body(ChatCompletionRequest, body) if "messages" in body else parse_body(CompletionRequest, body)
         )
-        options = request_options(headers, request.specprefill, serving.settings.keep_rate)
+        options = request_options(headers, request.specprefill, serving.settings.default_keep_rate)
         prompt = serving.prompt(request)
         serving.check_limits(request, prompt.token_ids)
         return request, options, prompt

@@ -37,7 +37,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from common.selection import extend_selection, fill_blocks, kept_importance, select_tokens
+from common.selection import applied_keep_rate, extend_selection, fill_blocks, kept_importance, select_tokens
 from gateway.engines.replicas import Replica
 from gateway.metrics import GatewayMetrics
 from gateway.planning.costs import CostModel
@@ -121,7 +121,7 @@ class Planner:
         whole = whole or await self.candidate("whole", tokens, None, replica)
         plan = await self._plan(token_ids, tokens, options, unsupported, keep, boundary, scored, replica, whole)
         if not dry_run and plan.status == "compressed":
-            self.metrics.keep_rate.observe(options.keep_rate)
+            self.metrics.keep_rate.observe(plan.keep_rate)  # the rate applied (auto: the one the scores chose)
         return plan.but(replica=replica, tokens=tokens)
 
     async def _plan(
@@ -158,6 +158,11 @@ class Planner:
         if scores is None:  # any draft fault: the full prompt goes through instead
             return self._priced(Plan(token_ids, reason=Reason.DRAFT_ERROR, draft_ms=draft_ms), whole, wait)
         start = time.perf_counter()
+        if options.auto is not None:  # the scores choose this prompt's rate (common.selection.AutoKeepRate)
+            config = self.draft.config
+            options = options.applied(
+                applied_keep_rate(options.auto, token_ids, scores, config, self.special_ids, keep)
+            )
         compressed = await self._compressed(token_ids, tokens, scores, options.keep_rate, keep, context, replica)
         chosen = self._choose([whole, *compressed]) if priced else compressed[0]
         return self._as_plan(
@@ -243,7 +248,7 @@ class Planner:
             return Plan(token_ids, reason=Reason.OFF, passthrough=True)
         if unsupported:
             return Plan(token_ids, reason=Reason.unsupported(unsupported[0]), passthrough=True)
-        if options.keep_rate >= 1.0:
+        if options.keep_rate >= 1.0 and options.auto is None:
             return Plan(token_ids, reason=Reason.KEEP_RATE_ONE)
         if n < self.settings.min_prompt_tokens:
             return Plan(token_ids, reason=Reason.SHORT_PROMPT)

@@ -47,7 +47,11 @@ class Router:
         planner, n = self.planner, len(tokens)
         seen = planner.selections.longest_shared(tokens)
         began_like = planner.began_like(seen, n) is not None  # its context: more than a template's first tokens
-        compressible = options.enabled and options.keep_rate < 1 and n >= planner.settings.min_prompt_tokens
+        compressible = (
+            options.enabled
+            and (options.keep_rate < 1 or options.auto is not None)
+            and n >= planner.settings.min_prompt_tokens
+        )
         priced = {}
         for replica in live:
             whole = await planner.candidate("whole", tokens, None, replica)

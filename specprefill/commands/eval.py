@@ -89,6 +89,9 @@ class Eval(BaseSettings):
         50, description="real: haystacks for the full prompt and for the pair's default draft at keep 0.3 and 0.1"
     )
     real_keep_rates: list[float] = Field([0.3, 0.1, 0.05], description="real: keep rates (the full prompt too)")
+    real_auto_targets: list[float] = Field(
+        [], description="real: also x-keep-rate auto at each of these mass targets (cells named auto@T)"
+    )
     real_drafts: list[str] | None = Field(
         None,
         description="real: which drafts, in this order (target, self-K for each --real-self-layers K, the "
@@ -224,7 +227,7 @@ def _real(options: Eval, out: Path) -> int:
         out,
         lengths=options.real_lengths,
         counts=counts,
-        keep_rates=options.real_keep_rates,
+        keep_rates=[*options.real_keep_rates, *(f"auto@{t:g}" for t in options.real_auto_targets)],
         drafts=drafts,
         rule_lengths=rule_lengths,
         haystacks=options.real_haystacks,

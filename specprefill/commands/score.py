@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import sys
+from typing import Literal
 
 from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import CliPositionalArg
 
 from common.options import DeviceOptions
-from common.selection import validate_keep_rate
+from common.selection import AutoKeepRate, KeepRate, validate_keep_rate
 from draft_worker.settings import ScoringOptions
 
 DIM_STRIKE, RESET = "\x1b[2;9m", "\x1b[0m"
@@ -20,7 +21,12 @@ class Score(DeviceOptions, ScoringOptions):
 
     file: CliPositionalArg[str] = Field(description="a text file, or - for standard input")
     model: str = Field(description="draft model: a local folder or a hub id")
-    keep_rate: float = Field(0.3, description="fraction of chunks kept, in (0, 1]")
+    keep_rate: float | Literal["auto"] = Field(
+        0.3, description="fraction of chunks kept, in (0, 1], or auto (the gateway's rule: --auto-keep-*)"
+    )
+    auto_keep_target: float = Field(0.5, gt=0, le=1, description="auto: the share of the score mass kept")
+    auto_keep_floor: float = Field(0.05, gt=0, le=1, description="auto: the least keep rate")
+    auto_keep_ceiling: float = Field(0.3, gt=0, le=1, description="auto: the most")
     token_ids: bool = Field(False, description="read a JSON list of token IDs instead of text")
     json_output: bool = Field(
         False, validation_alias=AliasChoices("json", "json_output"), description="print the numbers as JSON"
@@ -31,17 +37,24 @@ class Score(DeviceOptions, ScoringOptions):
         "HTML page, with a keep-rate slider over the same selections",
     )
 
-    @field_validator("keep_rate")
+    @field_validator("keep_rate", mode="before")
     @classmethod
-    def _keep_rate(cls, value: float) -> float:
-        return validate_keep_rate(value)
+    def _keep_rate(cls, value: float | str) -> float | str:
+        if isinstance(value, str) and value.strip().lower() == "auto":
+            return "auto"
+        return validate_keep_rate(float(value))
+
+    def rule(self) -> KeepRate:
+        if self.keep_rate == "auto":
+            return AutoKeepRate(self.auto_keep_target, self.auto_keep_floor, self.auto_keep_ceiling)
+        return self.keep_rate
 
     def cli_cmd(self) -> None:
         raise SystemExit(run_score(self))
 
 
 def run_score(options: Score) -> int:
-    from common.selection import select_tokens
+    from common.selection import applied_keep_rate, select_tokens
     from draft_worker import DraftWorker
 
     try:
@@ -58,9 +71,14 @@ def run_score(options: Score) -> int:
         print(f"specprefill score: error: {exc}", file=sys.stderr)
         return 2
     special = worker.tokenizer.all_special_ids
-    kept = select_tokens(token_ids, scores, options.keep_rate, config, special)
+    try:
+        rate = applied_keep_rate(options.rule(), token_ids, scores, config, special)
+    except ValueError as exc:  # an auto rule's floor above its ceiling
+        print(f"specprefill score: error: {exc}", file=sys.stderr)
+        return 2
+    kept = select_tokens(token_ids, scores, rate, config, special)
     if options.html:
-        write_html(options.html, worker.tokenizer, token_ids, scores, config, special, options.keep_rate, options.model)
+        write_html(options.html, worker.tokenizer, token_ids, scores, config, special, rate, options.model)
     if options.json_output:
         print(
             json.dumps(
@@ -76,7 +94,7 @@ def run_score(options: Score) -> int:
     print(render_kept(worker.tokenizer, token_ids, kept, color=sys.stdout.isatty()))
     print(
         f"\nkept {len(kept)} of {len(token_ids)} tokens ({len(kept) / len(token_ids):.1%}; "
-        f"keep rate {options.keep_rate}, chunks of {config.chunk_size})",
+        f"keep rate {rate:g}{' (auto)' if options.keep_rate == 'auto' else ''}, chunks of {config.chunk_size})",
         file=sys.stderr,
     )
     return 0

@@ -147,8 +147,29 @@ def items(pair: EvalPair, lengths, samples: int, rule_lengths: Sequence[int] = (
     return out
 
 
-def _key(length: int, index: int, task: str, variant: str, keep: float) -> str:
-    return f"{length}/{index}/{task}/{variant}/{keep:g}"
+Keep = float | str  # a fixed keep rate, or "auto@T": ``x-keep-rate: auto`` with the mass target T
+
+
+def keep_label(keep: Keep) -> str:
+    return keep if isinstance(keep, str) else f"{keep:g}"
+
+
+def keep_order(keep: Keep) -> tuple[int, float]:
+    """Fixed rates from the largest down, then the auto rule's targets from the largest down."""
+    if isinstance(keep, str):
+        return 1, -float(keep.partition("@")[2] or 0)
+    return 0, -keep
+
+
+def _request(keep: Keep) -> tuple[dict[str, str], dict | None]:
+    """The headers and body extension that ask for ``keep``."""
+    if isinstance(keep, str):
+        return {"x-keep-rate": "auto"}, {"specprefill": {"auto_target": float(keep.partition("@")[2])}}
+    return ({"x-specprefill": "off"} if keep == 1 else {"x-keep-rate": f"{keep:g}"}), None
+
+
+def _key(length: int, index: int, task: str, variant: str, keep: Keep) -> str:
+    return f"{length}/{index}/{task}/{variant}/{keep_label(keep)}"
 
 
 FINAL = {Reason.PROMPT_TOO_LONG}  # bypasses a resume would meet again: the answer stands
@@ -164,13 +185,15 @@ def _done(path: Path) -> dict[str, dict]:
     return {_key(r["length"], r["index"], r["task"], r["variant"], r["keep"]): r for r in rows}
 
 
-def _ask(client: openai.OpenAI, model: str, item: Item, variant: str, keep: float, headers: dict) -> dict:
+def _ask(client: openai.OpenAI, model: str, item: Item, variant: str, keep: Keep) -> dict:
+    headers, body = _request(keep)
     raw = client.chat.completions.with_raw_response.create(
         model=model,
         messages=item.sample.messages,
         max_tokens=MAX_TOKENS,
         temperature=0,
         extra_headers=headers,
+        extra_body=body,
     )
     text = raw.parse().choices[0].message.content or ""
     return {
@@ -183,6 +206,7 @@ def _ask(client: openai.OpenAI, model: str, item: Item, variant: str, keep: floa
         "kept": int(raw.headers["x-specprefill-kept-tokens"]),
         "status": raw.headers["x-specprefill-status"],
         "reason": raw.headers.get("x-specprefill-reason"),  # why it went whole, where it did
+        "applied": float(raw.headers["x-specprefill-keep-rate"]),  # the rate applied (auto: the one chosen)
         "answer": text,
         "expected": item.sample.answer,
         "correct": item.sample.correct(text),
@@ -238,9 +262,9 @@ class Counts:
     samples: int
     more: int = 0
     favoured: str | None = None
-    favoured_keeps: tuple[float, ...] = (0.3, 0.1)
+    favoured_keeps: tuple[Keep, ...] = (0.3, 0.1)
 
-    def wanted(self, variant: str, keep: float) -> int:
+    def wanted(self, variant: str, keep: Keep) -> int:
         if variant == "full" or (variant == self.favoured and keep in self.favoured_keeps):
             return max(self.samples, self.more)
         return self.samples
@@ -323,8 +347,7 @@ def run_real_eval(
                 openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=1800) as client,
             ):
                 for item, keep in tqdm(job.todo, desc=f"real eval: {job.length} tokens, {job.name}", unit="answer"):
-                    headers = {"x-specprefill": "off"} if keep == 1 else {"x-keep-rate": f"{keep:g}"}
-                    row = _ask(client, pair.pair.target.name, item, job.name, keep, headers)
+                    row = _ask(client, pair.pair.target.name, item, job.name, keep)
                     row |= {"device": device, "dtype": dtype}
                     with lock:
                         done[_key(job.length, item.index, item.sample.task, job.name, keep)] = row
@@ -356,7 +379,7 @@ def summarize(rows: list[dict]) -> list[dict]:
         cells.setdefault((r["task"], r["length"], r["variant"], r["keep"]), []).append(r)
     out = []
     for (task, length, variant, keep), group in sorted(
-        cells.items(), key=lambda c: (c[0][0], c[0][1], -c[0][3], c[0][2])
+        cells.items(), key=lambda c: (c[0][0], c[0][1], keep_order(c[0][3]), c[0][2])
     ):
         right = sum(r["correct"] for r in group)
         low, high = wilson(right, len(group))
@@ -372,6 +395,10 @@ def summarize(rows: list[dict]) -> list[dict]:
             "tokens": sum(r["tokens"] for r in group) / len(group),
             "kept": sum(r["kept"] for r in group) / len(group),
         }
+        if isinstance(keep, str):  # the auto rule: the rates it applied, their mean and spread
+            applied = [r.get("applied", r["kept"] / r["tokens"]) for r in group]
+            mean = sum(applied) / len(applied)
+            cell |= {"applied": mean, "applied_sd": math.sqrt(sum((a - mean) ** 2 for a in applied) / len(applied))}
         if task == RULE_TASK:
             cell["obeyed"] = sum(bool(r["obeys"]) for r in group) / len(group)
         out.append(cell)
@@ -393,8 +420,8 @@ def format_summary(cells: list[dict]) -> Iterator[str]:
                 if full
                 else "full prompt not asked"
             )
-            keeps = sorted({c["keep"] for c in mine if c["variant"] != "full"}, reverse=True)
-            yield f"{'':>10} " + " ".join(f"{'keep ' + format(k, 'g'):>18}" for k in keeps)
+            keeps = sorted({c["keep"] for c in mine if c["variant"] != "full"}, key=keep_order)
+            yield f"{'':>10} " + " ".join(f"{'keep ' + keep_label(k):>18}" for k in keeps)
             for variant in dict.fromkeys(c["variant"] for c in mine if c["variant"] != "full"):
                 row = {c["keep"]: c for c in mine if c["variant"] == variant}
                 yield f"{variant:>10} " + " ".join(
@@ -496,11 +523,12 @@ def markdown_summary(cells: list[dict]) -> Iterator[str]:
     for task in [t for t in TASK_ORDER if any(c["task"] == t for c in cells)]:
         for length in sorted({c["length"] for c in cells if c["task"] == task}):
             mine = [c for c in cells if c["task"] == task and c["length"] == length]
-            keeps = sorted({c["keep"] for c in mine if c["variant"] != "full"}, reverse=True)
+            keeps = sorted({c["keep"] for c in mine if c["variant"] != "full"}, key=keep_order)
             full = next((c for c in mine if c["variant"] == "full"), None)
 
             def cell(c: dict) -> str:
                 text = f"{c['accuracy']:.0%} [{c['low']:.0%}–{c['high']:.0%}]"
+                text += f", rate {c['applied']:.2f} ± {c['applied_sd']:.2f}" if "applied" in c else ""
                 return text + (f", obeyed {c['obeyed']:.0%}" if "obeyed" in c else "")
 
             yield (
@@ -508,7 +536,7 @@ def markdown_summary(cells: list[dict]) -> Iterator[str]:
                 f"{cell(full) if full else 'not asked'})"
             )
             yield ""
-            yield "| draft | " + " | ".join(f"keep {k:g}" for k in keeps) + " |"
+            yield "| draft | " + " | ".join(f"keep {keep_label(k)}" for k in keeps) + " |"
             yield "| --- | " + " | ".join("---" for _ in keeps) + " |"
             for variant in sorted({c["variant"] for c in mine if c["variant"] != "full"}, key=_variant_order):
                 row = {c["keep"]: c for c in mine if c["variant"] == variant}

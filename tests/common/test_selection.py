@@ -6,7 +6,16 @@ import random
 import pytest
 import torch
 
-from common.selection import ConfigError, fill_blocks, protected_mask, select_chunks, validate_keep_rate
+from common.selection import (
+    AutoKeepRate,
+    ConfigError,
+    applied_keep_rate,
+    fill_blocks,
+    protected_mask,
+    select_chunks,
+    select_tokens,
+    validate_keep_rate,
+)
 from draft_worker.config import ScoringConfig
 
 
@@ -114,3 +123,58 @@ def test_fill_blocks_completes_the_block_before_the_boundary_with_the_nearest_fr
         assert set(kept) <= set(filled) and filled == sorted(set(filled))
         assert below % block == 0 or filled == kept
         assert len(filled) - len(kept) < block and all(floor <= i < boundary for i in set(filled) - set(kept))
+
+
+# --- the auto keep rate: the fewest chunks holding the target share of the score mass ---
+
+
+def _reference_auto_rate(scores: list[float], chunk: int, protected: set[int], target: float, floor, ceiling) -> float:
+    """The rule written out plainly: chunk masses over the unprotected tokens, largest first, until the share."""
+    n_chunks = math.ceil(len(scores) / chunk)
+    masses = sorted(
+        (sum(max(scores[i], 0.0) for i in range(c * chunk, min(len(scores), (c + 1) * chunk)) if i not in protected))
+        for c in range(n_chunks)
+    )[::-1]
+    total, running, taken = sum(masses), 0.0, 0
+    for mass in masses:
+        taken += 1
+        running += mass
+        if running >= target * total * (1 - 1e-6):
+            break
+    rate = (taken * chunk + len(protected)) / (n_chunks * chunk)
+    return min(ceiling, max(floor, rate))
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_auto_rate_is_the_plain_rule(seed):
+    generator = random.Random(seed)
+    length, chunk = generator.randrange(200, 3000), generator.choice([1, 8, 32])
+    scores = [generator.random() ** 8 for _ in range(length)]  # peaked, as attention is
+    protected = set(range(4)) | set(range(length - 32, length))
+    mask = torch.zeros(length, dtype=torch.bool)
+    mask[sorted(protected)] = True
+    rule = AutoKeepRate(target=generator.choice([0.3, 0.5, 0.8]), floor=0.01, ceiling=1.0)
+    got = rule.rate(torch.tensor(scores), chunk, mask)
+    assert got == pytest.approx(_reference_auto_rate(scores, chunk, protected, rule.target, 0.01, 1.0))
+
+
+def test_the_auto_rate_keeps_few_chunks_of_a_peaked_prompt_and_many_of_a_flat_one():
+    rule = AutoKeepRate(target=0.5, floor=0.02, ceiling=0.5)
+    peaked = torch.full((8000,), 1e-4)
+    peaked[4000:4032] = 1.0  # one paragraph holds the mass
+    assert rule.rate(peaked, 32) == pytest.approx(0.02)  # its chunk alone: 1/250 of them, raised to the floor
+    assert rule.rate(torch.ones(8000), 32) == pytest.approx(0.5)  # half the chunks: at the ceiling
+    assert rule.rate(torch.zeros(100), 32) == 0.5  # nothing to tell apart: as much as allowed
+    tokens = list(range(8000))
+    assert len(select_tokens(tokens, peaked, rule, ScoringConfig())) == len(
+        select_tokens(tokens, peaked, applied_keep_rate(rule, tokens, peaked, ScoringConfig()), ScoringConfig())
+    )
+
+
+@pytest.mark.parametrize(
+    ("fields", "says"),
+    [({"target": 0.0}, "target must be"), ({"floor": 1.5}, "floor must be"), ({"floor": 0.5, "ceiling": 0.2}, "above")],
+)
+def test_bad_auto_rules(fields, says):
+    with pytest.raises(ConfigError, match=says):
+        AutoKeepRate(**fields)

@@ -9,8 +9,10 @@ import httpx
 import openai
 import pytest
 
+from gateway.app import create_app
+from gateway.settings import GatewaySettings
 from specprefill.lab.bench import parse_server_timing
-from tests.helpers import LONG_DOC
+from tests.helpers import LONG_DOC, gateway_settings, serve
 from tests.helpers import chat_messages as _messages
 from tests.helpers import openai_client as _client
 
@@ -392,3 +394,49 @@ def test_a_messages_request_past_the_room_is_lowered_to_it(gateway_url, engine_b
     assert response.status_code == 200, response.text
     sent = engine_backend[1].last("/v1/messages")["body"]
     assert 4000 < sent["max_tokens"] < 4096
+
+
+# --- x-keep-rate: auto ---
+
+
+def test_an_auto_keep_rate_is_chosen_from_the_scores_and_reported(gateway_url):
+    body = {"model": "tiny", "messages": _messages(), "max_tokens": 1}
+    auto = httpx.post(f"{gateway_url}/v1/chat/completions", json=body, headers={"x-keep-rate": "auto"}, timeout=60)
+    assert auto.status_code == 200 and auto.headers["x-specprefill-status"] == "compressed", auto.text
+    rate = float(auto.headers["x-specprefill-keep-rate"])
+    assert 0.05 <= rate <= 0.3  # the server's floor and ceiling
+    wider = {**body, "specprefill": {"keep_rate": "auto", "auto_target": 0.99, "auto_ceiling": 1.0}}
+    more = httpx.post(f"{gateway_url}/v1/chat/completions", json=wider, timeout=60)
+    assert float(more.headers["x-specprefill-keep-rate"]) > rate  # nearly all the mass needs more chunks
+    short = {**body, "messages": [{"role": "user", "content": "hi"}]}
+    whole = httpx.post(f"{gateway_url}/v1/chat/completions", json=short, headers={"x-keep-rate": "auto"}, timeout=60)
+    assert whole.status_code == 200 and whole.headers["x-specprefill-reason"] == "short_prompt"  # not an error
+    metrics = httpx.get(f"{gateway_url}/metrics", timeout=30).text
+    assert "specprefill_keep_rate_bucket" in metrics
+
+
+@pytest.mark.parametrize(
+    ("options", "param"),
+    [
+        ({"keep_rate": "auto", "auto_target": 2}, "specprefill.auto_target"),
+        ({"keep_rate": "auto", "auto_floor": 0}, "specprefill.auto_floor"),
+        ({"keep_rate": "auto", "auto_floor": 0.5, "auto_ceiling": 0.2}, "specprefill.auto_floor"),
+        ({"keep_rate": "automatic"}, "specprefill.keep_rate"),
+    ],
+)
+def test_a_malformed_auto_rule_is_a_400_naming_the_setting(gateway_url, options, param):
+    body = {"model": "tiny", "messages": _messages(), "max_tokens": 1, "specprefill": options}
+    response = httpx.post(f"{gateway_url}/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+
+
+def test_the_server_default_can_be_auto(model_pair, engine_backend):
+    settings = gateway_settings(model_pair, backend_url=engine_backend[0], keep_rate="auto", auto_keep_target=0.3)
+    assert GatewaySettings(target_model="t", keep_rate="AUTO").keep_rate == "auto"
+    with pytest.raises(ValueError, match="above --auto-keep-ceiling"):
+        GatewaySettings(target_model="t", auto_keep_floor=0.5, auto_keep_ceiling=0.4)
+    with serve(create_app(settings)) as url:
+        body = {"model": "tiny", "messages": _messages(), "max_tokens": 1}
+        answer = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+    assert answer.headers["x-specprefill-status"] == "compressed"
+    assert 0.05 <= float(answer.headers["x-specprefill-keep-rate"]) <= 0.3

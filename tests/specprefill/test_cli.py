@@ -214,7 +214,8 @@ SCORING_OPTIONS = [
 def test_score_reports_exactly_what_the_gateway_sends(
     model_pair, engine_backend, tmp_path, capsys, monkeypatch, options
 ):
-    """One selection rule: the last token always goes and the template's special tokens are kept, in both."""
+    """One selection rule: the last token always goes and the template's special tokens are kept, in both; an
+    auto keep rate is chosen alike by both, and by the gateway's own answer."""
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in options.items()]
     settings = gateway_settings(model_pair, backend_url=engine_backend[0], memory_cache_mb=0, **options)
     prompt_file = tmp_path / "prompt.txt"
@@ -222,7 +223,7 @@ def test_score_reports_exactly_what_the_gateway_sends(
     tokenizer = AutoTokenizer.from_pretrained(model_pair / "target")
     special = set(tokenizer.all_special_ids)
     with serve(create_app(settings)) as gateway:
-        for keep in ("0.2", "0.5"):
+        for keep in ("0.2", "0.5", "auto"):
             for body, source in (
                 ({"prompt": PROMPT_WITH_MARKUP}, [str(prompt_file)]),
                 ({"prompt": tokenizer(PROMPT_WITH_MARKUP).input_ids}, ["--token-ids", "-"]),
@@ -257,6 +258,16 @@ def test_score_reports_exactly_what_the_gateway_sends(
                 ids = tokenizer(PROMPT_WITH_MARKUP).input_ids
                 assert {i for i, t in enumerate(ids) if t in special} <= set(scored["kept_indices"])
                 assert scored["kept_indices"][-1] == len(ids) - 1  # the last token, even with --protect-last 0
+                answered = httpx.post(
+                    f"{gateway}/v1/completions",
+                    json={"model": "tiny", **body, "max_tokens": 1},
+                    headers={"x-keep-rate": keep},
+                    timeout=60,
+                )
+                assert answered.headers["x-specprefill-kept-tokens"] == str(response["kept_tokens"])
+                assert float(answered.headers["x-specprefill-keep-rate"]) == pytest.approx(
+                    response["keep_rate"], rel=1e-5
+                )
 
 
 @pytest.mark.parametrize(

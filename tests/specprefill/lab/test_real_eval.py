@@ -171,3 +171,35 @@ def test_a_resume_asks_again_only_what_could_go_otherwise(tmp_path):
     ]
     (tmp_path / "answers.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert sorted(r["index"] for r in _done(tmp_path / "answers.jsonl").values()) == [0, 1, 3]
+
+
+def test_auto_cells_follow_the_fixed_rates_with_the_rates_applied():
+    from specprefill.lab.real_eval import _key, _request, markdown_summary, summarize
+
+    rows = [
+        {
+            "task": "fact",
+            "length": 8000,
+            "variant": v,
+            "keep": k,
+            "correct": True,
+            "tokens": 8000,
+            "kept": kept,
+            "applied": kept / 8000,
+            "obeys": None,
+        }
+        for v, k, kept in (
+            ("full", 1.0, 8000),
+            ("0.5b", 0.1, 800),
+            ("0.5b", "auto@0.5", 900),
+            ("0.5b", "auto@0.5", 1100),
+            ("0.5b", 0.3, 2400),
+        )
+    ]
+    table = "\n".join(markdown_summary(summarize(rows)))
+    assert "| draft | keep 0.3 | keep 0.1 | keep auto@0.5 |" in table
+    assert "rate 0.12 ± 0.01" in table
+    assert _request("auto@0.8") == ({"x-keep-rate": "auto"}, {"specprefill": {"auto_target": 0.8}})
+    assert _request(1.0)[0] == {"x-specprefill": "off"} and _key(8000, 3, "fact", "0.5b", "auto@0.8").endswith(
+        "/auto@0.8"
+    )
