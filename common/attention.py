@@ -16,8 +16,11 @@ A chunk of a prompt after a cached prefix (a chunked prefill, a prompt that exte
 over the whole cache, aligned at its end. transformers makes that a [Q, K] boolean mask, which on CUDA takes
 the memory-efficient kernel, after copying the cache once per query group. Where nothing is masked but
 causality, the mask interface here leaves the mask out on CUDA, and the attention runs SDPA's lower-right
-causal form (``causal_lower_right``: the flash kernel, which does the grouped heads itself). That holds for
-kept tokens at gapped positions too: their causal order is by index, and positions only turn RoPE.
+causal form (``causal_lower_right``: the flash kernel, which does the grouped heads itself). On the CPU, whose
+flash kernel takes no lower-right form, such a chunk is two calls of it, merged by their log-sum-exps
+(``split_causal_attention``): a masked call computes every block of [Q, K], and a chunked prefill on 2 cores spent
+most of its attention time so. That holds for kept tokens at gapped positions too: their causal order is by
+index, and positions only turn RoPE.
 
 The kernel is registered when a model is loaded, never at import.
 """
@@ -51,13 +54,10 @@ def gqa_sdpa_attention(
     plain = kwargs.get("cache") is None and kwargs.get("position_bias") is None and not dropout
     if plain and attention_mask is not None and query.device.type == "cuda" and query.shape[2] == 1:
         return decode_attention(query, key, value, attention_mask, scaling), None
-    if (
-        plain
-        and attention_mask is None
-        and query.device.type == "cuda"
-        and 1 < query.shape[2] < key.shape[2]
-        and getattr(module, "is_causal", True)
-    ):  # a chunk after a cache, its mask left out (below)
+    if plain and attention_mask is None and 1 < query.shape[2] < key.shape[2] and getattr(module, "is_causal", True):
+        # a chunk after a cache, its mask left out (below)
+        if query.device.type == "cpu":
+            return split_causal_attention(query, key, value, scaling), None
         return lower_right_causal_attention(module, query, key, value, scaling), None
     # without a mask transformers already lets the kernel do GQA; CUDA, paged caches and position biases: as is
     if (
@@ -93,16 +93,35 @@ def lower_right_causal_attention(
     return sdpa_attention_forward(module, query, key, value, mask[None, None], scaling=scaling, is_causal=False)[0]
 
 
+def split_causal_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None = None
+) -> torch.Tensor:
+    """Causal attention of the last Q of K positions on the CPU, as two calls of its flash kernel merged by their
+    log-sum-exps: every query sees all the keys before its chunk (nothing masked), and the chunk's own keys
+    causally (a square causal block, whose masked half the kernel skips). One masked call over [Q, K] computes
+    every block, masked or not, reading the mask as it goes: for a whole 8,000-token causal mask on 2 cores
+    (bfloat16, a 0.5B model's heads) 0.90 s a layer against 0.32 s with the kernel's own causal mode. query:
+    [B, Hq, Q, D]; key, value: [B, Hkv, K, D] (grouped heads: the kernel's own); returns [B, Q, Hq, D]."""
+    prefix = key.shape[2] - query.shape[2]
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    own, own_lse = flash(query, key[:, :, prefix:], value[:, :, prefix:], 0.0, True, scale=scaling)
+    before, before_lse = flash(query, key[:, :, :prefix], value[:, :, :prefix], 0.0, False, scale=scaling)
+    lse = torch.logaddexp(own_lse, before_lse)  # [B, Hq, Q], float32
+    out = own.float() * (own_lse - lse).exp()[..., None] + before.float() * (before_lse - lse).exp()[..., None]
+    return out.to(query.dtype).transpose(1, 2).contiguous()
+
+
 def end_aligned_causal_mask(**kwargs: Any) -> torch.Tensor | None:
-    """transformers' SDPA mask (its mask interface, called with keywords), except that on CUDA a plain causal mask
-    whose queries are the last ``q_length`` of the keys, with no padding, is left out (None) whatever the
-    query's length: ``gqa_sdpa_attention`` runs it as ``lower_right_causal_attention``. transformers itself
-    leaves it out only for one query or for no cache (there both alignments agree)."""
+    """transformers' SDPA mask (its mask interface, called with keywords), except that a plain causal mask whose
+    queries are the last ``q_length`` of the keys, with no padding, is left out (None) whatever the query's
+    length: ``gqa_sdpa_attention`` runs it as ``lower_right_causal_attention`` (CUDA) or
+    ``split_causal_attention`` (CPU). transformers itself leaves it out only for one query or for no cache
+    (there both alignments agree)."""
     sdpa_mask = ALL_MASK_ATTENTION_FUNCTIONS["sdpa"]
     q_offset, q_length = kwargs.get("q_offset"), kwargs.get("q_length")
     kv_offset, kv_length = kwargs.get("kv_offset", 0), kwargs.get("kv_length")
     if not (
-        torch.device(kwargs.get("device", "cpu")).type == "cuda"
+        torch.device(kwargs.get("device", "cpu")).type in ("cuda", "cpu")
         and kwargs.get("allow_is_causal_skip", True)
         and kwargs.get("mask_function", causal_mask_function) is causal_mask_function
         and kwargs.get("local_size") is None

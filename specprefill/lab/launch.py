@@ -33,13 +33,20 @@ README_VLLM_ARGS = ("--enable-prompt-tokens-details", "--enable-auto-tool-choice
 TOOL_MARKER = "<|python_tag|>"  # what vLLM's llama3_json tool parser needs in the tokenizer
 
 
+HERMES_MARKER = "<tool_call>"  # Qwen2.5's tool calls, which vLLM's hermes parser reads
+
+
 def readme_vllm_args(target: Path | str) -> tuple[str, ...]:
     """The README's flags for this target: its tool-call parser only where the target's tokenizer has the parser's
-    marker (vLLM refuses to start otherwise: SmolLM2 has none, and no tool parser of vLLM's fits it)."""
+    marker (vLLM refuses to start otherwise: SmolLM2 has none, and no tool parser of vLLM's fits it); Qwen2.5's
+    tool calls take vLLM's hermes parser, as its model card starts vLLM."""
     tokens = Path(target) / "tokenizer.json"
-    if tokens.exists() and TOOL_MARKER not in tokens.read_text():
-        return README_VLLM_ARGS[:1]
-    return README_VLLM_ARGS
+    text = tokens.read_text() if tokens.exists() else TOOL_MARKER
+    if TOOL_MARKER in text:
+        return README_VLLM_ARGS
+    if HERMES_MARKER in text:
+        return (*README_VLLM_ARGS[:3], "hermes")
+    return README_VLLM_ARGS[:1]
 
 
 def kv_events_config() -> str:

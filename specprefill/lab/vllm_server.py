@@ -22,6 +22,7 @@ class VLLMServer:
         kv_cache_gib: int = 1,
         extra_args: tuple[str, ...] = (),
         pinned: bool = True,
+        dtype: str | None = None,
     ) -> None:
         """``pinned`` (the default) is vLLM's own CPU setup: its OpenMP thread pinned to a core, a core left to
         its server process. Timings are then steady (on 2 cores, the same cached request took 279-289 ms, where
@@ -54,7 +55,7 @@ class VLLMServer:
             "--max-model-len",
             str(max_model_len),
             "--dtype",
-            "float32",
+            dtype or vllm_dtype(model),
             "--max-num-seqs",
             "8",
             "--enable-prefix-caching",
@@ -94,3 +95,23 @@ class VLLMServer:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
+
+
+def vllm_dtype(model: Path | str) -> str:
+    """What vLLM computes the model in here: the checkpoint's own half precision where this CPU has fast kernels for
+    it (as the reference engine decides: ``common.models.compute_dtype``), else float32. A deployment runs vLLM's
+    default (the checkpoint's dtype); on a CPU without bfloat16 dot products that is a scalar loop."""
+    import json
+
+    import torch
+
+    from common.models import compute_dtype
+
+    config = Path(model) / "config.json"
+    if not config.is_file():
+        return "float32"
+    raw = json.loads(config.read_text())
+    declared = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(raw.get("dtype") or raw.get("torch_dtype"))
+    if declared is None:
+        return "float32"
+    return str(compute_dtype(declared, torch.device("cpu"))).removeprefix("torch.")

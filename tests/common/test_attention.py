@@ -22,19 +22,20 @@ def test_grouped_query_attention_by_the_kernel_matches_the_oracle_on_a_cached_pr
     use_gqa_sdpa(model)
     assert model.config._attn_implementation == GQA_SDPA
     grouped = []
-    sdpa = torch.nn.functional.scaled_dot_product_attention
+    split = attention.split_causal_attention
 
-    def spy(*args, **kwargs):
-        grouped.append(kwargs.get("enable_gqa", False))
-        return sdpa(*args, **kwargs)
+    def spy(query, key, value, scaling=None):
+        grouped.append(query.shape[1] != key.shape[1])  # the kernel's own GQA: the cache is not copied per head
+        return split(query, key, value, scaling)
 
-    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(attention, "split_causal_attention", spy)
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(2, 256, (60,), generator=generator).tolist()
     positions = sorted(torch.randperm(500, generator=generator)[:60].tolist())
     _, cache = prefill(model, torch.tensor([ids[:40]]), torch.tensor([positions[:40]]))
     logits, _ = prefill(model, torch.tensor([ids[40:]]), torch.tensor([positions[40:]]), cache)
-    # the second chunk has a mask (a cached prefix before it): the kernel's own GQA, no copies of the cache
+    # the second chunk follows a cached prefix: causal at the keys' end, two flash calls on the CPU, the kernel's own
+    # GQA (no copies of the cache)
     assert grouped[-model.config.num_hidden_layers :] == [True] * model.config.num_hidden_layers
     eager = copy.deepcopy(model)
     eager.set_attn_implementation("eager")
@@ -96,9 +97,9 @@ def _mask_arguments(q_length: int, kv_length: int, padding: torch.Tensor | None,
     }
 
 
-def test_a_chunk_at_the_end_of_its_cache_gets_no_mask_on_cuda_only(monkeypatch):
-    """Left out (None), the attention runs the lower-right causal kernel; padding, a chunk not at the end of the
-    keys or another device keep transformers' own mask."""
+def test_a_chunk_at_the_end_of_its_cache_gets_no_mask(monkeypatch):
+    """Left out (None), the attention runs the lower-right causal kernel (CUDA) or the split one (CPU); padding, a
+    chunk not at the end of the keys or another device keep transformers' own mask."""
     made = []
     sdpa_mask = ALL_MASK_ATTENTION_FUNCTIONS["sdpa"]
 
@@ -110,19 +111,20 @@ def test_a_chunk_at_the_end_of_its_cache_gets_no_mask_on_cuda_only(monkeypatch):
     ones = torch.ones(1, 300, dtype=torch.long)
     assert end_aligned_causal_mask(**_mask_arguments(100, 300, ones, "cuda")) is None
     assert end_aligned_causal_mask(**_mask_arguments(100, 300, None, "cuda")) is None
+    assert end_aligned_causal_mask(**_mask_arguments(100, 300, ones, "cpu")) is None
     assert made == []
     padded = ones.clone()
     padded[0, 5] = 0
     cases = [
         _mask_arguments(100, 300, padded, "cuda"),
-        _mask_arguments(100, 300, ones, "cpu"),
+        _mask_arguments(100, 300, ones, "meta"),
         {**_mask_arguments(100, 300, ones, "cuda"), "q_offset": 0},  # not at the end: a static cache's room
         {**_mask_arguments(100, 300, ones, "cuda"), "local_size": 64},
     ]
     for arguments in cases:
         mask = end_aligned_causal_mask(**arguments)
         assert mask is not None and mask.shape[-2:] == (100, 300)
-    assert made == ["cuda", "cpu", "cuda", "cuda"]
+    assert made == ["cuda", "meta", "cuda", "cuda"]
 
 
 @pytest.mark.parametrize("kv_heads", [2, 8])
@@ -169,3 +171,19 @@ def test_chunked_prefill_on_cuda_runs_the_flash_kernel_and_matches_the_oracle(mo
     eager.set_attn_implementation("eager")
     expected = reference_logits(eager.cpu(), ids, positions)
     assert torch.nn.functional.cosine_similarity(logits.cpu(), expected, dim=0) > 0.99
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_chunk_after_a_cache_split_in_two_is_the_masked_attention(dtype):
+    """The last 40 of 300 positions, grouped heads: the cached keys whole, the chunk's own causally, merged."""
+    g = torch.Generator().manual_seed(0)
+    query = torch.randn(2, 8, 40, 32, generator=g).to(dtype)
+    key, value = (torch.randn(2, 2, 300, 32, generator=g).to(dtype) for _ in range(2))
+    mask = torch.ones(40, 300, dtype=torch.bool).tril(260)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        query.float(), key.float(), value.float(), attn_mask=mask, enable_gqa=True
+    ).transpose(1, 2)
+    got = attention.split_causal_attention(query, key, value)
+    assert got.shape == (2, 40, 8, 32) and got.dtype == dtype
+    tolerance = {} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    torch.testing.assert_close(got.float(), expected, **tolerance)

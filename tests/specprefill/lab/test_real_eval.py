@@ -109,6 +109,7 @@ def test_vllm_gets_a_tool_parser_only_where_the_tokenizer_has_its_marker(qwen, s
 
     # SmolLM2's tokenizer has no tool-call marker: vLLM refuses llama3_json for it at start
     assert readme_vllm_args(smollm2.target) == ("--enable-prompt-tokens-details",)
+    assert readme_vllm_args(qwen.target)[-2:] == ("--tool-call-parser", "hermes")  # Qwen2.5's <tool_call>
     assert readme_vllm_args(ensure_demo_models() / "target") == README_VLLM_ARGS  # Llama 3.1's marker
 
 
