@@ -108,7 +108,8 @@ def split_causal_attention(
     before, before_lse = flash(query, key[:, :, :prefix], value[:, :, :prefix], 0.0, False, scale=scaling)
     lse = torch.logaddexp(own_lse, before_lse)  # [B, Hq, Q], float32
     out = own.float() * (own_lse - lse).exp()[..., None] + before.float() * (before_lse - lse).exp()[..., None]
-    return out.to(query.dtype).transpose(1, 2).contiguous()
+    merged: torch.Tensor = out.to(query.dtype).transpose(1, 2).contiguous()
+    return merged
 
 
 def end_aligned_causal_mask(**kwargs: Any) -> torch.Tensor | None:

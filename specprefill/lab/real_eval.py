@@ -107,6 +107,8 @@ def variants(
     if pair.draft is not None:
         label, draft = pair.draft_label, str(pair.draft)
         out[label] = ["--draft-model", draft]
+        if pair.pair.draft_layers:  # the served default is always one of the rows
+            draft_layers = sorted({*draft_layers, pair.pair.draft_layers})
         out |= {f"{label}-{k}": ["--draft-model", draft, "--draft-layers", str(k)] for k in draft_layers}
     if not pair.code:  # SmolLM2's: the cross-tokenizer draft reads about 2,000 of its tokens
         out["cross"] = ["--draft-model", str(CROSS_DRAFT)]
