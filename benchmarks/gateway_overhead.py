@@ -7,9 +7,12 @@ the order alternating, after both are idle; each answer read to its end, as the 
 Backends: ``vllm`` (the CPU build with the plugin, prefix caching on: the system prompt read once, then
 served from its cache), or ``fast`` (``specprefill.lab.fast_backend``, which answers at once: what is left is the
 gateway's own time and the client's). ``--agent N`` makes each request an agent's later turn: N tool schemas
-and N tool calls with their results between the system prompt and the question.
+and N tool calls with their results between the system prompt and the question. ``--tracing`` adds a second
+gateway, the same but for its OpenTelemetry traces sent to a collector on this machine (one that takes every
+batch and answers at once), in the same rounds: the cost of tracing on the gateway's own time.
 
     .venv/bin/python benchmarks/gateway_overhead.py [--backend vllm|fast] [--rounds 14] [--think 0.1] [--agent N]
+        [--tracing]
 """
 
 from __future__ import annotations
@@ -118,6 +121,41 @@ def backend(kind: str, vllm_python: str, target: Path) -> Iterator[str]:
         yield url
 
 
+@contextlib.contextmanager
+def collector(received: dict[str, int]) -> Iterator[str]:
+    """An OTLP/HTTP collector that takes every batch and answers at once (counting them, and their bytes, in
+    ``received``): its base URL while it runs."""
+    import socket
+    import threading
+
+    import uvicorn
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        received["batches"] += 1
+        while True:
+            message = await receive()
+            received["bytes"] += len(message.get("body", b""))
+            if not message.get("more_body"):
+                break
+        await send(
+            {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/x-protobuf")]}
+        )
+        await send({"type": "http.response.body", "body": b""})
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
 def main() -> None:
     parser = options(__doc__, f"requests per path; the first {COUNTED_FROM} are not counted")
     parser.add_argument("--backend", choices=("vllm", "fast"), default="vllm")
@@ -128,37 +166,22 @@ def main() -> None:
         default=0,
         help="an agent's turn: this many tools and tool calls so far between the system prompt and the question",
     )
+    parser.add_argument("--tracing", action="store_true", help="also a gateway with its traces sent to a collector")
     args = parser.parse_args()
     system = system_prompt(args.words)
     root = ensure_demo_models()
-    with (
-        backend(args.backend, args.vllm_python, root / "target") as url,
-        launched_gateway(
-            [
-                "--backend-url",
-                url,
-                "--backend-kind",
-                "vllm",
-                "--target-model",
-                str(root / "target"),
-                "--draft-model",
-                str(root / "draft"),
-                "--served-model-name",
-                DEMO_NAME,
-                "--min-prompt-tokens",
-                "1024",
-            ]
-        ) as gateway,
-    ):
+    flags = ["--target-model", str(root / "target"), "--draft-model", str(root / "draft")]
+    flags += ["--served-model-name", DEMO_NAME, "--min-prompt-tokens", "1024", "--backend-kind", "vllm"]
+    received = {"batches": 0, "bytes": 0}
+    with contextlib.ExitStack() as stack:
+        url = stack.enter_context(backend(args.backend, args.vllm_python, root / "target"))
+        urls = {"direct": url, "gateway": stack.enter_context(launched_gateway(["--backend-url", url, *flags]))}
+        if args.tracing:
+            sink = stack.enter_context(collector(received))
+            traced = ["--backend-url", url, "--otlp-endpoint", sink, *flags]
+            urls["traced"] = stack.enter_context(launched_gateway(traced))
         times = asyncio.run(
-            alternate(
-                {"direct": url, "gateway": gateway},
-                system,
-                args.rounds,
-                args.think,
-                verbose=args.backend == "vllm",
-                agent=args.agent,
-            )
+            alternate(urls, system, args.rounds, args.think, verbose=args.backend == "vllm", agent=args.agent)
         )
     for name, seconds in times.items():
         counted = [s * 1e3 for s in seconds[COUNTED_FROM:]]
@@ -167,6 +190,10 @@ def main() -> None:
     print(
         f"the gateway's own: {gateway - direct:.1f} ms (difference of medians over {args.rounds - COUNTED_FROM} rounds)"
     )
+    if args.tracing:
+        traced = statistics.median(times["traced"][COUNTED_FROM:]) * 1e3
+        print(f"with tracing on: {traced - direct:.1f} ms, {traced - gateway:+.2f} ms against tracing off")
+        print(f"the collector received {received['batches']} batches of spans, {received['bytes']:,} bytes")
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from common.errors import APIError, InvalidRequestError, parse_body
 from common.hosted_tools import anthropic_forced, anthropic_server, leave_out_offered
 from common.max_tokens import OutputLimit
 from common.protocol import ChatCompletionRequest, SpecPrefillOptions, WireModel
+from common.telemetry import request_id
 
 BILLING_HEADER = "x-anthropic-billing-header"  # Claude Code's per-request hash: it would defeat prefix caching
 ERROR_TYPES = {
@@ -510,7 +511,13 @@ def error_body(exc: APIError) -> dict[str, Any]:
     message = exc.message
     if exc.param and f"parameter={exc.param}" not in message:
         message = f"{message} (parameter={exc.param})"
-    return {"type": "error", "error": {"type": ERROR_TYPES.get(exc.status_code, "api_error"), "message": message}}
+    body: dict[str, Any] = {
+        "type": "error",
+        "error": {"type": ERROR_TYPES.get(exc.status_code, "api_error"), "message": message},
+    }
+    if (request := request_id()) is not None:  # as Anthropic's own errors carry it
+        body["request_id"] = request
+    return body
 
 
 def count_tokens_body(input_tokens: int) -> dict[str, Any]:

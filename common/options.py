@@ -19,6 +19,12 @@ class ServerOptions(BaseSettings):
     port: int = Field(8000, description="port to listen on")
     log_level: str = Field("info", description="debug, info, warning or error")
     drain_timeout: float = Field(30.0, ge=0, description="on SIGTERM, seconds in-flight requests may take to finish")
+    log_json: bool = Field(False, description="the log line of each request as one JSON object")
+    otlp_endpoint: str | None = Field(
+        None,
+        description="OpenTelemetry traces to this OTLP/HTTP collector (e.g. http://127.0.0.1:4318); the standard "
+        "OTEL_* variables work too; off when neither is set",
+    )
 
 
 class DeviceOptions(BaseSettings):

@@ -28,6 +28,8 @@ from common.errors import OverloadedError, error_body
 from common.messages import error_body as anthropic_error_body
 from common.options import ServerOptions
 from common.streams import SSE_DONE, sse_error
+from common.telemetry import RequestIdFilter, RequestTelemetry
+from common.tracing import Tracing
 
 logger = logging.getLogger("specprefill")
 TRIM_AFTER_BYTES = 1 << 20  # a body at least this big: the heap is trimmed once its request is done
@@ -276,13 +278,24 @@ def freeze_startup_heap() -> None:
 
 
 def run_server(
-    app: ASGIApp, options: ServerOptions, *, max_body_bytes: int = 16 << 20, max_header_bytes: int = 64 << 10
+    app: ASGIApp,
+    options: ServerOptions,
+    *,
+    service: str = "specprefill",
+    max_body_bytes: int = 16 << 20,
+    max_header_bytes: int = 64 << 10,
 ) -> None:
-    """Serves ``app`` behind the guard, with logging configured the same way for every service."""
-    logging.basicConfig(level=options.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    """Serves ``app`` behind the guard and the request's telemetry (its ID, its log line, its trace:
+    ``common.telemetry``), with logging configured the same way for every service."""
+    logging.basicConfig(
+        level=options.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s [%(request_id)s]: %(message)s"
+    )
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(RequestIdFilter())
+    tracing = Tracing(service, options.otlp_endpoint)
     guard = GuardMiddleware(app, max_body_bytes=max_body_bytes, max_header_bytes=max_header_bytes)
     config = uvicorn.Config(
-        guard,
+        RequestTelemetry(guard, tracing.tracer, log_json=options.log_json),
         host=options.host,
         port=options.port,
         log_level=options.log_level,
@@ -292,4 +305,7 @@ def run_server(
         # sends on a connection the server is closing at that instant
         timeout_keep_alive=75,
     )
-    DrainingServer(config, guard, options.drain_timeout).run()
+    try:
+        DrainingServer(config, guard, options.drain_timeout).run()
+    finally:
+        tracing.shutdown()

@@ -21,6 +21,7 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from common.process import wait_healthy
 from common.server import GuardMiddleware
+from common.telemetry import RequestTelemetry
 from engine.server import create_app as create_engine_app
 from engine.settings import EngineSettings
 from gateway.settings import GatewaySettings
@@ -149,11 +150,12 @@ def tiny_llama(
 
 
 @contextlib.contextmanager
-def serve(app, *, timeout: float = 60.0, port: int = 0, max_body_bytes: int = 16 << 20) -> Iterator[str]:
-    """Runs ``app`` on 127.0.0.1 at a free port (or ``port``) behind the production guard middleware and header
-    limit, in a background thread; yields its base URL; stops it on exit."""
+def serve(app, *, timeout: float = 60.0, port: int = 0, max_body_bytes: int = 16 << 20, tracer=None) -> Iterator[str]:
+    """Runs ``app`` on 127.0.0.1 at a free port (or ``port``) behind the production guard middleware, header limit
+    and request telemetry (``tracer``: its server spans), in a background thread; yields its base URL; stops it on
+    exit."""
     config = uvicorn.Config(
-        GuardMiddleware(app, max_body_bytes=max_body_bytes),
+        RequestTelemetry(GuardMiddleware(app, max_body_bytes=max_body_bytes), tracer),
         host="127.0.0.1",
         port=port,
         log_level="warning",

@@ -10,6 +10,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
+from common.tracing import span
 from gateway.dispatch.answer import Answer, Endpoint
 from gateway.dispatch.feedback import Feedback
 from gateway.dispatch.trace import Trace
@@ -87,7 +88,8 @@ class Dispatcher:
         ticket = load.begin(trace.plan.target_s, expected_s=expected)
         start = time.perf_counter()
         try:
-            answer = await send(replica.backend)
+            with span("specprefill.backend", **{"specprefill.replica": replica.index}):
+                answer = await send(replica.backend)  # up to the first event: the engine's TTFT as seen here
         except BaseException:
             load.end(ticket)
             self._foreground(load, -1)

@@ -25,6 +25,7 @@ from common.json_wire import dumps, loads
 from common.messages import MessagesRequest
 from common.protocol import ChatCompletionRequest
 from common.responses import ResponsesRequest
+from common.telemetry import outgoing_headers
 from engine.protocol import EngineCompletionRequest
 from engine.serving import EngineServing
 from gateway.engines.kinds import KINDS, Kind
@@ -244,7 +245,7 @@ class HTTPBackend:
                 method,
                 self.base_url + path,
                 data=None if body is None else dumps(body),
-                headers=JSON_HEADERS if body is not None else None,
+                headers={**JSON_HEADERS, **outgoing_headers()} if body is not None else outgoing_headers(),
             )
             if response.status != 200:
                 with contextlib.closing(response):

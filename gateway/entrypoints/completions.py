@@ -19,6 +19,8 @@ from gateway.serving import GatewayServing
 
 
 class CompletionsAPI(Surface[CompletionRequest]):
+    operation = "text_completion"
+
     async def answer(self, request: CompletionRequest, headers: Mapping[str, str]) -> Answer:
         serving = self.serving
         plan, _ = await serving.planned(request, headers)

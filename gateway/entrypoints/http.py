@@ -7,7 +7,7 @@ import base64
 import hmac
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
 from fastapi import Depends, Request
@@ -16,6 +16,7 @@ from fastapi.responses import Response, StreamingResponse
 from common.errors import APIError, AuthenticationError
 from common.json_wire import WireJSONResponse
 from common.streams import sse_body
+from common.telemetry import note_usage
 from gateway.dispatch.answer import Answer
 from gateway.metrics import GatewayMetrics
 
@@ -51,13 +52,26 @@ async def respond(
         metrics.errors.labels(endpoint, str(getattr(exc, "status_code", 500))).inc()
 
     if answer.stream is not None:
+        events = _usage_noted(answer.stream)
         return StreamingResponse(
-            sse_body(answer.stream, on_first=first_byte, on_error=failed, named=named, error_shape=error_shape),
+            sse_body(events, on_first=first_byte, on_error=failed, named=named, error_shape=error_shape),
             media_type="text/event-stream",
             headers=answer.trace.headers(),
         )
     first_byte()
+    note_usage((answer.body or {}).get("usage"))
     return WireJSONResponse(answer.body, headers=answer.trace.headers())
+
+
+async def _usage_noted(events: AsyncGenerator[dict[str, Any], None]) -> AsyncGenerator[dict[str, Any], None]:
+    """The stream as it is, its usage noted for the request's log line and span where an event carries it (chat
+    and completions: the last; Responses: ``response.completed``; Messages: ``message_start`` and
+    ``message_delta``)."""
+    async for event in events:
+        usage = event.get("usage") or (event.get("response") or event.get("message") or {}).get("usage")
+        if usage:
+            note_usage(usage)
+        yield event
 
 
 def _expected(request: Request) -> bytes | None:

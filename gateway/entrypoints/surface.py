@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Generic, TypeVar
 
+from common import telemetry
 from common.hosted_tools import LEFT_OUT_HEADER
 from common.protocol import ChatCompletionRequest, WireModel
 from gateway.dispatch.answer import Answer
@@ -18,6 +19,7 @@ Request = TypeVar("Request", bound=WireModel)
 
 class Surface(Generic[Request]):
     rewrite: answers.Rewrite = staticmethod(answers.openai)
+    operation = "chat"  # the GenAI operation it serves (its traces' gen_ai.operation.name)
     ping = False  # an Anthropic stream's ping after message_start
     gather: type[echo.Gather] | None = None  # a conversation's answers, as its client sends them back
 
@@ -25,6 +27,8 @@ class Surface(Generic[Request]):
         self.serving = serving
 
     async def __call__(self, request: Request, headers: Mapping[str, str]) -> Answer:
+        if (record := telemetry.current()) is not None:
+            record.model, record.operation = getattr(request, "model", None), self.operation
         async with self.serving.arrival():
             answer = await self.answer(request, headers)
         if request.tools_left_out:

@@ -12,6 +12,7 @@ import httpx
 import torch
 
 from common.blocks import Ints
+from common.telemetry import outgoing_headers
 from draft_worker.baselines import BaselineScorer
 from draft_worker.codec import scores_from_text
 from draft_worker.config import ScoringConfig
@@ -115,7 +116,9 @@ class RemoteDraft:
         last_error: Exception | None = None
         for url in self._candidates():
             try:
-                response = await self._client.post(f"{url}/v1/score", json={"token_ids": token_ids})
+                response = await self._client.post(
+                    f"{url}/v1/score", json={"token_ids": token_ids}, headers=outgoing_headers()
+                )
             except httpx.HTTPError as exc:
                 self._mark_down(url, exc)
                 last_error = exc

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from common.selection import applied_keep_rate, extend_selection, fill_blocks, kept_importance, select_tokens
+from common.tracing import span
 from gateway.engines.replicas import Replica
 from gateway.metrics import GatewayMetrics
 from gateway.planning.costs import CostModel
@@ -118,8 +119,9 @@ class Planner:
         if tokens is None:  # once: every lookup below compares arrays (a 12,000-token list takes 0.4 ms)
             tokens = np.asarray(token_ids, dtype=np.int64)
         replica = replica or self.replicas[0]
-        whole = whole or await self.candidate("whole", tokens, None, replica)
-        plan = await self._plan(token_ids, tokens, options, unsupported, keep, boundary, scored, replica, whole)
+        with span("specprefill.plan", **{"specprefill.replica": replica.index}):
+            whole = whole or await self.candidate("whole", tokens, None, replica)
+            plan = await self._plan(token_ids, tokens, options, unsupported, keep, boundary, scored, replica, whole)
         if not dry_run and plan.status == "compressed":
             self.metrics.keep_rate.observe(plan.keep_rate)  # the rate applied (auto: the one the scores chose)
         return plan.but(replica=replica, tokens=tokens)
@@ -219,7 +221,8 @@ class Planner:
         before = replica.load.snapshot()
         try:
             if scored is None:
-                scored = await asyncio.wait_for(self.scores.scores(token_ids), deadline_s)
+                with span("specprefill.draft", **{"specprefill.prompt_tokens": len(token_ids)}):
+                    scored = await asyncio.wait_for(self.scores.scores(token_ids), deadline_s)
                 fresh = True
             else:
                 fresh = False

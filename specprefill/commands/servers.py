@@ -50,7 +50,9 @@ class Serve(GatewaySettings):
             f"-H 'x-keep-rate: 0.3' -d '{body}'",
             flush=True,
         )
-        run_server(create_app(settings), settings, max_body_bytes=settings.max_request_bytes)
+        run_server(
+            create_app(settings), settings, service="specprefill-gateway", max_body_bytes=settings.max_request_bytes
+        )
 
     def with_default_models(self) -> GatewaySettings:
         """Without --target-model and --draft-model: the real pair that --real-pair names, each model made on
@@ -91,7 +93,7 @@ class Engine(EngineSettings):
         from common.server import run_server
         from engine.server import create_app
 
-        run_server(create_app(self), self)
+        run_server(create_app(self), self, service="specprefill-engine")
 
 
 class DraftWorker(DraftWorkerSettings):
@@ -102,7 +104,7 @@ class DraftWorker(DraftWorkerSettings):
         from draft_worker.service import create_app
 
         _check_draft_layers("draft-worker", self.model, self.draft_layers)
-        run_server(create_app(self), self)
+        run_server(create_app(self), self, service="specprefill-draft-worker")
 
 
 def _check_draft_layers(command: str, model: str | None, layers: int | None) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import signal
 import subprocess
 import time
@@ -286,7 +287,9 @@ def test_a_drain_that_runs_out_of_time_ends_every_request_in_its_shape(model_pai
             assert error == {
                 "type": "error",
                 "error": {"type": "overloaded_error", "message": error["error"]["message"]},
+                "request_id": error.get("request_id"),
             }
+            assert re.fullmatch(r"[0-9a-f]{32}", error["request_id"])  # made by the gateway, as on every answer
             assert gateway.wait(timeout=30) != 0  # not a clean drain
         finally:
             gateway.kill()
