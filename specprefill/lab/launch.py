@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -180,9 +181,26 @@ def _vllm(python: str, target: Path, log: Path, plugin: bool, max_len: int, repl
         plugin=plugin,
         served_name="specprefill-demo",
         max_model_len=max_len,
-        kv_cache_gib=4 if replicas == 1 else 2,
+        kv_cache_gib=_kv_cache_gib(target, max_len, replicas),
         extra_args=args,
     )
+
+
+def _kv_cache_gib(target: Path, max_len: int, replicas: int) -> int:
+    """vLLM's KV cache space: 4 GiB (2 for replicas); for a model of more than 2 GB of weights, no more than room
+    for two of its longest sequences. Two instances of Qwen2.5-Coder-1.5B with 4 GiB each ran a 24 GiB machine
+    out of memory at a 16,000-token prefill; room for two 32,768-token sequences takes 1.75 GiB in bfloat16."""
+    default = 4 if replicas == 1 else 2
+    if sum(p.stat().st_size for p in target.glob("*.safetensors")) <= 2 << 30:
+        return default
+    from specprefill.lab.vllm_server import vllm_dtype
+
+    config = json.loads((target / "config.json").read_text())
+    layers, heads = config["num_hidden_layers"], config.get("num_key_value_heads", config["num_attention_heads"])
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    width = 4 if vllm_dtype(target) == "float32" else 2
+    bytes_per_token = layers * 2 * heads * head_dim * width  # keys and values, in the dtype vLLM runs
+    return max(1, min(default, math.ceil(2 * max_len * bytes_per_token / 2**30)))
 
 
 @contextlib.contextmanager

@@ -309,6 +309,7 @@ def _gateway_args(pair: EvalPair, device: str) -> list[str]:
         *("--target-model", str(pair.target), "--served-model-name", pair.pair.target.name),
         *("--planner", "fresh", "--min-prompt-tokens", "64", "--device", device, "--log-level", "warning"),
         *("--draft-timeout", "600"),  # accuracy, not speed: a draft slowed by a busy machine still answers
+        "--no-calibrate",  # a fresh plan for every request prices nothing: no start-up probe of the target
     ]
 
 
