@@ -103,6 +103,9 @@ class Eval(BaseSettings):
     real_windows: list[int] = Field(
         [], description="real: each model draft also with these observation windows (drafts named DRAFT/wN)"
     )
+    real_tasks: list[str] = Field(
+        [], description="real: only these tasks (passkey, fact, two-fact, code, rule; default: all)"
+    )
     real_rule_length: int | None = Field(
         None, description="real: the instruction-following haystacks' length (0: none; default: every length)"
     )
@@ -121,6 +124,16 @@ class Eval(BaseSettings):
         description="real: DRAFT=FOLDER, a `specprefill bench` run of that draft (its folder or bench.json) "
         "(repeatable): accuracy against cold TTFT, plotted (real-frontier.png)",
     )
+
+    @field_validator("real_tasks")
+    @classmethod
+    def _real_tasks(cls, value: list[str]) -> list[str]:
+        from specprefill.lab.haystack import CODE_TASK, RULE_TASK, TASKS
+
+        unknown = set(value) - {*TASKS, CODE_TASK, RULE_TASK}
+        if unknown:
+            raise ValueError(f"unknown task {sorted(unknown)[0]!r}: use {', '.join([*TASKS, CODE_TASK, RULE_TASK])}")
+        return value
 
     @field_validator("keep_rates", "suite_keep_rates", "real_keep_rates")
     @classmethod
@@ -233,6 +246,7 @@ def _real(options: Eval, out: Path) -> int:
         haystacks=options.real_haystacks,
         device=options.real_device,
         parallel=options.real_parallel,
+        tasks=options.real_tasks,
     )
     cells = summarize(rows)
     print("\n".join(format_summary(cells)))

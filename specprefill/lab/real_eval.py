@@ -325,10 +325,12 @@ def run_real_eval(
     haystacks: Path | None = None,
     device: str = "cpu",
     parallel: int = 1,
+    tasks: Sequence[str] = (),
 ) -> list[dict]:
     """Every answer (resumed from ``out/answers.jsonl``), lengths in the order given, each length's drafts in the
     order ``drafts`` gives them, ``parallel`` gateways at a time. The haystacks are written to
-    ``out/haystacks.jsonl``, or read from ``haystacks`` (another run's)."""
+    ``out/haystacks.jsonl``, or read from ``haystacks`` (another run's). ``tasks``: only these (default: all);
+    the haystacks written are all of them, so that a later run asks the others of the same haystacks."""
     out.mkdir(parents=True, exist_ok=True)
     answers = out / "answers.jsonl"
     done = _done(answers)
@@ -336,6 +338,11 @@ def run_real_eval(
     wanted = set(lengths) | set(rule_lengths)
     everything = [i for i in everything if i.length in wanted and i.index < counts.most]
     save_items(everything, out / "haystacks.jsonl")
+    known = {*TASKS, CODE_TASK, RULE_TASK}
+    if set(tasks) - known:
+        raise ValueError(f"unknown task {sorted(set(tasks) - known)[0]!r}: tasks are {', '.join(sorted(known))}")
+    if tasks:
+        everything = [i for i in everything if i.sample.task in tasks]
     order = [n for n in dict.fromkeys([*lengths, *sorted(wanted)]) if any(i.length == n for i in everything)]
     common = _gateway_args(pair, device)
     # what the gateways compute in (float32 on a CPU without fast bfloat16 kernels): kept with every answer
