@@ -1,6 +1,8 @@
-"""The path every API surface shares, from its prologue: checks, tokens and the plan; the swap, and the whole
-prompt where the backend refuses it. ``gateway.dispatch`` takes the plan to a replica and learns from the
-answer.
+"""The path every API surface shares, in one entry (``GatewayServing.serve``): a surface's request, converted to the
+chat or completion the target reads, goes through checks, tokens and the plan, then reaches the backend one of
+three ways (the client's body with the swap, the kept messages, or the kept tokens at their positions as a
+completion), and the whole prompt where the backend refuses the swap. ``gateway.dispatch`` takes the plan to a
+replica and learns from the answer.
 
 A request flows one way: router -> API surface (``gateway/entrypoints``: chat, completions, Responses,
 Messages, each converting its request to a chat or completion and its answers back) -> policy -> planner ->
@@ -16,28 +18,30 @@ import math
 import re
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from common.chat import RenderedChat, render_chat
+from common.chat import ChatChunkConverter, RenderedChat, as_chat_chunks, completion_to_chat, render_chat
 from common.errors import APIError, InvalidRequestError, NotFoundError, OverloadedError
 from common.prompt_bound import refuse_unfittable
 from common.protocol import ChatCompletionRequest, CompletionRequest, WireModel
 from common.swap import KEPT_KEY, POSITIONS_KEY, SWAP_PARAM
 from common.tokenize import PieceCache
-from gateway.dispatch.answer import Answer, Endpoint
+from gateway.dispatch.answer import CHAT, COMPLETIONS, Answer, Endpoint
 from gateway.dispatch.dispatcher import Dispatcher
 from gateway.engines.backends import Backend, StreamRefused
+from gateway.engines.kinds import Kept
 from gateway.engines.replicas import HealthWatch
 from gateway.metrics import GatewayMetrics
 from gateway.planning.draft import DraftClient
 from gateway.planning.plan import Plan
 from gateway.planning.planner import Planner
 from gateway.planning.policy import Reason, RequestOptions, request_options
+from gateway.planning.prompt import Prompt
 from gateway.planning.routing import Router
 from gateway.settings import GatewaySettings
 
@@ -46,19 +50,20 @@ SYSTEM_ROLES = ("system", "developer")
 OFF_LOOP_CHARS = 65536  # prompts longer than this are rendered and tokenized off the event loop (about 20 ms)
 
 
-@dataclass(slots=True)
-class Prompt:
-    """A request's prompt as the target reads it."""
+@dataclass(frozen=True, slots=True)
+class Converted:
+    """A surface's request as the shared path takes it: ``request``, the chat or completion the target reads
+    (None: one the gateway cannot render, sent whole for ``unplanned``'s reason), and the client's own request,
+    ``wire``, which goes to the backend's ``endpoint`` (its model's name set, then ``adjust``ed to the plan).
+    A backend without the swap takes only chats and completions: another surface's chat is served as a chat there
+    and its answer converted by ``from_chat``, or, without one, the client's body goes whole."""
 
-    token_ids: list[int]
-    rendered: RenderedChat | None = None  # a chat's template text and offsets
-    keep: torch.Tensor | None = None  # [S] bool: the system prompt, kept whole where affordable
-    boundary: int | None = None  # where a chat's last message begins: another user's request leaves this one there
-
-    def token_array(self) -> np.ndarray:
-        """``token_ids`` as an int64 array: the tokenizer's own, where it made one."""
-        made = self.rendered.ids if self.rendered is not None else None
-        return made if made is not None else np.asarray(self.token_ids, dtype=np.int64)
+    request: ChatCompletionRequest | CompletionRequest | None
+    wire: WireModel
+    endpoint: Endpoint
+    adjust: Callable[[dict[str, Any]], None] | None = None
+    unplanned: str | None = None  # why ``request`` is None (``Reason``)
+    from_chat: Callable[[Answer], Answer] | None = None
 
 
 class GatewayServing:
@@ -102,7 +107,44 @@ class GatewayServing:
         await self.draft.close()
         await self.planner.close()
 
-    # --- the prologue every chat and completion request takes ---
+    # --- the one path every request takes ---
+
+    async def serve(self, converted: Converted, headers: Mapping[str, str]) -> Answer:
+        """A converted request in, the backend's answer out (in the shape of ``converted.endpoint``): rendered
+        and planned, its body made, and dispatched the one way the plan and the backend kind allow."""
+        request, endpoint = converted.request, converted.endpoint
+        if request is not None and not self.swaps and endpoint not in (CHAT, COMPLETIONS):
+            if converted.from_chat is not None and isinstance(request, ChatCompletionRequest):
+                return converted.from_chat(await self.serve(Converted(request, request, CHAT), headers))
+            request = None  # no chat path back to this surface's answers: the client's body, whole
+            converted = replace(converted, unplanned=Reason.unsupported(endpoint.path.rsplit("/", 1)[-1]))
+        if request is None:  # nothing the gateway can render (or send compressed): the client's body, whole
+            self.check_model(getattr(converted.wire, "model", ""))
+            plan = Plan([], reason=converted.unplanned or Reason.UNSCORED_CONTENT, passthrough=True)
+            return await self.forward(plan, await self.backend_body(converted.wire), endpoint)
+        plan, prompt = await self.planned(request, headers)
+        body = await self.backend_body(converted.wire)
+        if converted.adjust is not None:
+            converted.adjust(body)
+        if self.swaps or plan.passthrough or plan.position_ids is None:
+            return await self.swapped(plan, body, endpoint)
+        messages = request.messages if isinstance(request, ChatCompletionRequest) else None
+        kept = Kept(plan.token_ids, plan.position_ids, request.completion_params(), messages, prompt.rendered)
+        return await self.kept(plan, kept, body)
+
+    async def kept(self, plan: Plan, kept: Kept, body: dict[str, Any]) -> Answer:
+        """A compressed prompt to a backend without the swap, as its kind takes it (``Kind.kept_body``): the kept
+        messages to its chat endpoint, or the kept tokens as a completion, whose answers a chat gets as chat."""
+        body, as_chat = self.backend.kind.kept_body(body, kept, self.tokenizer)
+        answer = await self.forward(plan, body, CHAT if as_chat else COMPLETIONS)
+        if as_chat or kept.messages is None:
+            return answer
+        model = self.model_name
+        return answer.map(
+            lambda b: completion_to_chat(b, model), lambda s: as_chat_chunks(s, ChatChunkConverter(model))
+        )
+
+    # --- its prologue: checks, tokens and the plan ---
 
     def prompt(self, request: ChatCompletionRequest | CompletionRequest) -> Prompt:
         """The prompt's tokens as the backend would make them (chat template; special tokens added, like vLLM)."""
@@ -250,16 +292,7 @@ class GatewayServing:
         tokens = prompt.token_array()
         replica, whole = await self.router.route(tokens, options, prompt.keep, dry_run=dry_run)
         return await self.planner.plan(
-            prompt.token_ids,
-            options,
-            unsupported,
-            prompt.keep,
-            boundary=prompt.boundary,
-            dry_run=dry_run,
-            scored=scored,
-            replica=replica,
-            whole=whole,
-            tokens=tokens,
+            prompt, options, unsupported, dry_run=dry_run, scored=scored, replica=replica, whole=whole
         )
 
     def unsupported(self, request: ChatCompletionRequest | CompletionRequest) -> list[str]:

@@ -11,7 +11,7 @@ from pydantic_settings import NoDecode
 from common.options import DeviceOptions, ServerOptions
 from common.selection import AutoKeepRate, KeepRate, validate_keep_rate
 from draft_worker.settings import ScoringOptions
-from gateway.planning.costs import cost_models
+from gateway.cost_terms import check_coefficients, coefficients_help
 
 BackendKind = Literal["reference", "vllm", "tokens", "text"]
 # the model names coding agents ask for unless told otherwise (Claude Code 2.1.332, Codex CLI 0.171.0): a client
@@ -199,12 +199,7 @@ class GatewaySettings(ServerOptions, DeviceOptions, ScoringOptions):
         None, gt=0, description="the engine's prefix-cache block size (default: asked from the engine)"
     )
     calibrate: bool = Field(True, description="time a few probe prompts at start-up to calibrate the cost models")
-    cost_coefficients: dict[str, list[float]] | None = Field(
-        None,
-        description='fixed cost models instead of calibrated ones, seconds per unit: {"target": [fixed, '
-        'per_token, per_cached_token, per_token_pair], "draft": [fixed, per_token, per_token_pair, '
-        "per_prompt_token]}",
-    )
+    cost_coefficients: dict[str, list[float]] | None = Field(None, description=coefficients_help())
     api_key: SecretStr | None = Field(None, description="clients must send this as a Bearer token")
     draft_timeout: float = Field(30.0, gt=0, description="seconds before a draft falls back to the full prompt")
     backend_connect_timeout: float = Field(5.0, gt=0, description="seconds to connect to the backend")
@@ -249,7 +244,7 @@ class GatewaySettings(ServerOptions, DeviceOptions, ScoringOptions):
     @classmethod
     def _costs(cls, value: dict[str, list[float]] | None) -> dict[str, list[float]] | None:
         if value is not None:
-            cost_models(value)  # a ValueError names what is missing
+            check_coefficients(value)  # a ValueError names what is missing
         return value
 
     @field_validator("model_alias", mode="before")

@@ -185,3 +185,11 @@ def test_importing_every_module_registers_nothing():
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]"
+
+
+def test_the_gateway_settings_import_nothing_of_the_gateway_above_them():
+    """The settings are the gateway's floor: every part reads them, so they read no part (the cost models' terms
+    live beneath both, in ``gateway.cost_terms``)."""
+    modules = project_modules()
+    mine = imports_of("gateway.settings", modules["gateway.settings"], set(modules))
+    assert {m for m in mine if m.startswith("gateway.")} <= {"gateway.cost_terms"}, mine

@@ -61,7 +61,7 @@ class Dispatcher:
         where a replica drops it before then. Its answer and its load ticket."""
         tried = set()
         while True:
-            replica = trace.plan.replica
+            replica = trace.plan.placed
             tried.add(replica)
             try:
                 answer, ticket = await self._sent(trace, replica, send)

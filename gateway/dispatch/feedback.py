@@ -71,8 +71,8 @@ class Feedback:
                 await chunks.aclose()
             await self._answered(trace, usage, ticket.contended)
         finally:
-            trace.plan.replica.load.end(ticket)
-            self._foreground(trace.plan.replica.load, -1)
+            trace.plan.placed.load.end(ticket)
+            self._foreground(trace.plan.placed.load, -1)
 
     async def _answered(self, trace: Trace, usage: dict[str, Any] | None, contended: bool) -> None:
         """The planner learns from an answered request; a compressed recurring context is offered for warming."""
@@ -81,8 +81,8 @@ class Feedback:
             await self.planner.completed(plan, usage, trace.backend_ms / 1e3, contended=contended)
         except Exception:  # learning is best effort: never an error for the client
             logger.exception("could not record the plan's outcome")
-        if self.warms(plan):
-            plan.replica.warmer.offer(plan.token_ids)
+        if self.warms(plan) and (warmer := plan.placed.warmer) is not None:
+            warmer.offer(plan.token_ids)
 
     @staticmethod
     def warms(plan: Plan) -> bool:
@@ -109,5 +109,5 @@ class Feedback:
         except Exception as exc:  # an answer the gateway cannot render: the prompt alone is warmed
             logger.debug("the next turn's start could not be rendered: %s", exc)
             return
-        if token_ids and plan.replica.warmer is not None:
-            plan.replica.warmer.offer(token_ids)
+        if token_ids and (warmer := plan.placed.warmer) is not None:
+            warmer.offer(token_ids)

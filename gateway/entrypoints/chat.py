@@ -1,6 +1,6 @@
-"""OpenAI's chat completions: the chat planned as the target reads it, then the client's body to the backend's
-own endpoint with the swap, or (backends without the swap) the kept messages, or the kept tokens at their
-positions as a completion whose answers come back as chat."""
+"""OpenAI's chat completions: the chat as it came, to the shared path (``GatewayServing.serve``), which plans it as
+the target reads it and sends the client's body to the backend's own chat endpoint (with the swap, or the kept
+messages, or the kept tokens as a completion whose answers come back as chat)."""
 
 from __future__ import annotations
 
@@ -11,35 +11,20 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from common.cancellation import with_cancellation
-from common.chat import ChatChunkConverter, as_chat_chunks, completion_to_chat
 from common.protocol import ChatCompletionRequest, ChatMessage
-from gateway.dispatch.answer import CHAT, COMPLETIONS, Answer
-from gateway.engines.kinds import Kept
+from gateway.dispatch.answer import CHAT, Answer
 from gateway.entrypoints import echo
 from gateway.entrypoints.http import AUTH, respond
 from gateway.entrypoints.surface import Surface
-from gateway.serving import GatewayServing
+from gateway.serving import Converted, GatewayServing
 
 
 class ChatAPI(Surface[ChatCompletionRequest]):
     gather = echo.ChatGather
 
     async def answer(self, request: ChatCompletionRequest, headers: Mapping[str, str]) -> Answer:
-        """The chat's answer in chat's shape, not yet rewritten for the client (other surfaces that convert
-        their requests to chat, on backends without the swap, take it from here)."""
-        serving, model = self.serving, self.serving.model_name
-        plan, prompt = await serving.planned(request, headers)
-        body = await serving.backend_body(request)
-        if serving.swaps or plan.passthrough or plan.position_ids is None:
-            return await serving.swapped(plan, body, CHAT)
-        kept = Kept(plan.token_ids, plan.position_ids, request.completion_params(), request.messages, prompt.rendered)
-        body, chat = serving.backend.kind.kept_body(body, kept, serving.tokenizer)
-        if chat:
-            return await serving.forward(plan, body, CHAT)
-        answer = await serving.forward(plan, body, COMPLETIONS)
-        return answer.map(
-            lambda b: completion_to_chat(b, model), lambda s: as_chat_chunks(s, ChatChunkConverter(model))
-        )
+        """The chat's answer in chat's shape, not yet rewritten for the client."""
+        return await self.serving.serve(Converted(request, request, CHAT), headers)
 
     def next_turn(self, request: ChatCompletionRequest, item: dict[str, Any]) -> ChatCompletionRequest:
         after = [ChatMessage.model_validate(item), ChatMessage(role="user", content=echo.PROBE)]

@@ -1,5 +1,6 @@
-"""OpenAI's completions: the prompt planned as it is tokenized, then the client's body to the backend's own
-endpoint with the swap, or the kept text, or the kept tokens at their positions."""
+"""OpenAI's completions: the request as it came, to the shared path (``GatewayServing.serve``), which plans the
+prompt as it is tokenized and sends the client's body to the backend's own endpoint (with the swap, or the kept
+text, or the kept tokens at their positions)."""
 
 from __future__ import annotations
 
@@ -12,24 +13,16 @@ from fastapi.responses import Response
 from common.cancellation import with_cancellation
 from common.protocol import CompletionRequest
 from gateway.dispatch.answer import COMPLETIONS, Answer
-from gateway.engines.kinds import Kept
 from gateway.entrypoints.http import AUTH, respond
 from gateway.entrypoints.surface import Surface
-from gateway.serving import GatewayServing
+from gateway.serving import Converted, GatewayServing
 
 
 class CompletionsAPI(Surface[CompletionRequest]):
     operation = "text_completion"
 
     async def answer(self, request: CompletionRequest, headers: Mapping[str, str]) -> Answer:
-        serving = self.serving
-        plan, _ = await serving.planned(request, headers)
-        body = await serving.backend_body(request)
-        if serving.swaps or plan.passthrough or plan.position_ids is None:
-            return await serving.swapped(plan, body, COMPLETIONS)
-        kept = Kept(plan.token_ids, plan.position_ids, request.completion_params())
-        body, _ = serving.backend.kind.kept_body(body, kept, serving.tokenizer)
-        return await serving.forward(plan, body, COMPLETIONS)
+        return await self.serving.serve(Converted(request, request, COMPLETIONS), headers)
 
 
 NAME = "completions"

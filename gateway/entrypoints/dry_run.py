@@ -21,7 +21,8 @@ from common.tokenize import token_pieces
 from gateway.entrypoints.http import AUTH, require_key_in_browser
 from gateway.entrypoints.inspector import KEEP_RATES, inspection, page, runs
 from gateway.planning.policy import RequestOptions, request_options
-from gateway.serving import GatewayServing, Prompt
+from gateway.planning.prompt import Prompt
+from gateway.serving import GatewayServing
 
 
 class DryRunAPI:

@@ -1,7 +1,8 @@
 """Anthropic's Messages API: the request converted to chat as vLLM converts it (``common.messages``) and planned
-like a chat (the system prompt and tool definitions kept whole, fresh / extend / whole, warming). Backends that
-render requests themselves get the client's own body at their ``/v1/messages`` with the swap; the others get
-the chat path, and its answers come back as Messages answers and events."""
+like a chat (the system prompt and tool definitions kept whole, fresh / extend / whole, warming). The shared
+path (``GatewayServing.serve``) sends backends that render requests themselves the client's own body at their
+``/v1/messages`` with the swap; the others get the chat, and its answers come back as Messages answers and
+events (``from_chat``)."""
 
 from __future__ import annotations
 
@@ -26,10 +27,9 @@ from common.messages import (
 from common.protocol import ChatCompletionRequest
 from gateway.dispatch.answer import MESSAGES, Answer
 from gateway.entrypoints import answers, echo
-from gateway.entrypoints.chat import ChatAPI
 from gateway.entrypoints.http import AUTH, respond
 from gateway.entrypoints.surface import Surface
-from gateway.serving import GatewayServing
+from gateway.serving import Converted, GatewayServing
 
 
 class MessagesAPI(Surface[MessagesRequest]):
@@ -37,22 +37,22 @@ class MessagesAPI(Surface[MessagesRequest]):
     ping = True
     gather = echo.MessageGather
 
-    def __init__(self, serving: GatewayServing, chat: ChatAPI) -> None:
+    def __init__(self, serving: GatewayServing) -> None:
         super().__init__(serving)
-        self.chat = chat
         self.merge_inline_system = merges_inline_system(serving.tokenizer)  # as vLLM decides it for the template
 
     async def answer(self, request: MessagesRequest, headers: Mapping[str, str]) -> Answer:
-        serving, model = self.serving, self.serving.model_name
+        model = self.serving.model_name
         chat = request.as_chat(self.merge_inline_system)
         chat.specprefill = request.specprefill
-        if not serving.swaps:
-            answer = await self.chat.answer(chat, headers)
+
+        def adjust(body: dict[str, Any]) -> None:
+            body["max_tokens"] = chat.max_tokens  # lowered to the room the prompt leaves, where it asked for more
+
+        def from_chat(answer: Answer) -> Answer:
             return answer.map(lambda body: chat_to_message(body, model), lambda stream: message_events(stream, model))
-        plan, _ = await serving.planned(chat, headers)
-        body = await serving.backend_body(request)
-        body["max_tokens"] = chat.max_tokens  # lowered to the room the prompt leaves, where it asked for more
-        return await serving.swapped(plan, body, MESSAGES)
+
+        return await self.serving.serve(Converted(chat, request, MESSAGES, adjust, from_chat=from_chat), headers)
 
     def next_turn(self, request: MessagesRequest, item: list[dict[str, Any]]) -> ChatCompletionRequest:
         answer = MessageParam(role="assistant", content=[ContentBlock.model_validate(block) for block in item])
@@ -70,7 +70,7 @@ router = APIRouter(route_class=shaped_errors(anthropic.error_body), dependencies
 
 
 def build(serving: GatewayServing, built: dict[str, Any]) -> MessagesAPI:
-    return MessagesAPI(serving, built["chat"])
+    return MessagesAPI(serving)
 
 
 @router.post("/v1/messages")

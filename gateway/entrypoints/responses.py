@@ -19,9 +19,8 @@ from gateway.dispatch.answer import RESPONSES, Answer
 from gateway.entrypoints import echo
 from gateway.entrypoints.http import AUTH, respond
 from gateway.entrypoints.surface import Surface
-from gateway.planning.plan import Plan
 from gateway.planning.policy import Reason
-from gateway.serving import GatewayServing
+from gateway.serving import Converted, GatewayServing
 
 logger = logging.getLogger("specprefill.gateway")
 
@@ -30,21 +29,17 @@ class ResponsesAPI(Surface[ResponsesRequest]):
     gather = echo.ResponseGather
 
     async def answer(self, request: ResponsesRequest, headers: Mapping[str, str]) -> Answer:
-        serving = self.serving
-        body = await serving.backend_body(request)
         try:
             chat = request.as_chat()
         except InvalidRequestError as exc:
             logger.debug("Responses request forwarded whole: %s", exc.message)
-            chat = None
-        if chat is None or not serving.swaps:
-            serving.check_model(request.model)
-            reason = Reason.UNSCORED_CONTENT if chat is None else Reason.unsupported("responses")
-            return await serving.forward(Plan([], reason=reason, passthrough=True), body, RESPONSES)
-        body["input"] = engine_input(body.get("input"))  # as the gateway rendered it: what the engine takes
+            return await self.serving.serve(Converted(None, request, RESPONSES, None, Reason.UNSCORED_CONTENT), {})
         chat.specprefill = request.specprefill
-        plan, _ = await serving.planned(chat, headers)
-        return await serving.swapped(plan, body, RESPONSES)
+
+        def adjust(body: dict[str, Any]) -> None:
+            body["input"] = engine_input(body.get("input"))  # as the gateway rendered it: what the engine takes
+
+        return await self.serving.serve(Converted(chat, request, RESPONSES, adjust), headers)
 
     def next_turn(self, request: ResponsesRequest, item: list[dict[str, Any]]) -> ChatCompletionRequest:
         earlier = [{"role": "user", "content": request.input}] if isinstance(request.input, str) else request.input

@@ -28,8 +28,8 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-TARGET_TERMS = ("fixed", "per_token", "per_cached_token", "per_token_pair")
-DRAFT_TERMS = ("fixed", "per_token", "per_token_pair", "per_prompt_token")
+from gateway.cost_terms import DRAFT_TERMS, TARGET_TERMS, check_coefficients
+
 # a recent timing this many times off the fit, either way, is not the engine's usual cost (a shape of request the
 # fit misprices this badly is learnt once it is most of the window: a smaller bound would keep more out for longer)
 OUTLIER = 4.0
@@ -180,9 +180,7 @@ def cost_models(fixed: Mapping[str, Sequence[float]] | None = None) -> tuple[Cos
     """The target's and the draft's models: ``fixed`` coefficients, or defaults for calibration to replace (a
     target about 30x the draft per token, as a 1B draft for a 30B-class target)."""
     if fixed is not None:
-        for name, terms in (("target", TARGET_TERMS), ("draft", DRAFT_TERMS)):
-            if len(fixed.get(name, ())) != len(terms):
-                raise ValueError(f"cost_coefficients needs {name!r}: {len(terms)} numbers ({', '.join(terms)})")
+        check_coefficients(fixed)
         return (
             CostModel(TARGET_TERMS, target_features, fixed["target"], fixed=True),
             CostModel(DRAFT_TERMS, draft_features, fixed["draft"], fixed=True),

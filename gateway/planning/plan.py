@@ -1,12 +1,16 @@
 """A plan: what goes to the backend for one request, decided once (``planner`` makes it) and frozen. What happens
-to the request afterwards (its timings at the backend, its headers) is its ``Trace``."""
+to the request afterwards (its timings at the backend, the wait predicted when it was sent, its headers) is its
+``Trace``."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from gateway.engines.replicas import Replica
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,12 +30,17 @@ class Plan:
     recurring: bool = False  # a context likely to come back (a system prompt, or the start of an earlier prompt)
     engine_cached: int = 0  # prompt tokens the engine is expected to serve from its prefix cache
     target_s: float = 0.0  # the target's predicted time for what is sent, on an idle engine
-    wait_ms: float = 0.0  # the predicted wait for the requests ahead of it at the engine, when it was planned
-    predicted_ms: float = 0.0  # the predicted backend time, when it was planned: the wait, then the target's time
     tokenize_ms: float = 0.0
     select_ms: float = 0.0
-    replica: Any = None  # the ``gateway.engines.replicas.Replica`` it is priced for (None: not yet routed)
+    replica: Replica | None = None  # the replica it is priced for (None: not yet routed)
     tokens: np.ndarray | None = field(default=None, compare=False, repr=False)  # token_ids as int64, where made
+
+    @property
+    def placed(self) -> Replica:
+        """The replica it is priced for, once routed (every plan the dispatcher holds)."""
+        if self.replica is None:
+            raise RuntimeError("the plan was not routed to a replica")
+        return self.replica
 
     @property
     def original_tokens(self) -> int:

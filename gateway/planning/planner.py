@@ -45,6 +45,7 @@ from gateway.planning.costs import CostModel
 from gateway.planning.draft import DraftClient
 from gateway.planning.plan import Plan
 from gateway.planning.policy import Reason, RequestOptions
+from gateway.planning.prompt import Prompt
 from gateway.planning.scores import ScoreProvider
 from gateway.planning.selections import RecentPrompts, Selection
 from gateway.settings import GatewaySettings
@@ -97,27 +98,25 @@ class Planner:
 
     async def plan(
         self,
-        token_ids: list[int],
+        prompt: Prompt,
         options: RequestOptions,
         unsupported: list[str],
-        keep: torch.Tensor | None = None,
         *,
-        boundary: int | None = None,
         dry_run: bool = False,
         scored: tuple[torch.Tensor, str] | None = None,
         replica: Replica | None = None,
         whole: Candidate | None = None,
-        tokens: np.ndarray | None = None,
     ) -> Plan:
-        """The plan for this prompt at ``replica`` (default: the first; ``routing`` chooses among several, and
-        prices the whole prompt there on the way: ``whole``). ``keep`` marks tokens to keep whole if affordable
-        (a system prompt); ``boundary``: where the last message begins (a chat's), the point another user's
-        request would leave this one's; ``scored``: the prompt's scores and their cache status when already at
-        hand (the inspector's keep rates); ``tokens``: ``token_ids`` as an int64 array, where the caller has it."""
+        """The plan for ``prompt`` at ``replica`` (default: the first; ``routing`` chooses among several, and
+        prices the whole prompt there on the way: ``whole``). ``prompt.keep`` marks tokens to keep whole if
+        affordable (a system prompt); ``prompt.boundary``: where the last message begins (a chat's), the point
+        another user's request would leave this one's; ``scored``: the prompt's scores and their cache status when
+        already at hand (the inspector's keep rates)."""
+        token_ids, keep, boundary = prompt.token_ids, prompt.keep, prompt.boundary
         if not dry_run:
             self.metrics.original_tokens.observe(len(token_ids))
-        if tokens is None:  # once: every lookup below compares arrays (a 12,000-token list takes 0.4 ms)
-            tokens = np.asarray(token_ids, dtype=np.int64)
+        # once: every lookup below compares arrays (a 12,000-token list takes 0.4 ms)
+        tokens = prompt.token_array()
         replica = replica or self.replicas[0]
         with span("specprefill.plan", **{"specprefill.replica": replica.index}):
             whole = whole or await self.candidate("whole", tokens, None, replica)
@@ -141,10 +140,10 @@ class Planner:
         n = len(token_ids)
         wait = replica.load.wait_s()
         if (bypass := self._bypass(token_ids, options, unsupported)) is not None:
-            return self._priced(bypass, whole, wait)
+            return self._priced(bypass, whole)
         priced = self.settings.planner == "cost"
         if priced and self._whole_as_direct(whole, n, boundary):
-            return self._as_plan(whole, token_ids, options, reason=Reason.CACHED, wait=wait)
+            return self._as_plan(whole, token_ids, options, reason=Reason.CACHED)
         context = self._context(tokens, keep, boundary, whole, replica)
         draft_new = n - self.draft.reusable_prefix(tokens)
         draft_s = self.draft_cost.predict(draft_new, n - draft_new)
@@ -152,13 +151,12 @@ class Planner:
         least_target = self.least_target(n, options, context.earlier, context.held, whole.cached)
         least = max(0.0, draft_s - wait) + least_target
         if priced and whole.seconds <= (1 + self.settings.plan_slack) * least:
-            return self._as_plan(whole, token_ids, options, reason=Reason.CHEAPER_WHOLE, wait=wait)
+            return self._as_plan(whole, token_ids, options, reason=Reason.CHEAPER_WHOLE)
         # a late draft is waited for while it can still save time: giving up sends the whole prompt, the dearest
         deadline = max(self.settings.draft_timeout, wait + whole.seconds - least_target if priced else 0.0)
         scores, cache, draft_ms = await self._drafted(token_ids, scored, replica, draft_new, deadline)
-        wait = max(0.0, wait - draft_ms / 1e3)
         if scores is None:  # any draft fault: the full prompt goes through instead
-            return self._priced(Plan(token_ids, reason=Reason.DRAFT_ERROR, draft_ms=draft_ms), whole, wait)
+            return self._priced(Plan(token_ids, reason=Reason.DRAFT_ERROR, draft_ms=draft_ms), whole)
         start = time.perf_counter()
         if options.auto is not None:  # the scores choose this prompt's rate (common.selection.AutoKeepRate)
             config = self.draft.config
@@ -175,7 +173,6 @@ class Planner:
             cache=cache,
             draft_ms=draft_ms,
             protected=chosen.protected,
-            wait=wait,
             recurring=context.recurring,
             select_ms=(time.perf_counter() - start) * 1e3,
         )
@@ -400,7 +397,7 @@ class Planner:
     async def priced(self, plan: Plan) -> Plan:
         """``plan`` with its predictions at its replica, for a plan that goes elsewhere than it was priced for: to
         another replica (its own is down), or whole (its swap was refused)."""
-        there = await self.candidate(plan.kind, plan.token_array(), plan.position_ids, plan.replica)
+        there = await self.candidate(plan.kind, plan.token_array(), plan.position_ids, plan.placed)
         return plan.but(engine_cached=there.cached, target_s=there.seconds)
 
     def _choose(self, candidates: list[Candidate]) -> Candidate:
@@ -419,7 +416,6 @@ class Planner:
         cache: str = "off",
         draft_ms: float = 0.0,
         protected: bool = False,
-        wait: float = 0.0,
         recurring: bool = False,
         select_ms: float = 0.0,
     ) -> Plan:
@@ -438,17 +434,13 @@ class Planner:
             recurring=recurring,
             select_ms=select_ms,
         )
-        return self._priced(plan, chosen, wait)
+        return self._priced(plan, chosen)
 
     @staticmethod
-    def _priced(plan: Plan, chosen: Candidate, wait: float) -> Plan:
-        """The plan with its predictions: the engine's cache hit, its own time, and the wait ahead of it."""
-        return plan.but(
-            engine_cached=chosen.cached,
-            target_s=chosen.seconds,
-            wait_ms=wait * 1e3,
-            predicted_ms=(wait + chosen.seconds) * 1e3,
-        )
+    def _priced(plan: Plan, chosen: Candidate) -> Plan:
+        """The plan with its predictions: the engine's cache hit and its own time (the wait ahead of it is the
+        trace's, estimated when it is sent)."""
+        return plan.but(engine_cached=chosen.cached, target_s=chosen.seconds)
 
     async def close(self) -> None:
         await self.scores.close()

@@ -31,6 +31,7 @@ from gateway.planning.scores import ScoreProvider
 from gateway.planning.warming import Warmer
 from gateway.settings import GatewaySettings
 from specprefill.lab.bench import parse_server_timing
+from tests.gateway.planning import plan_prompt
 from tests.helpers import (
     LONG_DOC,
     FCFSEngine,
@@ -105,7 +106,7 @@ OPTIONS = RequestOptions(keep_rate=0.3, enabled=True)
 
 async def test_a_cold_prompt_is_compressed_afresh():
     planner, draft = _planner()
-    plan = await planner.plan(_ids(4000, 1), OPTIONS, [])
+    plan = await plan_prompt(planner, _ids(4000, 1), OPTIONS, [])
     assert (plan.status, plan.kind, draft.calls) == ("compressed", "fresh", 1)
     assert 0.25 < plan.kept_tokens / plan.original_tokens < 0.35 and plan.engine_cached == 0
 
@@ -114,18 +115,18 @@ async def test_a_prompt_the_engine_holds_goes_whole_without_the_draft():
     planner, draft = _planner()
     document = _ids(4000, 2)
     await planner.replicas[0].cache.record(document, None)  # a warm, say
-    plan = await planner.plan(document + _ids(30, 3), OPTIONS, [])
+    plan = await plan_prompt(planner, document + _ids(30, 3), OPTIONS, [])
     assert (plan.status, plan.reason, plan.kind, draft.calls) == ("bypassed", "cached", "whole", 0)
     assert plan.engine_cached == 4000
     # without --whole-when-cached it is priced like any plan, and whole is cheapest here too
     priced, _ = _planner(whole_when_cached=0.0)
     await priced.replicas[0].cache.record(document, None)
-    plan = await priced.plan(document + _ids(30, 3), OPTIONS, [])
+    plan = await plan_prompt(priced, document + _ids(30, 3), OPTIONS, [])
     assert (plan.reason, plan.kind) == ("cheaper_whole", "whole")
     # the paper's planner compresses it anyway
     fresh, _ = _planner(planner="fresh")
     await fresh.replicas[0].cache.record(document, None)
-    assert (await fresh.plan(document + _ids(30, 3), OPTIONS, [])).kind == "fresh"
+    assert (await plan_prompt(fresh, document + _ids(30, 3), OPTIONS, [])).kind == "fresh"
 
 
 async def test_only_contexts_likely_to_come_back_are_marked_for_warming():
@@ -133,24 +134,24 @@ async def test_only_contexts_likely_to_come_back_are_marked_for_warming():
     with a system prompt, or one that begins with most of an earlier prompt, is."""
     planner, _ = _planner()
     document = _ids(4000, 30)
-    first = await planner.plan(document, OPTIONS, [])
+    first = await plan_prompt(planner, document, OPTIONS, [])
     await planner.completed(first, None, 1.0)
     assert first.status == "compressed" and not first.recurring
-    again = await planner.plan(document + _ids(40, 31), OPTIONS, [])
+    again = await plan_prompt(planner, document + _ids(40, 31), OPTIONS, [])
     assert again.status == "compressed" and again.recurring
-    other = await planner.plan(_ids(4000, 32), OPTIONS, [])
+    other = await plan_prompt(planner, _ids(4000, 32), OPTIONS, [])
     assert other.status == "compressed" and not other.recurring
     system = torch.zeros(4000, dtype=torch.bool)
     system[:500] = True
-    assert (await planner.plan(_ids(4000, 33), OPTIONS, [], system)).recurring
+    assert (await plan_prompt(planner, _ids(4000, 33), OPTIONS, [], system)).recurring
 
 
 async def test_a_growing_context_extends_the_earlier_selection():
     planner, _ = _planner()
     first_prompt = _ids(4000, 4)
-    first = await planner.plan(first_prompt, OPTIONS, [])
+    first = await plan_prompt(planner, first_prompt, OPTIONS, [])
     await planner.completed(first, None, 1.0)
-    second = await planner.plan(first_prompt + _ids(1500, 5), OPTIONS, [])
+    second = await plan_prompt(planner, first_prompt + _ids(1500, 5), OPTIONS, [])
     assert second.kind == "extend" and second.status == "compressed"
     start = (4000 // CHUNK) * CHUNK
     assert [i for i in second.position_ids if i < start] == [i for i in first.position_ids if i < start]
@@ -162,19 +163,19 @@ async def test_an_earlier_selection_that_misses_what_matters_now_is_not_reused()
     planner, draft = _planner()
     first_prompt = _ids(4000, 6)
     draft.peaks = [10, 20]
-    first = await planner.plan(first_prompt, OPTIONS, [])
+    first = await plan_prompt(planner, first_prompt, OPTIONS, [])
     await planner.completed(first, None, 1.0)
     assert all(10 * CHUNK + i in first.position_ids for i in range(CHUNK))
     draft.peaks = [150, 200]  # the new last token attends elsewhere: chunks the first selection dropped
     assert 150 * CHUNK not in first.position_ids
-    second = await planner.plan(first_prompt + _ids(1500, 7), OPTIONS, [])
+    second = await plan_prompt(planner, first_prompt + _ids(1500, 7), OPTIONS, [])
     assert second.kind == "fresh"
     assert 150 * CHUNK in second.position_ids and 200 * CHUNK in second.position_ids
     # reused below a lower keep rate would keep fewer tokens than asked: never
     lower, _ = _planner()
-    first = await lower.plan(first_prompt, RequestOptions(keep_rate=0.1, enabled=True), [])
+    first = await plan_prompt(lower, first_prompt, RequestOptions(keep_rate=0.1, enabled=True), [])
     await lower.completed(first, None, 1.0)
-    assert (await lower.plan(first_prompt + _ids(1500, 7), OPTIONS, [])).kind == "fresh"
+    assert (await plan_prompt(lower, first_prompt + _ids(1500, 7), OPTIONS, [])).kind == "fresh"
 
 
 async def test_a_system_prompt_stays_whole_where_affordable():
@@ -182,14 +183,14 @@ async def test_a_system_prompt_stays_whole_where_affordable():
     prompt = _ids(4000, 8)
     short = torch.zeros(4000, dtype=torch.bool)
     short[:200] = True
-    plan = await planner.plan(prompt, OPTIONS, [], short)
+    plan = await plan_prompt(planner, prompt, OPTIONS, [], short)
     assert plan.kind == "fresh" and plan.protected and set(range(200)) <= set(plan.position_ids)
     long = torch.zeros(4000, dtype=torch.bool)
     long[:3500] = True  # a long system prompt the engine has not seen: keeping it whole costs far more
-    plan = await planner.plan(prompt, OPTIONS, [], long)
+    plan = await plan_prompt(planner, prompt, OPTIONS, [], long)
     assert plan.kind == "fresh" and not plan.protected and plan.kept_tokens < 0.5 * 4000
     await planner.replicas[0].cache.record(prompt[:3520], None)  # warmed: the system prompt now stays whole
-    plan = await planner.plan(prompt, OPTIONS, [], long)
+    plan = await plan_prompt(planner, prompt, OPTIONS, [], long)
     assert plan.kind == "fresh" and plan.protected and set(range(3500)) <= set(plan.position_ids)
     assert plan.engine_cached >= 3488 and plan.kept_tokens < 3500 + 0.5 * 500
 
@@ -197,7 +198,7 @@ async def test_a_system_prompt_stays_whole_where_affordable():
 async def test_the_outcome_teaches_the_cost_model_and_the_cache_model():
     planner, _ = _planner(cost_coefficients=None)
     prompt = _ids(3000, 9)
-    plan = await planner.plan(prompt, OPTIONS, [])
+    plan = await plan_prompt(planner, prompt, OPTIONS, [])
     before = planner.target_cost.coefficients.copy()
     sent = plan.kept_token_ids()
     await planner.completed(plan, {"prompt_tokens_details": {"cached_tokens": 0}}, 0.5)
@@ -216,7 +217,7 @@ async def test_a_plan_carries_the_array_it_was_priced_with():
     tokens): what the planner priced is what the cache model records, and what any later step reads."""
     planner, _ = _planner()
     prompt = _ids(3000, 10)
-    plan = await planner.plan(prompt, OPTIONS, [])
+    plan = await plan_prompt(planner, prompt, OPTIONS, [])
     assert plan.tokens is not None and plan.token_array() is plan.tokens
     assert plan.token_array().tolist() == prompt and plan.kept_array().tolist() == plan.kept_token_ids()
     assert plan.but(status="x") == plan.but(status="x", tokens=None)  # the array is no part of what a plan is
@@ -338,12 +339,12 @@ async def test_a_system_prompt_the_engine_holds_stays_whole_and_the_draft_is_ski
     system = torch.zeros(4030, dtype=torch.bool)
     system[:4000] = True
     prompt = _ids(4030, 10)
-    first = await planner.plan(prompt, OPTIONS, [], system)
+    first = await plan_prompt(planner, prompt, OPTIONS, [], system)
     assert first.kind == "fresh" and not first.protected
     await planner.completed(first, None, 1.0)
     await planner.replicas[0].cache.record(prompt, None)  # the warm
     calls = draft.calls
-    second = await planner.plan(prompt[:4000] + _ids(30, 11), OPTIONS, [], system)
+    second = await plan_prompt(planner, prompt[:4000] + _ids(30, 11), OPTIONS, [], system)
     assert second.kind == "whole" and second.reason == "cached" and draft.calls == calls
 
 
@@ -358,11 +359,11 @@ async def test_a_system_prompt_the_engine_does_not_hold_extends_the_earlier_sele
     system[:3968] = True
     prompt = _ids(3968, 14)
     draft.values = {5: 0.02}
-    first = await planner.plan(prompt + _ids(32, 15), OPTIONS, [], system)
+    first = await plan_prompt(planner, prompt + _ids(32, 15), OPTIONS, [], system)
     assert (first.kind, first.protected) == ("fresh", False) and 5 * CHUNK in first.position_ids
     await planner.completed(first, None, 1.0)
     draft.values = {6: 0.02}  # the next question: another chunk of the system prompt a little higher
-    second = await planner.plan(prompt + _ids(32, 16), OPTIONS, [], system)
+    second = await plan_prompt(planner, prompt + _ids(32, 16), OPTIONS, [], system)
     assert (second.kind, second.protected) == ("extend", False)
     reused = [i for i in first.position_ids if i < 3968]
     assert second.position_ids[: len(reused)] == reused and second.engine_cached >= len(reused) - CHUNK
@@ -378,14 +379,14 @@ async def test_kept_tokens_fill_whole_engine_blocks_up_to_where_the_next_user_le
     system[:3000] = True
     prompt = _ids(3000, 17)
     # an earlier request that shares only the chat template's first tokens: not one this prompt began like
-    other = await planner.plan(prompt[:5] + _ids(2500, 20), OPTIONS, [])
+    other = await plan_prompt(planner, prompt[:5] + _ids(2500, 20), OPTIONS, [])
     await planner.completed(other, None, 1.0)
-    first = await planner.plan(prompt + _ids(40, 18), OPTIONS, [], system, boundary=3000)
+    first = await plan_prompt(planner, prompt + _ids(40, 18), OPTIONS, [], system, boundary=3000)
     unfilled = select_tokens(prompt + _ids(40, 18), await draft.score(prompt + _ids(40, 18)), 0.3, draft.config)
     below = sum(i < 3000 for i in first.position_ids)
     assert below % 64 == 0 and sum(i < 3000 for i in unfilled) % 64 != 0  # it took filling
     await planner.completed(first, None, 1.0)
-    second = await planner.plan(prompt + _ids(40, 19), OPTIONS, [], system, boundary=3000)
+    second = await plan_prompt(planner, prompt + _ids(40, 19), OPTIONS, [], system, boundary=3000)
     assert second.kind == "extend" and second.engine_cached == below
     assert second.kept_tokens - second.engine_cached <= 40  # the question alone is read anew
 
@@ -400,10 +401,10 @@ async def test_filling_blocks_never_moves_tokens_the_engine_already_holds():
     planner.replicas[0].cache = MemoryEngineCache(64, 1 << 20)
     document = _ids(3000, 21)
     draft.peaks = [186, 187]  # the document's last whole chunks (2976-3007 and on): kept
-    first = await planner.plan(document + _ids(40, 22), OPTIONS, [])
+    first = await plan_prompt(planner, document + _ids(40, 22), OPTIONS, [])
     assert first.kind == "fresh"
     await planner.completed(first, None, 1.0)
-    second = await planner.plan(document + _ids(40, 23), OPTIONS, [])
+    second = await plan_prompt(planner, document + _ids(40, 23), OPTIONS, [])
     head = [i for i in first.position_ids if i < 3000]
     assert second.kind == "extend" and second.position_ids[: len(head)] == head
     assert second.engine_cached >= len(head) // 64 * 64
@@ -436,7 +437,7 @@ async def test_a_held_system_prompt_that_ends_inside_a_block_does_not_wake_the_d
     system[:4007] = True  # ends 7 tokens into a 16-token block
     prompt = _ids(4007, 12)
     await planner.replicas[0].cache.record(prompt, None)  # the warm
-    plan = await planner.plan(prompt + _ids(30, 13), OPTIONS, [], system)
+    plan = await plan_prompt(planner, prompt + _ids(30, 13), OPTIONS, [], system)
     assert plan.engine_cached == 4000
     assert (plan.kind, plan.reason, draft.calls) == ("whole", "cached", 0)
 
@@ -551,14 +552,16 @@ async def test_the_draft_costs_only_what_outlasts_the_wait_ahead():
     longer than the draft takes, the draft runs during the wait, and compressing wins. Predictions carry the wait."""
     planner, draft = _planner(cost_coefficients={"target": COSTS["target"], "draft": [3.0, 0.0, 0.0, 0.0]})
     prompt = _ids(4000, 40)
-    idle = await planner.plan(prompt, OPTIONS, [])
-    assert (idle.kind, idle.reason, draft.calls, idle.wait_ms) == ("whole", "cheaper_whole", 0, 0)
-    assert idle.predicted_ms == pytest.approx(idle.target_s * 1e3)
-    ahead = planner.replicas[0].load.begin(4.0)  # another request's prefill, 4 s of it left
-    busy = await planner.plan(prompt, OPTIONS, [])
+    idle = await plan_prompt(planner, prompt, OPTIONS, [])
+    load = planner.replicas[0].load
+    assert (idle.kind, idle.reason, draft.calls) == ("whole", "cheaper_whole", 0)
+    assert load.estimate(idle.target_s)[:2] == (0, pytest.approx(idle.target_s))
+    ahead = load.begin(4.0)  # another request's prefill, 4 s of it left
+    busy = await plan_prompt(planner, prompt, OPTIONS, [])
     assert (busy.kind, busy.status, draft.calls) == ("fresh", "compressed", 1)
-    assert busy.wait_ms == pytest.approx(4000, rel=0.01)
-    assert busy.predicted_ms == pytest.approx(busy.wait_ms + busy.target_s * 1e3)
+    # what the trace carries when it is sent: the wait, then the target's time
+    wait, predicted, _ = load.estimate(busy.target_s)
+    assert wait == pytest.approx(4.0, rel=0.01) and predicted == pytest.approx(wait + busy.target_s)
     planner.replicas[0].load.end(ahead)
 
 
@@ -587,7 +590,7 @@ async def test_a_shared_system_prompt_warmed_between_requests_lands_and_then_sta
     for i in range(12):
         load = planner.replicas[0].load
         load.enter()
-        plan = await planner.plan(system + _ids(30, 100 + i), OPTIONS, [], keep)
+        plan = await plan_prompt(planner, system + _ids(30, 100 + i), OPTIONS, [], keep)
         ticket = load.begin(plan.target_s)
         answer = await engine.complete(plan.kept_token_ids(), None, plan.position_ids)
         load.answered(ticket), load.end(ticket)
@@ -623,11 +626,11 @@ async def test_a_prompt_the_engine_holds_nine_tenths_of_goes_whole_though_compre
     planner, draft = _planner(cost_coefficients=costs)
     prompt = _ids(4000, 40)
     await planner.replicas[0].cache.record(prompt[:3616], None)
-    plan = await planner.plan(prompt, OPTIONS, [])
+    plan = await plan_prompt(planner, prompt, OPTIONS, [])
     assert (plan.kind, plan.reason, draft.calls) == ("whole", "cached", 0)
     other, _ = _planner(cost_coefficients=costs)
     await other.replicas[0].cache.record(prompt[:3200], None)
-    assert (await other.plan(prompt, OPTIONS, [])).status == "compressed"
+    assert (await plan_prompt(other, prompt, OPTIONS, [])).status == "compressed"
 
 
 async def test_a_cached_prompt_goes_whole_on_that_rule_only_at_about_direct_s_cost():
@@ -639,11 +642,11 @@ async def test_a_cached_prompt_goes_whole_on_that_rule_only_at_about_direct_s_co
     prompt = _ids(4000, 40)
     planner, draft = _planner(cost_coefficients=costs)
     await planner.replicas[0].cache.record(prompt[:3616], None)
-    plan = await planner.plan(prompt, OPTIONS, [], boundary=3980)  # direct: 20 new tokens, whole: 384
+    plan = await plan_prompt(planner, prompt, OPTIONS, [], boundary=3980)  # direct: 20 new tokens, whole: 384
     assert plan.reason == "cheaper_whole"  # priced: here whole is still the cheapest plan, but not on the rule
     planner, draft = _planner(cost_coefficients=costs)
     await planner.replicas[0].cache.record(prompt[:3616], None)
-    plan = await planner.plan(prompt, OPTIONS, [], boundary=3616)  # the last message is what the engine lacks
+    plan = await plan_prompt(planner, prompt, OPTIONS, [], boundary=3616)  # the last message is what the engine lacks
     assert (plan.kind, plan.reason, draft.calls) == ("whole", "cached", 0)
 
 
@@ -660,7 +663,7 @@ async def test_a_late_draft_is_waited_for_while_it_can_still_save_time():
 
     planner, _ = _planner(draft_timeout=0.1)
     planner.draft = planner.scores.draft = SlowDraft()
-    long = await planner.plan(_ids(4000, 1), OPTIONS, [])  # whole ~4.3 s, compressed ~1.2 s: worth 0.3 s
+    long = await plan_prompt(planner, _ids(4000, 1), OPTIONS, [])  # whole ~4.3 s, compressed ~1.2 s: worth 0.3 s
     assert (long.status, long.reason) == ("compressed", None) and long.draft_ms >= 300
-    short = await planner.plan(_ids(100, 2), OPTIONS, [])  # whole ~0.11 s, compressed ~0.04 s
+    short = await plan_prompt(planner, _ids(100, 2), OPTIONS, [])  # whole ~0.11 s, compressed ~0.04 s
     assert (short.status, short.reason) == ("bypassed", "draft_error") and short.draft_ms < 300

@@ -17,6 +17,7 @@ from pydantic_settings import CliApp
 from common.process import free_port
 from gateway.app import create_app
 from gateway.settings import GatewaySettings
+from tests.gateway.planning import plan_prompt
 from tests.helpers import LONG_DOC, engine_app, gateway_settings, serve, start_command
 
 
@@ -317,7 +318,7 @@ async def test_a_turn_goes_where_its_earlier_selection_is_held_unless_the_wait_t
         settings, draft, ScoreProvider(draft, None, metrics), metrics, (), cost_models(COSTS), replicas=replicas
     )
     first = _ids(4000, 1)
-    await planner.completed(await planner.plan(first, OPTIONS, [], replica=replicas[1]), None, 1.0)
+    await planner.completed(await plan_prompt(planner, first, OPTIONS, [], replica=replicas[1]), None, 1.0)
     assert [await r.cache.cached_tokens(first, None) for r in replicas] == [0, 0]
     turn = np.asarray(first + _ids(200, 2))
     assert (await Router(planner).route(turn, OPTIONS, None, dry_run=True))[0] is replicas[1]
