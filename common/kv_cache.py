@@ -11,11 +11,11 @@ whole length when the caller knows it); when the room runs out the buffer grows 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers import DynamicCache, PretrainedConfig
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import Cache, DynamicLayer
 
 
 class AppendLayer(DynamicLayer):
@@ -101,3 +101,17 @@ def append_cache(
     for layer, (keys, values) in zip(cache.layers, layers or ()):
         layer.update(keys, values)  # type: ignore[union-attr]  # every layer a full-attention model has
     return cache
+
+
+def attention_layers(cache: Cache) -> list[DynamicLayer]:
+    """The cache's layers as the attention layers this project's models have (keys, values, crop): transformers
+    types them as any of its kinds, linear-attention and placeholder ones too."""
+    return cast("list[DynamicLayer]", cache.layers)
+
+
+def keys_values(layer: DynamicLayer) -> tuple[torch.Tensor, torch.Tensor]:
+    """A filled layer's keys and values [B, Hkv, S, D]."""
+    keys, values = layer.keys, layer.values
+    if keys is None or values is None:
+        raise ValueError("the KV cache layer holds nothing yet")
+    return keys, values

@@ -15,7 +15,7 @@ from draft_worker.worker import DraftWorker
 @dataclass(slots=True)
 class _Pending:
     token_ids: Sequence[int]
-    future: asyncio.Future
+    future: asyncio.Future[torch.Tensor]
 
 
 class ScoreBatcher:
@@ -36,14 +36,14 @@ class ScoreBatcher:
         self.max_wait_s = max_wait_s
         self._queue: collections.deque[_Pending] = collections.deque()
         self._wakeup = asyncio.Event()
-        self._runner: asyncio.Task | None = None
+        self._runner: asyncio.Task[None] | None = None
         self.batches = 0
 
     async def score(self, token_ids: Sequence[int]) -> torch.Tensor:
         self.worker.validate(token_ids)
         if self._runner is None or self._runner.done():
             self._runner = asyncio.create_task(self._run())
-        future = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[torch.Tensor] = asyncio.get_running_loop().create_future()
         self._queue.append(_Pending(token_ids, future))
         self._wakeup.set()
         return await future

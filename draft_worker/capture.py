@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from transformers import AttentionInterface, PreTrainedModel
@@ -40,12 +41,20 @@ class QueryRecorder:
         return torch.cat(self.queries[layer_idx], dim=2)  # [B, H, Q, D]
 
 
-def _capturing_attention(inner: Callable) -> Callable:
-    def attention(module, query, key, value, attention_mask, specprefill_recorder=None, **kwargs):
+def _capturing_attention(inner: Callable[..., Any]) -> Callable[..., Any]:
+    def attention(
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        specprefill_recorder: QueryRecorder | None = None,
+        **kwargs: Any,
+    ) -> Any:
         if specprefill_recorder is not None:
-            scaling = kwargs.get("scaling") or module.head_dim**-0.5
+            scaling = float(kwargs.get("scaling") or int(getattr(module, "head_dim")) ** -0.5)
             window = specprefill_recorder.window
-            specprefill_recorder.record(module.layer_idx, query[:, :, -window:, :], scaling)
+            specprefill_recorder.record(int(getattr(module, "layer_idx")), query[:, :, -window:, :], scaling)
         return inner(module, query, key, value, attention_mask, **kwargs)
 
     return attention
@@ -63,4 +72,4 @@ def enable_query_capture(model: PreTrainedModel) -> None:
 
 
 def captures_queries(model: PreTrainedModel) -> bool:
-    return model.config._attn_implementation.startswith(CAPTURE_PREFIX)
+    return str(model.config._attn_implementation).startswith(CAPTURE_PREFIX)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -40,10 +41,12 @@ class _SlotLayer(DynamicLayer):
     tensor) and hands the attention the bucket's first ``width`` entries."""
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, at: torch.Tensor, width: int) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self._all_keys, self._all_values, self._at, self._width = keys, values, at, width
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         self._all_keys.index_copy_(2, self._at, key_states)
         self._all_values.index_copy_(2, self._at, value_states)
         return self._all_keys[:, :, : self._width], self._all_values[:, :, : self._width]
@@ -155,7 +158,8 @@ class LookAheadGraphs:
                 logits_to_keep=1,
                 specprefill_recorder=recorder,
             )
-            return out.logits[:, -1]
+            logits: torch.Tensor = out.logits
+            return logits[:, -1]
 
         # warm-up and capture write their key and value into the last slot, which no prompt reads before its
         # own step writes it

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import collections
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
@@ -54,7 +54,7 @@ class PrefixKVCache:
             self.hits += 1
             return self._entries[best_key], reuse
 
-    def _candidates(self):
+    def _candidates(self) -> Iterator[tuple[int, np.ndarray]]:
         return ((key, entry.token_ids.numpy()) for key, entry in self._entries.items())
 
     def store(self, kv: PromptKV) -> None:

@@ -22,7 +22,7 @@ from torch.profiler import record_function
 from transformers import DynamicCache, PreTrainedModel
 
 from common.attention import float_logits
-from common.kv_cache import append_cache
+from common.kv_cache import append_cache, attention_layers, keys_values
 from common.models import eos_token_ids, with_cache
 from draft_worker.capture import QueryRecorder, captures_queries
 from draft_worker.config import ScoringConfig
@@ -85,7 +85,7 @@ def score_prompts(
         logits = prefill(model, batch, recorder)
     valid = None
     with record_function("specprefill.look_ahead"):
-        if storage is not None:
+        if storage is not None and graphs is not None:
             valid = graphs.look_ahead(logits, batch.lengths[0], recorder, config.look_ahead, eos)
         if valid is None:
             valid = look_ahead(model, batch, logits, recorder, config.look_ahead, eos)
@@ -111,7 +111,8 @@ def prefill(model: PreTrainedModel, batch: ScoringBatch, recorder: QueryRecorder
         logits_to_keep=1,
         specprefill_recorder=recorder,
     )
-    return out.logits[:, -1]
+    logits: torch.Tensor = out.logits
+    return logits[:, -1]
 
 
 def look_ahead(
@@ -160,13 +161,14 @@ def reduce_scores(batch: ScoringBatch, recorder: QueryRecorder, valid: torch.Ten
         key_pad = batch.attention_mask[:, None, None, : batch.width] == 0  # [B, 1, 1, S]
     extra = recorder.layer_queries(0).shape[2] - valid.shape[1]  # window queries before the last prompt token's
     future, weights = _window(batch, extra, valid.float()) if extra else (None, valid.float())  # weights: [B, Q]
-    scores = None
-    for layer_idx, layer_cache in enumerate(batch.cache.layers):
-        keys = layer_cache.keys[:, :, : batch.width, :]  # [B, Hkv, S, D]
+    scores: torch.Tensor | None = None
+    for layer_idx, layer_cache in enumerate(attention_layers(batch.cache)):
+        keys = keys_values(layer_cache)[0][:, :, : batch.width, :]  # [B, Hkv, S, D]
         queries = recorder.layer_queries(layer_idx)  # [B, H, W - 1 + Q, D]
         pooled = _layer_attention(queries, keys, recorder.scaling[layer_idx], key_pad, pool_kernel, future)
         layer_max = pooled.amax(dim=1)  # [B, Q, S]
         scores = layer_max if scores is None else torch.maximum(scores, layer_max)
+    assert scores is not None  # a model has layers
     return (scores * weights[:, :, None]).sum(1) / weights.sum(1, keepdim=True)
 
 
@@ -231,9 +233,10 @@ def _prompt_kvs(batch: ScoringBatch, prompts: Sequence[Sequence[int]], copy: boo
     for row, prompt in enumerate(prompts):
         start = batch.width - len(prompt)
         layers = []
-        for layer in batch.cache.layers:
-            k = layer.keys[row : row + 1, :, start : batch.width]
-            v = layer.values[row : row + 1, :, start : batch.width]
+        for layer in attention_layers(batch.cache):
+            keys, values = keys_values(layer)
+            k = keys[row : row + 1, :, start : batch.width]
+            v = values[row : row + 1, :, start : batch.width]
             if len(prompts) > 1 or copy:
                 k, v = k.clone(), v.clone()
             layers.append((k, v))

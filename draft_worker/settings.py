@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+from typing import Self
+
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings
 
@@ -48,7 +50,7 @@ class ScoringOptions(BaseSettings):
     )
 
     @model_validator(mode="after")
-    def _valid(self):
+    def _valid(self) -> Self:
         self.scoring_config()  # ConfigError is a ValueError: a clear message naming the option
         return self
 

@@ -15,7 +15,7 @@ from draft_worker.capture import enable_query_capture
 from draft_worker.config import ScoringConfig
 from draft_worker.graphs import LookAheadGraphs
 from draft_worker.prefix_cache import PrefixKVCache
-from draft_worker.scorer import score_prompts
+from draft_worker.scorer import PromptKV, score_prompts
 
 
 class PromptTooLongError(ValueError):
@@ -75,7 +75,7 @@ class DraftWorker:
     @property
     def max_prompt_tokens(self) -> int:
         # the look-ahead tokens need positions too
-        return self.model.config.max_position_embeddings - self.config.look_ahead
+        return int(self.model.config.max_position_embeddings) - self.config.look_ahead
 
     def validate(self, prompt: Sequence[int]) -> None:
         """Raises ``ValueError`` (``PromptTooLongError``) for a prompt the draft cannot score."""
@@ -118,19 +118,19 @@ class DraftWorker:
             results[index] = scores
             self._remember(kvs)
         if fresh:
-            scores, kvs = score_prompts(
+            rows, kvs = score_prompts(
                 self.model,
                 [prompts[i] for i in fresh],
                 self.config,
                 return_kv=self.prefix_cache is not None,
                 graphs=self.graphs,
             )
-            for index, row in zip(fresh, scores):
+            for index, row in zip(fresh, rows):
                 results[index] = row
             self._remember(kvs)
-        return results
+        return [r for r in results if r is not None]  # every prompt's, in order
 
-    def _remember(self, kvs) -> None:
+    def _remember(self, kvs: list[PromptKV] | None) -> None:
         if self.prefix_cache is not None and kvs:
             for kv in kvs:
                 self.prefix_cache.store(kv)

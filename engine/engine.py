@@ -15,7 +15,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -61,11 +61,11 @@ class ReferenceEngine:
 
     @property
     def max_positions(self) -> int:
-        return self.model.config.max_position_embeddings
+        return int(self.model.config.max_position_embeddings)
 
     @property
     def vocab_size(self) -> int:
-        return self.model.config.vocab_size
+        return int(self.model.config.vocab_size)
 
     @property
     def active(self) -> int:
@@ -83,7 +83,7 @@ class ReferenceEngine:
 
     async def generate(
         self, token_ids: list[int], position_ids: list[int], params: SamplingParams, priority: int = 0
-    ) -> AsyncIterator[StepOutput]:
+    ) -> AsyncGenerator[StepOutput, None]:
         """Streams the generated tokens; the last output carries ``finish_reason``. Inputs are validated."""
         seq = Sequence(
             request_id=next(self._ids),
@@ -172,6 +172,7 @@ class ReferenceEngine:
             seq.prefilled = end
             return logits if seq.prefill_done else None
         last = torch.tensor(seq.stream.token_ids[-1], device=device)
+        assert seq.cache is not None  # made by its prefill
         return decode_one(self.model, last, seq.next_position() - 1, seq.cache)
 
     def _postprocess(self, seq: Sequence, logits: torch.Tensor) -> bool:

@@ -13,6 +13,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, fields
+from typing import Any
 
 import zmq
 
@@ -59,7 +60,7 @@ class EventPublisher:
         self._pub = self._context.socket(zmq.PUB)
         self._pub.set_hwm(config.hwm)
         self.endpoint = _bind(self._pub, config.endpoint)
-        self._replay = None
+        self._replay: zmq.Socket[bytes] | None = None
         self.replay_endpoint = None
         if config.replay_endpoint:
             self._replay = self._context.socket(zmq.ROUTER)
@@ -70,7 +71,7 @@ class EventPublisher:
         self._thread.start()
         logger.info("KV cache events on %s (replay: %s)", self.endpoint, self.replay_endpoint or "none")
 
-    def source(self) -> dict:
+    def source(self) -> dict[str, Any]:
         """This publisher as vLLM's ``/kv_event_sources`` describes one (its ``KVEventsConfig``, bound)."""
         return {
             "enable_kv_cache_events": True,
@@ -115,7 +116,9 @@ class EventPublisher:
         self._context.term()
 
     def _serve_replay(self) -> None:
-        frames = self._replay.recv_multipart()
+        replay = self._replay
+        assert replay is not None  # polled only where there is one
+        frames = replay.recv_multipart()
         if len(frames) != 3:
             logger.warning("KV events: a replay request of %d frames ignored", len(frames))
             return
@@ -123,15 +126,15 @@ class EventPublisher:
         first = int.from_bytes(start, "big")
         for seq, payload in list(self._buffer):
             if seq >= first:
-                self._replay.send_multipart((client, b"", self.topic, seq.to_bytes(8, "big"), payload))
-        self._replay.send_multipart((client, b"", b"", END_SEQ, b""))
+                replay.send_multipart((client, b"", self.topic, seq.to_bytes(8, "big"), payload))
+        replay.send_multipart((client, b"", b"", END_SEQ, b""))
 
     def close(self) -> None:
         self._queue.put(None)
         self._thread.join(timeout=2.0)
 
 
-def _bind(socket: zmq.Socket, endpoint: str) -> str:
+def _bind(socket: zmq.Socket[bytes], endpoint: str) -> str:
     """Binds ``endpoint``; the address actually bound (a port of 0 is the OS's choice)."""
     socket.bind(endpoint)
     return socket.getsockopt_string(zmq.LAST_ENDPOINT)

@@ -16,12 +16,13 @@ import collections
 import threading
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 from transformers import DynamicCache, PretrainedConfig
 
 from common.blocks import block_hashes, block_keys, chain, reusable_blocks
-from common.kv_cache import append_cache
-from common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, Event
+from common.kv_cache import append_cache, attention_layers, keys_values
+from common.kv_events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, Event
 
 Block = torch.Tensor  # every layer's keys and values: [layers, 2, Hkv, block_size, D]
 
@@ -80,7 +81,8 @@ class PrefixCache:
         n_tokens = min(len(token_ids), cache.get_seq_length(), self.max_blocks * self.block_size)
         keys = block_keys(token_ids[:n_tokens], position_ids[:n_tokens], self.block_size)
         hashes = chain(keys)
-        new, removed = [], []
+        new: list[int] = []
+        removed: list[BlockHash] = []
         with self._lock:
             absent = [index for index, h in enumerate(hashes) if h not in self._blocks]
             copies = self._copies(absent, cache)
@@ -108,8 +110,8 @@ class PrefixCache:
                 start, end = blocks[0] * size, (blocks[-1] + 1) * size
                 gathered = torch.stack(
                     [
-                        torch.stack((layer.keys[0, :, start:end], layer.values[0, :, start:end]))
-                        for layer in cache.layers
+                        torch.stack((keys[0, :, start:end], values[0, :, start:end]))
+                        for keys, values in map(keys_values, attention_layers(cache))
                     ]
                 )  # [layers, 2, Hkv, tokens, D]
                 for offset, index in enumerate(blocks):
@@ -118,7 +120,7 @@ class PrefixCache:
 
     def _evict(self, keep: int) -> None:
         """Least recently used blocks out until at most ``keep`` are left (under the lock)."""
-        removed = []
+        removed: list[BlockHash] = []
         while len(self._blocks) > max(0, keep):
             removed.append(self._blocks.popitem(last=False)[0])
         if removed and self.publish is not None:
@@ -131,7 +133,9 @@ class PrefixCache:
             if self.publish is not None:
                 self.publish([AllBlocksCleared()])
 
-    def _stored(self, run: list[int], hashes: list[bytes], keys: list) -> BlockStored:
+    def _stored(
+        self, run: list[int], hashes: list[bytes], keys: list[tuple[np.ndarray, tuple[str] | None]]
+    ) -> BlockStored:
         extra = [keys[i][1] for i in run]
         return BlockStored(
             [hashes[i] for i in run],

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 from common.protocol import CompletionRequest
 
 
 class EngineCompletionRequest(CompletionRequest):
-    model: str | None = None
+    model: str | None = None  # type: ignore[assignment]  # the engine answers requests that name no model
     max_tokens: int | None = 16
     """OpenAI's default; null generates as far as the model's position range allows."""
     # --- extensions ---
@@ -22,5 +24,5 @@ class EngineCompletionRequest(CompletionRequest):
         if self.position_ids is not None:
             return self.position_ids
         if self.vllm_xargs and "position_ids" in self.vllm_xargs:
-            return self.vllm_xargs["position_ids"]
+            return cast("list[int]", self.vllm_xargs["position_ids"])  # checked where it is read
         return None

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from common.kv_cache import append_cache
+from common.kv_cache import append_cache, attention_layers
 from common.models import with_cache
 
 DECODE_ROOM = 256  # tokens of room a sequence's KV cache grows by: one copy of the cache per 256 decode steps
@@ -51,7 +52,7 @@ def prefill(
                 logits_to_keep=1,
             )
     except Yielded:
-        for layer in cache.layers:  # the layers before the stop hold the chunk; the others do not
+        for layer in attention_layers(cache):  # the layers before the stop hold the chunk; the others do not
             if (extra := layer.get_seq_length() - past) > 0:
                 layer.crop(-extra)
         raise
@@ -64,7 +65,7 @@ def _yielding(model: PreTrainedModel, should_yield: Callable[[], bool] | None) -
         yield
         return
 
-    def check(module, args):
+    def check(module: torch.nn.Module, args: Any) -> None:
         if should_yield():
             raise Yielded
 
@@ -85,4 +86,5 @@ def decode_one(model: PreTrainedModel, token: torch.Tensor, position: int, cache
         **with_cache(model, cache),
         use_cache=True,
     )
-    return out.logits[0, -1].float()
+    logits: torch.Tensor = out.logits
+    return logits[0, -1].float()

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
 
 @dataclass(slots=True)
@@ -63,7 +64,7 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
 class TextStream:
     """Turns generated token IDs into text deltas: never splits a UTF-8 character, holds back possible stops."""
 
-    def __init__(self, tokenizer, stops: list[str]) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, stops: list[str]) -> None:
         self._tokenizer = tokenizer
         self._stops = stops
         self._holdback = max((len(s) for s in stops), default=1) - 1
@@ -74,7 +75,7 @@ class TextStream:
 
     def push(self, token_id: int) -> None:
         self.token_ids.append(token_id)
-        text = self._tokenizer.decode(self.token_ids, skip_special_tokens=True)
+        text = str(self._tokenizer.decode(self.token_ids, skip_special_tokens=True))
         for stop in self._stops:
             at = text.find(stop, max(0, len(self.text) - len(stop)))
             if at != -1:

@@ -34,7 +34,7 @@ class Sequence:
     params: SamplingParams
     stream: TextStream
     loop: asyncio.AbstractEventLoop
-    outputs: asyncio.Queue = field(default_factory=asyncio.Queue)
+    outputs: asyncio.Queue[StepOutput | BaseException] = field(default_factory=asyncio.Queue)
     priority: int = 0  # lower runs first
     cancelled: threading.Event = field(default_factory=threading.Event)
     cache: DynamicCache | None = None

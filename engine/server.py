@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from typing import Any, TypeVar
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -13,8 +14,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from common import messages as anthropic
 from common.cancellation import with_cancellation
-from common.errors import install_error_handlers, shaped_errors
-from common.protocol import ChatCompletionRequest
+from common.errors import APIError, install_error_handlers, shaped_errors
+from common.protocol import ChatCompletionRequest, WireModel
 from common.responses import ResponsesRequest
 from common.streams import sse_body
 from engine.metrics import EngineMetrics
@@ -40,7 +41,13 @@ async def _lifespan(
     settings: EngineSettings | None, serving: EngineServing | None, app: FastAPI
 ) -> AsyncIterator[None]:
     metrics: EngineMetrics = app.state.metrics
-    app.state.serving = serving or EngineServing.from_settings(settings, on_active_change=metrics.active.set)
+    if serving is None:
+        assert settings is not None  # create_app takes one or the other
+        serving = EngineServing.from_settings(settings, on_active_change=metrics.active.set)
+        started = True
+    else:
+        started = False
+    app.state.serving = serving
     engine = app.state.serving.engine
     engine.scheduler.on_active_change = metrics.active.set
     engine.on_queued = metrics.queue_time.observe
@@ -50,20 +57,28 @@ async def _lifespan(
     try:
         yield
     finally:
-        if serving is None:  # the engine this app started
+        if started:  # the engine this app started
             app.state.serving.close()
 
 
+R = TypeVar("R", bound=WireModel)
 router = APIRouter()
 messages_router = APIRouter(route_class=shaped_errors(anthropic.error_body))
 service_router = APIRouter()
 
 
-async def _answer(raw_request: Request, request, whole, streamed, named: bool = False, error_shape=None) -> Response:
+async def _answer(
+    raw_request: Request,
+    request: R,
+    whole: Callable[[R], Awaitable[dict[str, Any]]],
+    streamed: Callable[[R], Awaitable[AsyncGenerator[dict[str, Any], None]]],
+    named: bool = False,
+    error_shape: Callable[[APIError], dict[str, Any]] | None = None,
+) -> Response:
     """``whole(request)``'s answer, or ``streamed(request)``'s events where the request asks for a stream; each
     counted once it has ended (``ok`` or ``error``)."""
     metrics: EngineMetrics = raw_request.app.state.metrics
-    if not request.stream:
+    if not getattr(request, "stream", False):
         body = await whole(request)
         metrics.requests.labels("ok").inc()
         return JSONResponse(body)

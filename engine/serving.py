@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, replace
+from typing import Any, cast
 
 from common.chat import ChatChunkConverter, as_chat_chunks, completion_to_chat, render_chat
 from common.errors import InvalidRequestError, NotFoundError
 from common.messages import Conversation, MessagesRequest, chat_to_message, merges_inline_system, message_events
 from common.models import load_causal_lm, load_tokenizer
 from common.prompt_bound import refuse_unfittable
-from common.protocol import TEXT_PARTS, ChatCompletionRequest, SamplingFields
+from common.protocol import TEXT_PARTS, ChatCompletionRequest, ChatMessage, SamplingFields
 from common.responses import ResponsesRequest, chat_to_response, response_events
 from common.streams import merge, prepend
 from common.swap import requested_swap, swap_prompt
@@ -55,7 +56,9 @@ class EngineServing:
         self.merge_inline_system = merges_inline_system(engine.tokenizer)  # for Messages, as vLLM decides it
 
     @classmethod
-    def from_settings(cls, settings: EngineSettings, on_active_change=None) -> EngineServing:
+    def from_settings(
+        cls, settings: EngineSettings, on_active_change: Callable[[int], None] | None = None
+    ) -> EngineServing:
         """Loads the target model and starts its engine."""
         events = None
         if settings.kv_events_config and settings.kv_cache_tokens:
@@ -89,7 +92,7 @@ class EngineServing:
     def model_name(self) -> str:
         return self.served_names[0]
 
-    def models(self) -> dict:
+    def models(self) -> dict[str, Any]:
         created = int(time.time())
         return {
             "object": "list",
@@ -115,10 +118,11 @@ class EngineServing:
         _check_supported(request)
         refuse_unfittable(request, self.engine.tokenizer, self.engine.max_positions, "the engine")
         token_ids = request.prompt_token_ids(self.engine.tokenizer, self.engine.vocab_size)
+        position_ids: list[int]
         if (swap := requested_swap(request.vllm_xargs)) is not None:  # the kept tokens, in place of the prompt
             token_ids, position_ids = swap_prompt(token_ids, *swap)
-        elif (position_ids := request.sent_position_ids()) is None:
-            position_ids = list(range(len(token_ids)))
+        else:
+            position_ids = request.sent_position_ids() or list(range(len(token_ids)))
         _check_positions(position_ids, len(token_ids), self.engine.max_positions)
         last = position_ids[-1]
         room = self.engine.max_positions - 1 - last
@@ -139,7 +143,7 @@ class EngineServing:
             temperature=request.temperature,
             top_p=request.top_p,
             seed=request.seed,
-            stop=request.stop,
+            stop=cast(list[str], request.stop),  # its validator made it a list
             logprobs=request.logprobs,
             ignore_eos=request.ignore_eos,
             presence_penalty=request.presence_penalty,
@@ -149,9 +153,11 @@ class EngineServing:
         )
         return PreparedRequest(token_ids, position_ids, params, request.priority)
 
-    def _choices(self, request: EngineCompletionRequest, prepared: PreparedRequest) -> list[AsyncIterator[StepOutput]]:
+    def _choices(
+        self, request: EngineCompletionRequest, prepared: PreparedRequest
+    ) -> list[AsyncGenerator[StepOutput, None]]:
         """One generation per choice (``n``); a seeded request's choices take consecutive seeds."""
-        generations = []
+        generations: list[AsyncGenerator[StepOutput, None]] = []
         for i in range(request.n):
             params = prepared.params
             if i and params.seed is not None:
@@ -161,7 +167,7 @@ class EngineServing:
             )
         return generations
 
-    async def completion_stream(self, request: EngineCompletionRequest) -> AsyncIterator[dict]:
+    async def completion_stream(self, request: EngineCompletionRequest) -> AsyncGenerator[dict[str, Any], None]:
         """OpenAI ``text_completion`` chunks; the usage chunk last when asked for."""
         prepared = self.prepare(request)
         chunks = self._stream(request, prepared)
@@ -169,7 +175,9 @@ class EngineServing:
         first = await anext(chunks)
         return prepend(first, chunks)
 
-    async def _stream(self, request: EngineCompletionRequest, prepared: PreparedRequest) -> AsyncIterator[dict]:
+    async def _stream(
+        self, request: EngineCompletionRequest, prepared: PreparedRequest
+    ) -> AsyncGenerator[dict[str, Any], None]:
         completion_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
         n_generated, offsets, cached = 0, [0] * request.n, 0
@@ -190,7 +198,7 @@ class EngineServing:
                 completion_id, created, self.model_name, [], _usage(len(prepared.token_ids), n_generated, cached)
             )
 
-    async def completion(self, request: EngineCompletionRequest) -> dict:
+    async def completion(self, request: EngineCompletionRequest) -> dict[str, Any]:
         prepared = self.prepare(request)
         runs: list[list[StepOutput]] = [[] for _ in range(request.n)]
         async for index, step in merge(self._choices(request, prepared)):
@@ -214,7 +222,7 @@ class EngineServing:
         _check_supported(request)
         if not all(m.has_only_text() for m in request.messages):
             kinds = sorted(
-                {str(part.get("type")) for m in request.messages if not m.has_only_text() for part in m.content}
+                {str(part.get("type")) for m in request.messages if not m.has_only_text() for part in _parts(m)}
                 - set(TEXT_PARTS)
             )
             raise InvalidRequestError(
@@ -234,29 +242,29 @@ class EngineServing:
             model=request.model, prompt=ids, **request.completion_params(), **request.generation_params()
         )
 
-    async def chat_completion(self, request: ChatCompletionRequest) -> dict:
+    async def chat_completion(self, request: ChatCompletionRequest) -> dict[str, Any]:
         """Chat through the model's chat template, so the engine stands in for any OpenAI-compatible server."""
         body = await self.completion(self._chat_as_completion(request))
         return completion_to_chat(body, self.model_name)
 
-    async def chat_completion_stream(self, request: ChatCompletionRequest) -> AsyncIterator[dict]:
+    async def chat_completion_stream(self, request: ChatCompletionRequest) -> AsyncGenerator[dict[str, Any], None]:
         chunks = await self.completion_stream(self._chat_as_completion(request))
         return as_chat_chunks(chunks, ChatChunkConverter(self.model_name))
 
-    async def responses(self, request: ResponsesRequest) -> dict:
+    async def responses(self, request: ResponsesRequest) -> dict[str, Any]:
         """OpenAI's Responses API through the chat template (the request as vLLM renders it)."""
         return chat_to_response(request, await self.chat_completion(request.as_chat()), self.model_name)
 
-    async def responses_stream(self, request: ResponsesRequest) -> AsyncIterator[dict]:
+    async def responses_stream(self, request: ResponsesRequest) -> AsyncGenerator[dict[str, Any], None]:
         chunks = await self.chat_completion_stream(request.as_chat())
         return response_events(request, chunks, self.model_name)
 
-    async def messages(self, request: MessagesRequest) -> dict:
+    async def messages(self, request: MessagesRequest) -> dict[str, Any]:
         """Anthropic's Messages API through the chat template (converted as vLLM converts it); takes the swap."""
         chat = await self.chat_completion(request.as_chat(self.merge_inline_system))
         return chat_to_message(chat, self.model_name)
 
-    async def messages_stream(self, request: MessagesRequest) -> AsyncIterator[dict]:
+    async def messages_stream(self, request: MessagesRequest) -> AsyncGenerator[dict[str, Any], None]:
         chunks = await self.chat_completion_stream(request.as_chat(self.merge_inline_system))
         return message_events(chunks, self.model_name)
 
@@ -273,11 +281,12 @@ class EngineServing:
             render_chat(self.engine.tokenizer, chat.messages, self.pieces.encode_arrays, tools=chat.tools).token_ids
         )
 
-    def _logprobs(self, steps: list[StepOutput], offset: int) -> dict:
+    def _logprobs(self, steps: list[StepOutput], offset: int) -> dict[str, Any]:
         decode = self.engine.tokenizer.decode
-        tokens, offsets = [], []
+        tokens: list[str] = []
+        offsets: list[int] = []
         for step in steps:
-            tokens.append(decode([step.token_id]))
+            tokens.append(str(decode([step.token_id])) if step.token_id is not None else "")  # a final flush
             offsets.append(offset)
             offset += len(step.text)
         return {
@@ -290,9 +299,13 @@ class EngineServing:
         }
 
 
+def _parts(message: ChatMessage) -> list[dict[str, Any]]:
+    return message.content if isinstance(message.content, list) else []
+
+
 def _check_supported(request: SamplingFields) -> None:
     """What the reference engine does not do (as vLLM V1 does not do suffix or best_of)."""
-    unsupported = [name for name in ("echo", "suffix", "best_of") if name in request.unsupported_features()]
+    unsupported: list[str] = [n for n in ("echo", "suffix", "best_of") if n in request.unsupported_features()]
     if getattr(request, "functions", None):
         unsupported.append("functions")
     if unsupported:
@@ -330,7 +343,7 @@ def _check_positions(positions: list[int], n_tokens: int, max_positions: int) ->
         )
 
 
-def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
     """OpenAI's usage, with the prompt tokens served from the prefix cache where vLLM and OpenAI report them."""
     return {
         "prompt_tokens": prompt_tokens,
@@ -340,7 +353,9 @@ def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> di
     }
 
 
-def _envelope(completion_id: str, created: int, model: str, choices: list, usage: dict | None = None) -> dict:
+def _envelope(
+    completion_id: str, created: int, model: str, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None
+) -> dict[str, Any]:
     body = {"id": completion_id, "object": "text_completion", "created": created, "model": model, "choices": choices}
     if usage is not None:
         body["usage"] = usage

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from common.errors import InvalidRequestError
 
@@ -35,7 +36,7 @@ def json_schema_of(response_format: dict[str, Any] | None) -> dict[str, Any] | N
 class JSONConstraint:
     """One request's constraint: the tokens allowed after the ones generated so far."""
 
-    def __init__(self, enforcer) -> None:
+    def __init__(self, enforcer: Any) -> None:  # lm-format-enforcer's TokenEnforcer
         self._enforcer = enforcer
 
     def mask(self, logits: torch.Tensor, generated: list[int]) -> torch.Tensor:
@@ -51,12 +52,12 @@ class JSONConstraint:
 class StructuredOutputs:
     """Makes constraints for one tokenizer."""
 
-    def __init__(self, tokenizer, vocab_size: int) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> None:
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
-        self._data = None
+        self._data: Any = None
 
-    def constraint(self, parser) -> JSONConstraint:
+    def constraint(self, parser: Any) -> JSONConstraint:
         from lmformatenforcer import TokenEnforcer
 
         if self._data is None:
@@ -64,7 +65,7 @@ class StructuredOutputs:
         return JSONConstraint(TokenEnforcer(self._data, parser))
 
 
-def _tokenizer_data(tokenizer, vocab_size: int):
+def _tokenizer_data(tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> Any:
     """lm-format-enforcer's per-tokenizer data, built as its transformers integration builds it (that module
     does not import under transformers 5): each regular token's text, and whether it starts a word."""
     from lmformatenforcer import TokenEnforcerTokenizerData
@@ -80,12 +81,12 @@ def _tokenizer_data(tokenizer, vocab_size: int):
         regular.append((token, after_zero, len(after_zero) > len(tokenizer.decode([token]))))
 
     def decode(tokens: list[int]) -> str:
-        return tokenizer.decode(tokens).rstrip("\ufffd")
+        return str(tokenizer.decode(tokens)).rstrip("\ufffd")
 
     return TokenEnforcerTokenizerData(regular, decode, tokenizer.eos_token_id, False, size)
 
 
-def json_parser(response_format: dict[str, Any] | None):
+def json_parser(response_format: dict[str, Any] | None) -> Any:
     """A request's JSON parser (its schema checked here, so a bad one is a 400), or None for free text."""
     schema = json_schema_of(response_format)
     if schema is None:

@@ -25,8 +25,8 @@ def test_ruff_finds_nothing(command):
 
 
 def test_mypy_strict_finds_nothing():
-    """Settings in pyproject.toml: strict on ``gateway/`` and ``common/``, the packages they import read for their
-    types."""
+    """Settings in pyproject.toml: strict on every product package (``gateway/``, ``common/``, ``engine/``,
+    ``draft_worker/``, the vLLM plugin), the lab and the commands read for their types."""
     result = subprocess.run([MYPY], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
 

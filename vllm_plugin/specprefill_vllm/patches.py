@@ -4,6 +4,8 @@ points are listed, and checked before anything is patched, in ``patch_points.py`
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from vllm.logger import init_logger
@@ -16,7 +18,7 @@ logger = init_logger("vllm.specprefill")
 _MARK = "_specprefill_patched"
 
 
-def _once(owner, name: str, make):
+def _once(owner: Any, name: str, make: Callable[[Any], Any]) -> None:
     original = getattr(owner, name)
     if getattr(original, _MARK, False):
         return
@@ -25,7 +27,7 @@ def _once(owner, name: str, make):
     setattr(owner, name, patched)
 
 
-def supported(model_config) -> bool:
+def supported(model_config: Any) -> bool:
     architectures = getattr(model_config, "architectures", None) or []
     return bool(set(architectures) & set(SUPPORTED_ARCHITECTURES)) and not model_config.uses_mrope
 
@@ -50,9 +52,9 @@ _MODEL_CLASSES = (
 def _patch_model_forward() -> None:
     import importlib
 
-    def make(original):
+    def make(original: Any) -> Any:
         @functools.wraps(original)
-        def forward(self, input_ids=None, positions=None, *args, **kwargs):
+        def forward(self: Any, input_ids: Any = None, positions: Any = None, *args: Any, **kwargs: Any) -> Any:
             # [1, T] from the runner's M-RoPE buffer -> [T]; 1-D (stock) and [3, T] (real M-RoPE) pass unchanged
             if positions is not None and positions.dim() == 2 and positions.shape[0] == 1:
                 positions = positions[0]
@@ -74,9 +76,9 @@ def _patch_model_forward() -> None:
 def _patch_model_runner() -> None:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    def make_init(original):
+    def make_init(original: Any) -> Any:
         @functools.wraps(original)
-        def __init__(self, vllm_config, device, *args, **kwargs):
+        def __init__(self: Any, vllm_config: Any, device: Any, *args: Any, **kwargs: Any) -> None:
             original(self, vllm_config, device, *args, **kwargs)
             self._specprefill_positions = supported(self.model_config)
             if self._specprefill_positions:
@@ -90,9 +92,9 @@ def _patch_model_runner() -> None:
 
         return __init__
 
-    def make_init_positions(original):
+    def make_init_positions(original: Any) -> Any:
         @functools.wraps(original)
-        def _init_mrope_positions(self, req_state):
+        def _init_mrope_positions(self: Any, req_state: Any) -> Any:
             if not getattr(self, "_specprefill_positions", False):
                 return original(self, req_state)
             if req_state.prompt_token_ids is not None:
@@ -117,9 +119,11 @@ def _patch_block_hashes() -> None:
 
     from vllm.v1.core import kv_cache_utils
 
-    def make(original):
+    def make(original: Any) -> Any:
         @functools.wraps(original)
-        def generate_block_hash_extra_keys(request, start_token_idx, end_token_idx, start_mm_idx):
+        def generate_block_hash_extra_keys(
+            request: Any, start_token_idx: int, end_token_idx: int, start_mm_idx: int
+        ) -> tuple[Any, int]:
             extra, next_mm_idx = original(request, start_token_idx, end_token_idx, start_mm_idx)
             key = block_key(requested_positions(request.sampling_params), start_token_idx, end_token_idx)
             if key is not None:
@@ -129,14 +133,14 @@ def _patch_block_hashes() -> None:
         return generate_block_hash_extra_keys
 
     _once(kv_cache_utils, "generate_block_hash_extra_keys", make)
-    patched = kv_cache_utils.generate_block_hash_extra_keys
+    patched = getattr(kv_cache_utils, "generate_block_hash_extra_keys")
     for module_name in ("vllm.v1.core.block_pool", "vllm.v1.simple_kv_offload.manager"):
         try:
             module = importlib.import_module(module_name)
         except ImportError:
             continue
         if hasattr(module, "generate_block_hash_extra_keys"):
-            module.generate_block_hash_extra_keys = patched
+            setattr(module, "generate_block_hash_extra_keys", patched)
 
 
 # --- input processing: the swap, and bad positions as a 400, never an engine crash ---
@@ -146,11 +150,11 @@ def _patch_input_processor() -> None:
     from vllm.exceptions import VLLMValidationError
     from vllm.v1.engine.input_processor import InputProcessor
 
-    def make(original):
+    def make(original: Any) -> Any:
         @functools.wraps(original)
-        def process_inputs(self, request_id, prompt, params, *args, **kwargs):
+        def process_inputs(self: Any, request_id: Any, prompt: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
             request = original(self, request_id, prompt, params, *args, **kwargs)
-            sampling_params = getattr(request, "sampling_params", None)
+            sampling_params: Any = getattr(request, "sampling_params", None)
             positions = requested_positions(sampling_params)
             kept = requested_kept(sampling_params)
             if positions is None and kept is None:
@@ -180,7 +184,7 @@ def _patch_input_processor() -> None:
             max_positions = model_config.hf_text_config.max_position_embeddings
             n_prompt = len(request.prompt_token_ids or [])
             try:
-                check_positions(positions, n_prompt, max_positions, sampling_params.max_tokens)
+                check_positions(positions or [], n_prompt, max_positions, sampling_params.max_tokens)
             except PositionError as exc:
                 raise VLLMValidationError(str(exc), parameter="vllm_xargs.position_ids") from None
             return request
