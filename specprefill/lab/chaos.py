@@ -560,9 +560,8 @@ class ChaosRun:
 
     def report(self, sigterm: dict) -> ChaosReport:
         samples = self.samples
-        for fault in self.broken_parts:  # the first request compressed again after the part's return
-            back = [s.sent_s for s in samples if s.sent_s >= fault["returned_s"] and s.specprefill == "compressed"]
-            fault["compressing_again_after_s"] = round(min(back) - fault["returned_s"], 2) if back else None
+        for fault in self.broken_parts:
+            fault |= _noticed(samples, fault["returned_s"])
         phase_at = sorted(((s.sent_s + self.start_s, s.phase) for s in samples if s.number >= 0), key=lambda x: x[0])
         failures = Counter(
             f"{_fault_at(self.broken_parts, when - self.start_s) or _phase_at(phase_at, when)}: {what}"
@@ -579,6 +578,19 @@ class ChaosRun:
             proxy_failures=dict(failures),
             sigterm=sigterm,
         )
+
+
+def _noticed(samples: list[ChaosSample], returned_s: float) -> dict[str, float | int | None]:
+    """When a part's return was noticed: the first request compressed again after it, and the long prompts
+    answered whole before that one (those shed, or cut off, while the queue the fault left drains say nothing of
+    the return: on a slow machine they can be all that was sent in the calm after it)."""
+    back = [s.sent_s for s in samples if s.sent_s >= returned_s and s.specprefill == "compressed"]
+    first = min(back) if back else float("inf")
+    whole = [s for s in samples if s.long and s.status == 200 and returned_s <= s.sent_s < first]
+    return {
+        "compressing_again_after_s": round(first - returned_s, 2) if back else None,
+        "whole_before_compressing": sum(1 for s in whole if s.specprefill != "compressed"),
+    }
 
 
 def _fault(fault: str, parts: dict[str, Part], proxy: FaultProxy, *, on: bool) -> None:
@@ -819,11 +831,12 @@ def format_chaos(summary: dict) -> str:
         f"{summary['engine_answers_checked']} greedy engine answers asked again of an undisturbed engine",
         f"statuses: {summary['statuses']}; after the engine's restart, plans that mispredicted its cache past "
         f"each shared document's first request: {summary['restart_mispredicted']}",
-        f"{'fault':>9} {'compressing again after':>24}",
+        f"{'fault':>9} {'compressing again after':>24} {'long ones whole before':>23}",
     ]
     for fault in summary["faults"]:
         again = fault["compressing_again_after_s"]
-        lines.append(f"{fault['fault']:>9} {'never' if again is None else f'{again:.1f} s':>24}")
+        whole = fault.get("whole_before_compressing", 0)
+        lines.append(f"{fault['fault']:>9} {'never' if again is None else f'{again:.1f} s':>24} {whole:>23}")
     lines.append(
         "5xx by phase and cause: " + (", ".join(f"{k} x{v}" for k, v in summary["errors_5xx"].items()) or "none")
     )
