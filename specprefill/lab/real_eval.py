@@ -115,6 +115,9 @@ def variants(
     out |= {
         f"{name}/w{n}": [*args, "--observation-window", str(n)] for name, args in list(out.items()) for n in windows
     }
+    base, _, window = pair.default_variant.partition("/w")
+    if window and base in out:  # the served default's window is always one of the rows too
+        out.setdefault(pair.default_variant, [*out[base], "--observation-window", window])
     out |= {kind: ["--draft-model", f"baseline:{kind}"] for kind in ("random", "head", "tail")}
     return out
 
@@ -303,7 +306,7 @@ def _jobs(everything: list[Item], drafts: dict[str, list[str]], keep_rates, done
     return jobs
 
 
-def _gateway_args(pair: EvalPair, device: str) -> list[str]:
+def gateway_args(pair: EvalPair, device: str) -> list[str]:
     """Every draft's gateway: the pair's target, a fresh selection per request at its keep rate."""
     return [
         *("--target-model", str(pair.target), "--served-model-name", pair.pair.target.name),
@@ -344,7 +347,7 @@ def run_real_eval(
     if tasks:
         everything = [i for i in everything if i.sample.task in tasks]
     order = [n for n in dict.fromkeys([*lengths, *sorted(wanted)]) if any(i.length == n for i in everything)]
-    common = _gateway_args(pair, device)
+    common = gateway_args(pair, device)
     # what the gateways compute in (float32 on a CPU without fast bfloat16 kernels): kept with every answer
     config = AutoConfig.from_pretrained(pair.target)
     dtype = str(compute_dtype(config.dtype, torch.device(device))).removeprefix("torch.")
