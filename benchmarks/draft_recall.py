@@ -44,6 +44,50 @@ def kept_answer(offsets: list[tuple[int, int]], kept: set[int], spans: list[tupl
     return False
 
 
+def plan_row(client: httpx.Client, url: str, tokenizer, name: str, item, keep: float) -> dict:
+    """One haystack's dry run at ``keep``: whether the planted answer is among the tokens kept."""
+    messages = item.sample.messages
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    question = text.rfind(messages[-1]["content"].rsplit("\n\n", 1)[-1])
+    spans = answer_spans(text, item.sample.answer, question)
+    reply = client.post(
+        f"{url}/v1/specprefill/compress",
+        json={"messages": messages, "max_tokens": 24},
+        headers={"x-keep-rate": f"{keep:g}"},
+    )
+    reply.raise_for_status()
+    plan = reply.json()
+    assert plan["original_tokens"] == len(encoded["input_ids"]), "the gateway renders as the tokenizer"
+    whole = range(len(encoded["input_ids"]))
+    kept = set(plan["position_ids"] if plan["status"] == "compressed" else whole)
+    return {
+        "variant": name,
+        "length": item.length,
+        "index": item.index,
+        "task": item.sample.task,
+        "keep": keep,
+        "status": plan["status"],
+        "kept": len(kept),
+        "tokens": plan["original_tokens"],
+        "found": bool(spans),
+        "recalled": kept_answer(encoded["offset_mapping"], kept, spans),
+    }
+
+
+def print_table(path: Path) -> None:
+    cells: dict[tuple, list[bool]] = defaultdict(list)
+    for line in path.read_text().splitlines():
+        r = json.loads(line)
+        cells[(r["variant"], r["length"], r["task"], r["keep"])].append(r["recalled"])
+    print(f"{'draft':<24} {'length':>6} {'task':<8} {'keep':>5}  recalled")
+    for (variant, length, task, keep), got in sorted(
+        cells.items(), key=lambda c: (c[0][1], c[0][2], -c[0][3], c[0][0])
+    ):
+        low, high = wilson(sum(got), len(got))
+        print(f"{variant:<24} {length:>6} {task:<8} {keep:>5g}  {sum(got):>3}/{len(got):<3} [{low:.2f}, {high:.2f}]")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pair", default=DEFAULT_PAIR)
@@ -58,18 +102,14 @@ def main() -> None:
     args = parser.parse_args()
 
     pair = EvalPair.made(real_pair(args.pair))
-    layers = [int(k) for k in args.draft_layers.split(",") if k]
-    known = variants(pair, draft_layers=layers)
+    known = variants(pair, draft_layers=[int(k) for k in args.draft_layers.split(",") if k])
     drafts = {name: known[name] for name in args.drafts.split(",") if name}
     for spec in args.variant:
         name, _, flags = spec.partition("=")
         drafts[name] = flags.split()
-    lengths = [int(n) for n in args.lengths.split(",")]
-    tasks = set(args.tasks.split(","))
-    keeps = [float(k) for k in args.keep_rates.split(",")]
-    asked = [i for i in items(pair, lengths, args.samples) if i.sample.task in tasks]
+    tasks, keeps = set(args.tasks.split(",")), [float(k) for k in args.keep_rates.split(",")]
+    asked = [i for i in items(pair, [int(n) for n in args.lengths.split(",")], args.samples) if i.sample.task in tasks]
     tokenizer = load_tokenizer(pair.target)
-
     done = set()
     if args.out.exists():
         for line in args.out.read_text().splitlines():
@@ -82,45 +122,9 @@ def main() -> None:
                 continue
             with launched_gateway([*gateway_args(pair, "cpu"), *flags]) as url, httpx.Client(timeout=1800) as client:
                 for item, keep in tqdm(todo, desc=f"recall: {name}", unit="plan"):
-                    messages = item.sample.messages
-                    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-                    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-                    question = text.rfind(messages[-1]["content"].rsplit("\n\n", 1)[-1])
-                    spans = answer_spans(text, item.sample.answer, question)
-                    reply = client.post(
-                        f"{url}/v1/specprefill/compress",
-                        json={"messages": messages, "max_tokens": 24},
-                        headers={"x-keep-rate": f"{keep:g}"},
-                    )
-                    reply.raise_for_status()
-                    plan = reply.json()
-                    assert plan["original_tokens"] == len(encoded["input_ids"]), "the gateway renders as the tokenizer"
-                    whole = range(len(encoded["input_ids"]))
-                    kept = set(plan["position_ids"] if plan["status"] == "compressed" else whole)
-                    row = {
-                        "variant": name,
-                        "length": item.length,
-                        "index": item.index,
-                        "task": item.sample.task,
-                        "keep": keep,
-                        "status": plan["status"],
-                        "kept": len(kept),
-                        "tokens": plan["original_tokens"],
-                        "found": bool(spans),
-                        "recalled": kept_answer(encoded["offset_mapping"], kept, spans),
-                    }
-                    sink.write(json.dumps(row) + "\n")
+                    sink.write(json.dumps(plan_row(client, url, tokenizer, name, item, keep)) + "\n")
                     sink.flush()
-    rows = [json.loads(line) for line in args.out.read_text().splitlines()]
-    cells: dict[tuple, list[bool]] = defaultdict(list)
-    for r in rows:
-        cells[(r["variant"], r["length"], r["task"], r["keep"])].append(r["recalled"])
-    print(f"{'draft':<24} {'length':>6} {'task':<8} {'keep':>5}  recalled")
-    for (variant, length, task, keep), got in sorted(
-        cells.items(), key=lambda c: (c[0][1], c[0][2], -c[0][3], c[0][0])
-    ):
-        low, high = wilson(sum(got), len(got))
-        print(f"{variant:<24} {length:>6} {task:<8} {keep:>5g}  {sum(got):>3}/{len(got):<3} [{low:.2f}, {high:.2f}]")
+    print_table(args.out)
 
 
 if __name__ == "__main__":
