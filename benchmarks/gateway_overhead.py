@@ -9,7 +9,9 @@ served from its cache), or ``fast`` (``specprefill.lab.fast_backend``, which ans
 gateway's own time and the client's). ``--agent N`` makes each request an agent's later turn: N tool schemas
 and N tool calls with their results between the system prompt and the question. ``--tracing`` adds a second
 gateway, the same but for its OpenTelemetry traces sent to a collector on this machine (one that takes every
-batch and answers at once), in the same rounds: the cost of tracing on the gateway's own time.
+batch and answers at once), and a third, untraced, as a yardstick (two identical gateways differ by a few tenths
+of a millisecond), in the same rounds, each path in each place of the round in turn: the cost of tracing on the
+gateway's own time.
 
     .venv/bin/python benchmarks/gateway_overhead.py [--backend vllm|fast] [--rounds 14] [--think 0.1] [--agent N]
         [--tracing]
@@ -66,7 +68,8 @@ async def alternate(
     async with httpx.AsyncClient(timeout=600) as client:
         for i in range(rounds):
             order = list(urls.items())
-            for name, url in order if i % 2 == 0 else order[::-1]:
+            shift = i % len(order)  # each path in each place in turn
+            for name, url in order[shift:] + order[:shift]:
                 await wait_idle(client, list(urls.values()))
                 await asyncio.sleep(think)  # a user's pause: caches and the CPU cool down, as between real requests
                 body = {
@@ -180,6 +183,7 @@ def main() -> None:
             sink = stack.enter_context(collector(received))
             traced = ["--backend-url", url, "--otlp-endpoint", sink, *flags]
             urls["traced"] = stack.enter_context(launched_gateway(traced))
+            urls["twin"] = stack.enter_context(launched_gateway(["--backend-url", url, *flags]))  # the yardstick
         times = asyncio.run(
             alternate(urls, system, args.rounds, args.think, verbose=args.backend == "vllm", agent=args.agent)
         )
@@ -192,7 +196,12 @@ def main() -> None:
     )
     if args.tracing:
         traced = statistics.median(times["traced"][COUNTED_FROM:]) * 1e3
+        twin = statistics.median(times["twin"][COUNTED_FROM:]) * 1e3
         print(f"with tracing on: {traced - direct:.1f} ms, {traced - gateway:+.2f} ms against tracing off")
+        print(
+            f"the untraced twin: {twin - gateway:+.2f} ms against the first gateway (two identical processes: "
+            f"the noise); tracing against both: {traced - (gateway + twin) / 2:+.2f} ms"
+        )
         print(f"the collector received {received['batches']} batches of spans, {received['bytes']:,} bytes")
 
 

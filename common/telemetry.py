@@ -124,6 +124,7 @@ class RequestTelemetry:
         self.app = app
         self.tracer = tracer  # an OpenTelemetry tracer (common.tracing), or None: tracing off
         self.log_json = log_json
+        self._fields_read: frozenset[bytes] | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -158,8 +159,13 @@ class RequestTelemetry:
         from opentelemetry import context, trace
         from opentelemetry.propagate import extract
 
-        carrier = {k.decode("latin-1"): v.decode("latin-1") for k, v in headers.items()}
-        parent = extract(carrier)
+        if self._fields_read is None:  # the configured propagators' headers (traceparent, tracestate, baggage...)
+            from opentelemetry.propagate import get_global_textmap
+
+            self._fields_read = frozenset(f.lower().encode("latin-1") for f in get_global_textmap().fields)
+        parent = None  # no trace context sent: a new trace, without the propagators' work
+        if not self._fields_read.isdisjoint(headers):
+            parent = extract({k.decode("latin-1"): v.decode("latin-1") for k, v in headers.items()})
         method, path = scope.get("method", "GET"), scope.get("path", "")
         record.tracer = self.tracer
         record.span = self.tracer.start_span(
