@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 from collections import defaultdict
 from pathlib import Path
 
@@ -25,7 +26,17 @@ from tqdm import tqdm
 
 from common.models import load_tokenizer
 from specprefill.lab.launch import launched_gateway
-from specprefill.lab.real_eval import EvalPair, gateway_args, items, variants, wilson
+from specprefill.lab.real_eval import (
+    EvalPair,
+    Keep,
+    gateway_args,
+    items,
+    keep_label,
+    keep_order,
+    keep_request,
+    variants,
+    wilson,
+)
 from specprefill.real_models.catalog import DEFAULT_PAIR, real_pair
 
 
@@ -44,17 +55,18 @@ def kept_answer(offsets: list[tuple[int, int]], kept: set[int], spans: list[tupl
     return False
 
 
-def plan_row(client: httpx.Client, url: str, tokenizer, name: str, item, keep: float) -> dict:
+def plan_row(client: httpx.Client, url: str, tokenizer, name: str, item, keep: Keep) -> dict:
     """One haystack's dry run at ``keep``: whether the planted answer is among the tokens kept."""
     messages = item.sample.messages
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     question = text.rfind(messages[-1]["content"].rsplit("\n\n", 1)[-1])
     spans = answer_spans(text, item.sample.answer, question)
+    headers, extension = keep_request(keep)
     reply = client.post(
         f"{url}/v1/specprefill/compress",
-        json={"messages": messages, "max_tokens": 24},
-        headers={"x-keep-rate": f"{keep:g}"},
+        json={"messages": messages, "max_tokens": 24, **(extension or {})},
+        headers=headers,
     )
     reply.raise_for_status()
     plan = reply.json()
@@ -67,6 +79,7 @@ def plan_row(client: httpx.Client, url: str, tokenizer, name: str, item, keep: f
         "index": item.index,
         "task": item.sample.task,
         "keep": keep,
+        "applied": plan["keep_rate"],  # the rate applied (auto: the one the scores chose)
         "status": plan["status"],
         "kept": len(kept),
         "tokens": plan["original_tokens"],
@@ -77,15 +90,26 @@ def plan_row(client: httpx.Client, url: str, tokenizer, name: str, item, keep: f
 
 def print_table(path: Path) -> None:
     cells: dict[tuple, list[bool]] = defaultdict(list)
+    rates: dict[tuple, list[float]] = defaultdict(list)
     for line in path.read_text().splitlines():
         r = json.loads(line)
-        cells[(r["variant"], r["length"], r["task"], r["keep"])].append(r["recalled"])
-    print(f"{'draft':<24} {'length':>6} {'task':<8} {'keep':>5}  recalled")
-    for (variant, length, task, keep), got in sorted(
-        cells.items(), key=lambda c: (c[0][1], c[0][2], -c[0][3], c[0][0])
-    ):
+        cell = (r["variant"], r["length"], r["task"], r["keep"])
+        cells[cell].append(r["recalled"])
+        rates[cell].append(r.get("applied", r["kept"] / r["tokens"]))
+    print(f"{'draft':<24} {'length':>6} {'task':<8} {'keep':>8}  recalled            applied rate")
+    for cell, got in sorted(cells.items(), key=lambda c: (c[0][1], c[0][2], keep_order(c[0][3]), c[0][0])):
+        variant, length, task, keep = cell
         low, high = wilson(sum(got), len(got))
-        print(f"{variant:<24} {length:>6} {task:<8} {keep:>5g}  {sum(got):>3}/{len(got):<3} [{low:.2f}, {high:.2f}]")
+        applied = f"{statistics.fmean(rates[cell]):.3f} ± {statistics.pstdev(rates[cell]):.3f}"
+        print(
+            f"{variant:<24} {length:>6} {task:<8} {keep_label(keep):>8}  {sum(got):>3}/{len(got):<3} "
+            f"[{low:.2f}, {high:.2f}]  {applied}"
+        )
+
+
+def _keep(raw: str) -> Keep:
+    """``0.1`` a fixed rate, ``auto@0.5`` the auto rule with that mass target."""
+    return raw if raw.startswith("auto@") else float(raw)
 
 
 def main() -> None:
@@ -94,7 +118,7 @@ def main() -> None:
     parser.add_argument("--lengths", default="2000")
     parser.add_argument("--samples", type=int, default=30)
     parser.add_argument("--tasks", default="passkey,fact,code")
-    parser.add_argument("--keep-rates", default="0.3,0.1,0.05")
+    parser.add_argument("--keep-rates", default="0.3,0.1,0.05", help="fixed rates, or auto@T: auto at target T")
     parser.add_argument("--drafts", default="", help="the real eval's draft names (comma-separated)")
     parser.add_argument("--draft-layers", default="", help="the smaller model's first-layer drafts to know")
     parser.add_argument("--variant", action="append", default=[], help="NAME=GATEWAY FLAGS (repeatable)")
@@ -107,7 +131,7 @@ def main() -> None:
     for spec in args.variant:
         name, _, flags = spec.partition("=")
         drafts[name] = flags.split()
-    tasks, keeps = set(args.tasks.split(",")), [float(k) for k in args.keep_rates.split(",")]
+    tasks, keeps = set(args.tasks.split(",")), [_keep(k) for k in args.keep_rates.split(",")]
     asked = [i for i in items(pair, [int(n) for n in args.lengths.split(",")], args.samples) if i.sample.task in tasks]
     tokenizer = load_tokenizer(pair.target)
     done = set()

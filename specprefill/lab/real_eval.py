@@ -166,7 +166,7 @@ def keep_order(keep: Keep) -> tuple[int, float]:
     return 0, -keep
 
 
-def _request(keep: Keep) -> tuple[dict[str, str], dict | None]:
+def keep_request(keep: Keep) -> tuple[dict[str, str], dict | None]:
     """The headers and body extension that ask for ``keep``."""
     if isinstance(keep, str):
         return {"x-keep-rate": "auto"}, {"specprefill": {"auto_target": float(keep.partition("@")[2])}}
@@ -191,7 +191,7 @@ def _done(path: Path) -> dict[str, dict]:
 
 
 def _ask(client: openai.OpenAI, model: str, item: Item, variant: str, keep: Keep) -> dict:
-    headers, body = _request(keep)
+    headers, body = keep_request(keep)
     raw = client.chat.completions.with_raw_response.create(
         model=model,
         messages=item.sample.messages,

@@ -175,7 +175,7 @@ def test_a_resume_asks_again_only_what_could_go_otherwise(tmp_path):
 
 
 def test_auto_cells_follow_the_fixed_rates_with_the_rates_applied():
-    from specprefill.lab.real_eval import _key, _request, markdown_summary, summarize
+    from specprefill.lab.real_eval import _key, keep_request, markdown_summary, summarize
 
     rows = [
         {
@@ -200,7 +200,7 @@ def test_auto_cells_follow_the_fixed_rates_with_the_rates_applied():
     table = "\n".join(markdown_summary(summarize(rows)))
     assert "| draft | keep 0.3 | keep 0.1 | keep auto@0.5 |" in table
     assert "rate 0.12 ± 0.01" in table
-    assert _request("auto@0.8") == ({"x-keep-rate": "auto"}, {"specprefill": {"auto_target": 0.8}})
-    assert _request(1.0)[0] == {"x-specprefill": "off"} and _key(8000, 3, "fact", "0.5b", "auto@0.8").endswith(
+    assert keep_request("auto@0.8") == ({"x-keep-rate": "auto"}, {"specprefill": {"auto_target": 0.8}})
+    assert keep_request(1.0)[0] == {"x-specprefill": "off"} and _key(8000, 3, "fact", "0.5b", "auto@0.8").endswith(
         "/auto@0.8"
     )
