@@ -104,17 +104,19 @@ class TimingProxy:
                     exchange.ttft_s = time.perf_counter() - exchange.started
                 seen += chunk
                 await response.write(chunk)
+            exchange.ended = time.perf_counter()
+            exchange.status = answer.status
+            exchange.plan = answer.headers.get("x-specprefill-plan")
+            exchange.reason = answer.headers.get("x-specprefill-reason")
+            kept = answer.headers.get("x-specprefill-kept-tokens")
+            exchange.kept_tokens = int(kept) if kept else None
+            if request.path.endswith(("/messages", "/responses")):
+                exchange.prompt_tokens, exchange.cached_tokens = _usage(seen)
+                # recorded before the answer's end goes out, so a client that has read the whole answer finds
+                # its exchange here: nobody polls for it
+                self.exchanges.append(exchange)
+                self.sent.append(Sent(request.method, request.path_qs, headers, body))
             await response.write_eof()
-        exchange.ended = time.perf_counter()
-        exchange.status = answer.status
-        exchange.plan = answer.headers.get("x-specprefill-plan")
-        exchange.reason = answer.headers.get("x-specprefill-reason")
-        kept = answer.headers.get("x-specprefill-kept-tokens")
-        exchange.kept_tokens = int(kept) if kept else None
-        if request.path.endswith(("/messages", "/responses")):
-            exchange.prompt_tokens, exchange.cached_tokens = _usage(seen)
-            self.exchanges.append(exchange)
-            self.sent.append(Sent(request.method, request.path_qs, headers, body))
         return response
 
     @contextlib.contextmanager
@@ -312,9 +314,6 @@ def replay_session(turns: list[Turn], sent: list[Sent], path: str, url: str, pro
                     for _ in answer.iter_bytes():
                         pass
             seconds = time.perf_counter() - start
-            deadline = time.monotonic() + 30
-            while len(proxy.exchanges) < before + len(turn.exchanges) and time.monotonic() < deadline:
-                time.sleep(0.01)  # the proxy records an exchange once it has sent the answer's last byte
             out.append(Turn(turn.agent, path, turn.session, turn.turn, proxy.exchanges[before:], {}, seconds))
     return out
 
