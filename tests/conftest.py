@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from gateway.app import create_app
-from specprefill.lab.demo_models import ModelShape, train_tokenizer, write_model
+from specprefill_lab.demo_models import ModelShape, train_tokenizer, write_model
 from tests.helpers import OPEN_CLIENTS, RecordingApp, engine_app, gateway_settings, serve
 
 
@@ -39,7 +39,7 @@ def long_pair(tmp_path_factory, tokenizer) -> Path:
 
     from safetensors.torch import load_file, save_file
 
-    from specprefill.lab.demo_models import eos_ids
+    from specprefill_lab.demo_models import eos_ids
 
     root = tmp_path_factory.mktemp("long-pair")
     long = copy.deepcopy(tokenizer)

@@ -25,7 +25,7 @@ from common.telemetry import RequestTelemetry
 from engine.server import create_app as create_engine_app
 from engine.settings import EngineSettings
 from gateway.settings import GatewaySettings
-from specprefill.lab.demo_models import synthetic_corpus
+from specprefill_lab.demo_models import synthetic_corpus
 
 LONG_DOC = " ".join(synthetic_corpus(seed=3, n_sentences=60))
 

@@ -158,8 +158,8 @@ def test_a_claude_code_session_answers_through_the_gateway_as_directly_at_vllm(a
     """Claude Code at vLLM itself and through the gateway in front of it (the plugin), two turns each: greedy
     (the target's generation config), the gateway's plan whole (``x-specprefill: off``, which Claude Code sends
     from ``ANTHROPIC_CUSTOM_HEADERS``), the same answers."""
-    from specprefill.lab.launch import README_VLLM_ARGS  # as the README starts vLLM
-    from specprefill.lab.vllm_server import VLLMServer
+    from specprefill_lab.launch import README_VLLM_ARGS  # as the README starts vLLM
+    from specprefill_lab.vllm_server import VLLMServer
     from tests.vllm_plugin.test_vllm_integration import _vllm_python
 
     server = VLLMServer(

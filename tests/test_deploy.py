@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+import subprocess
+import sys
 import tomllib
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -85,10 +89,55 @@ def test_the_vllm_image_matches_the_plugin(compose):
 def test_the_image_copies_every_package_it_installs():
     """``pip install .`` in the image sees only what the Dockerfile copies; a package left out breaks the image."""
     includes = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
-    packages = {p.rstrip("*") for p in includes}
+    packages = {p.split(".")[0].rstrip("*") for p in includes}
     assert packages == {p.name for p in ROOT.iterdir() if (p / "__init__.py").exists() and p.name != "tests"}
     copied = set(re.findall(r"^COPY (\w+) \./\1$", (ROOT / "docker" / "specprefill.Dockerfile").read_text(), re.M))
     assert packages <= copied, packages - copied
+
+
+def test_the_products_wheel_holds_no_lab(tmp_path):
+    """``pip install .`` at the root installs the product alone: the gateway, the draft worker, the engine,
+    ``common`` and the commands users run, without the lab's modules, its trained pairs or its dependencies."""
+    source = tmp_path / "source"
+    listed = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    for name in listed.split():
+        if name.split("/")[0] in {
+            "pyproject.toml",
+            "README.md",
+            "common",
+            "draft_worker",
+            "engine",
+            "gateway",
+            "specprefill",
+        }:
+            (source / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(ROOT / name, source / name)
+    pip = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path)]
+    subprocess.run([*pip, str(source)], check=True, capture_output=True, timeout=300)
+    (wheel,) = tmp_path.glob("specprefill_gateway-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+        metadata = archive.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
+    assert {n.split("/")[0] for n in names if not n.startswith("specprefill_gateway-")} == {
+        "common",
+        "draft_worker",
+        "engine",
+        "gateway",
+        "specprefill",
+    }
+    assert not [n for n in names if "lab" in n.split("/")[0] or "/data/" in n or n.endswith((".safetensors", ".jsonl"))]
+    required = {
+        re.split(r"[ ;<>=\[]", line.removeprefix("Requires-Dist: "))[0]
+        for line in metadata.splitlines()
+        if line.startswith("Requires-Dist:") and "extra ==" not in line
+    }
+    assert not required & {"tqdm", "matplotlib", "specprefill-lab"}, required
+    lab_only = []
+    for path in (ROOT / p for p in listed.split() if p.endswith(".py")):
+        if path.relative_to(ROOT).parts[0] in {"common", "draft_worker", "engine", "gateway", "specprefill"}:
+            if re.search(r"^\s*(from|import) (tqdm|matplotlib|specprefill_lab)\b", path.read_text(), re.M):
+                lab_only.append(path)
+    assert not lab_only, lab_only
 
 
 def test_the_vllm_command_gives_what_the_planner_reads(compose):

@@ -89,7 +89,7 @@ def test_the_readme_is_short_and_its_links_resolve():
 def test_the_readme_quickstart_runs_against_a_live_gateway(make_serve_gateway, tmp_path, monkeypatch):
     """The README's Python example against `make serve`'s gateway (the real pair, its defaults), over a document of
     the standard library's prose with a pass key in it."""
-    from specprefill.lab.prose import paragraphs
+    from specprefill_lab.prose import paragraphs
 
     readme = (ROOT / "README.md").read_text()
     example = re.search(r"```python\n(.*?)```", readme, re.DOTALL).group(1)

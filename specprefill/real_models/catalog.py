@@ -172,7 +172,7 @@ class RealPair:
 PAIRS = {
     # the whole 0.5B scoring with the queries of the prompt's last 16 tokens (the question and the template's
     # assistant header): chosen by measurement at 2,000 and 8,000 tokens, keep 0.1, by whether the answer's tokens
-    # are among those kept (benchmarks/draft_recall.py), against its first 18 layers (the earlier default, which
+    # are among those kept (lab/benchmarks/draft_recall.py), against its first 18 layers (the earlier default, which
     # kept 9 of 30 facts at 2,000 tokens), windows of 8, 12 and 32, 16 look-ahead tokens and the 1.5B's own first
     # 8 and 12 layers; then by the target's answers (docs/results/quality.md)
     "qwen2.5-coder": RealPair("qwen2.5-coder", QWEN_CODER_15B, QWEN_CODER_05B, observation_window=16),

@@ -9,7 +9,7 @@ from tokenizers import AddedToken
 from common.chat import RenderedChat, render_chat
 from common.protocol import ChatMessage
 from common.tokenize import PieceCache
-from specprefill.lab.demo_models import train_tokenizer
+from specprefill_lab.demo_models import train_tokenizer
 from tests.helpers import LONG_DOC
 
 

@@ -7,7 +7,7 @@ from common.models import TokenizerMismatchError, check_same_tokenizer, load_tok
 from common.selection import select_tokens
 from draft_worker import DraftWorker, ScoringConfig
 from draft_worker.worker import PromptTooLongError
-from specprefill.lab.demo_models import train_tokenizer
+from specprefill_lab.demo_models import train_tokenizer
 
 
 def test_from_pretrained_loads_a_local_folder(model_pair):

@@ -11,7 +11,7 @@ import pytest
 
 from gateway.app import create_app
 from gateway.settings import GatewaySettings
-from specprefill.lab.bench import parse_server_timing
+from specprefill_lab.bench import parse_server_timing
 from tests.helpers import LONG_DOC, gateway_settings, serve
 from tests.helpers import chat_messages as _messages
 from tests.helpers import openai_client as _client

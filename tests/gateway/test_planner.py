@@ -30,7 +30,7 @@ from gateway.planning.policy import RequestOptions
 from gateway.planning.scores import ScoreProvider
 from gateway.planning.warming import Warmer
 from gateway.settings import GatewaySettings
-from specprefill.lab.bench import parse_server_timing
+from specprefill_lab.bench import parse_server_timing
 from tests.gateway.planning import plan_prompt
 from tests.helpers import (
     LONG_DOC,

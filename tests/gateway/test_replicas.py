@@ -204,7 +204,7 @@ def test_behind_a_prefix_affinity_router_a_conversation_keeps_its_replica(model_
     """The gateway in front of an existing router (one URL for it): the router sees the client's own messages
     (the kept tokens travel beside them, in ``vllm_xargs``), so prefix affinity keeps each conversation on one
     replica, whose cache serves its compressed turns."""
-    from specprefill.lab.router import create_app as create_router
+    from specprefill_lab.router import create_app as create_router
 
     other = " ".join(reversed(LONG_DOC.split()))
     with (

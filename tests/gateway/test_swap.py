@@ -12,7 +12,7 @@ import torch
 
 from common.models import load_causal_lm, load_tokenizer
 from gateway.app import create_app
-from specprefill.lab.bench import parse_server_timing
+from specprefill_lab.bench import parse_server_timing
 from tests.helpers import (
     LONG_DOC,
     assert_swap_mismatch_is_a_400,

@@ -21,7 +21,7 @@ from gateway.app import create_app
 from gateway.planning.draft import LocalDraft
 from gateway.planning.score_cache import score_key
 from gateway.planning.token_mapping import MappedDraft, TokenMapping, overlaps
-from specprefill.lab.demo_models import synthetic_corpus
+from specprefill_lab.demo_models import synthetic_corpus
 from tests.helpers import LONG_DOC, chat_messages, gateway_settings, openai_client, serve, start_command
 
 MIXED = "naïve café — 日本語のテキスト 🙂🙂 done.\n\n  two  spaces\tand a tab, and   more   spaces  "

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from common.process import free_port, rss_mib
-from specprefill.lab.bench import parse_server_timing
+from specprefill_lab.bench import parse_server_timing
 from tests.helpers import start_command
 
 KEY = "sk-big-bodies"

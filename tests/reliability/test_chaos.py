@@ -1,5 +1,5 @@
 """The chaos run and the soak, short: faults of every part under a steady mixed load, then the same load without
-faults (``specprefill.lab.chaos``); the full runs are ``specprefill bench --chaos`` (docs: Operations)."""
+faults (``specprefill_lab.chaos``); the full runs are ``specprefill bench --chaos`` (docs: Operations)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import shutil
 
 import pytest
 
-from specprefill.lab.chaos import FAULTS, format_chaos, run_chaos
-from specprefill.lab.demo_models import ensure_demo_models
+from specprefill_lab.chaos import FAULTS, format_chaos, run_chaos
+from specprefill_lab.demo_models import ensure_demo_models
 
 
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server (make test installs it)")

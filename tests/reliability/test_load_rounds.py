@@ -1,6 +1,6 @@
 """Rounds of load against one gateway agree: nothing the gateway keeps between rounds makes the next one slower.
 
-The short version of ``benchmarks/loadtest.py --concurrency 100 --rounds 5 --pause 60`` (docs: Operations). A
+The short version of ``lab/benchmarks/loadtest.py --concurrency 100 --rounds 5 --pause 60`` (docs: Operations). A
 gateway that grew state per request (the cost models refitting on every answer, a list scanned per request,
 collections walking a growing heap) served 219 requests/s in its first round and 88 in its second.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import statistics
 
-from specprefill.lab.rounds import closed_loop, instant_stack, rounds
+from specprefill_lab.rounds import closed_loop, instant_stack, rounds
 
 
 def test_later_rounds_of_streams_against_one_gateway_are_not_slower():

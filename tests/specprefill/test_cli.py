@@ -15,7 +15,7 @@ from engine.server import create_app as create_engine_app
 from engine.settings import EngineSettings
 from gateway.app import create_app
 from specprefill.cli import main
-from specprefill.lab.demo_models import SHAPES, flops_per_token, llama_config, write_demo_models
+from specprefill_lab.demo_models import SHAPES, flops_per_token, llama_config, write_demo_models
 from tests.helpers import LONG_DOC, gateway_settings, serve
 
 
@@ -282,7 +282,7 @@ def test_score_reports_exactly_what_the_gateway_sends(
 def test_bench_launches_the_gateway_its_options_name(bench_args, expected):
     """The bench's gateway options reach the launched gateway, read by the gateway's own settings parser."""
     from gateway.settings import GatewaySettings
-    from specprefill.commands.bench import Bench, gateway_args
+    from specprefill_lab.commands.bench import Bench, gateway_args
 
     options = Bench(_cli_parse_args=["--workloads", *bench_args])
     settings = GatewaySettings(_cli_parse_args=gateway_args(options))

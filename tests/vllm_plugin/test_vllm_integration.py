@@ -22,7 +22,7 @@ import torch
 from common.models import load_causal_lm, load_tokenizer
 from common.process import free_port
 from gateway.app import create_app
-from specprefill.lab.vllm_server import VLLMServer
+from specprefill_lab.vllm_server import VLLMServer
 from tests.gateway.test_messages import GREEDY, SYSTEM, _transcript
 from tests.gateway.test_messages import TOOLS as ANTHROPIC_TOOLS
 from tests.gateway.test_swap import SCHEMA, TOOLS

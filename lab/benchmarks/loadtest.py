@@ -1,0 +1,125 @@
+"""Load test: N concurrent streaming clients on loopback for a fixed time, gateway vs the same backend direct.
+
+    .venv/bin/python lab/benchmarks/loadtest.py [--concurrency 200] [--duration 20]     (or: make loadtest)
+    .venv/bin/python lab/benchmarks/loadtest.py --concurrency 100 --rounds 5 --pause 60   (rounds that must agree)
+
+The backend answers at once (``specprefill_lab.fast_backend``), so the numbers are the gateway's own cost.
+Prompts are short (they bypass compression: the gateway tokenizes, renders the chat template and proxies).
+Reports requests/s, TTFT p50/p99 (and the gateway's addition), errors, the CPU each process spent per request,
+the share of the machine's time the hypervisor took (steal), and the gateway's resident memory before, during
+and after the load. Everything runs on this machine: the client, the gateway and the backend share its cores
+(``--pin`` gives the gateway one of its own), which counts against every number here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from pathlib import Path
+
+from common.process import rss_mib
+from specprefill_lab.rounds import Round, closed_loop, instant_stack, rounds, spread
+
+
+def _arguments() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--concurrency", type=int, default=200)
+    parser.add_argument("--duration", type=float, default=20.0)
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="loaded rounds per path against the same servers, "
+        "alternating direct and gateway; the spread of their requests/s is printed",
+    )
+    parser.add_argument("--pause", type=float, default=0.0, help="seconds between rounds")
+    parser.add_argument(
+        "--slice",
+        type=float,
+        help="the two paths take turns every SLICE seconds within each "
+        "round, so both see the machine at the same speed (otherwise one round after the other)",
+    )
+    parser.add_argument(
+        "--pin",
+        action="store_true",
+        help="the gateway on one core, the client and the backend on "
+        "another (the system under test then shares no core with the load)",
+    )
+    parser.add_argument("--out", type=Path, help="write every round's numbers to this JSON file")
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = _arguments()
+    with instant_stack(args.pin) as stack:
+        asyncio.run(closed_loop(stack.gateway_url, "demo", 4, 2.0))  # warm-up
+        gateway_pid = stack.pids["gateway"]
+        rss_before = rss_mib(gateway_pid)
+        sequential = {
+            path: asyncio.run(closed_loop(url, model, 1, min(args.duration, 10.0), path))
+            for path, url, model in (("direct", stack.backend_url, "fast"), ("gateway", stack.gateway_url, "demo"))
+        }
+        loaded = rounds(stack, args.rounds, args.concurrency, args.duration, args.pause, slice_s=args.slice)
+        rss_peak = max([rss_before, *(r.gateway_rss_mib for r in loaded)])
+        time.sleep(3)
+        rss_after = rss_mib(gateway_pid)
+    _report(args, sequential, loaded)
+    print(
+        f"gateway resident memory: {rss_before:.0f} MiB before, {rss_peak:.0f} MiB at peak, "
+        f"{rss_after:.0f} MiB 3 s after the load"
+    )
+    if args.out:
+        args.out.write_text(
+            json.dumps(
+                {
+                    "args": vars(args) | {"out": str(args.out)},
+                    "sequential": [r.summary() for r in sequential.values()],
+                    "rounds": [r.summary() for r in loaded],
+                    "rss_mib": {"before": rss_before, "peak": rss_peak, "after": rss_after},
+                },
+                indent=1,
+            )
+        )
+
+
+def _report(args: argparse.Namespace, sequential: dict[str, Round], loaded: list[Round]) -> None:
+    """Every round's numbers as a table, and the gateway's cost over the direct path."""
+
+    def row(name: str, clients: int, r: Round) -> None:
+        parts = ("gateway", "backend", "client")
+        cpu = " / ".join(f"{r.cpu_ms[part]:.2f}" if part in r.cpu_ms else "–" for part in parts)
+        print(
+            f"{name:>19} {clients:>7} {r.requests:>8} {r.errors:>6} {r.rps:>7.1f} "
+            f"{r.ms(0.5):>7.2f}ms {r.ms(0.99):>6.1f}ms {r.steal * 100:>5.1f}%  {cpu if r.cpu_ms else ''}"
+        )
+
+    print(
+        f"\n{'':>19} {'clients':>7} {'requests':>8} {'errors':>6} {'req/s':>7} {'TTFT p50':>9} {'p99':>8} "
+        f"{'steal':>6}  CPU ms per request: gateway / backend / client"
+    )
+    for path, r in sequential.items():
+        row(f"sequential {path}", 1, r)
+    for index, r in enumerate(loaded):
+        row(r.path if args.rounds == 1 else f"{r.path} {index // 2 + 1}", args.concurrency, r)
+    for r in [*sequential.values(), *loaded]:
+        if r.error_reasons:
+            print(f"{r.path} errors: {r.error_reasons}")
+    by_path = {path: [r for r in loaded if r.path == path] for path in ("direct", "gateway")}
+    one = sequential["gateway"].ms(0.5) - sequential["direct"].ms(0.5)
+    many = by_path["gateway"][-1].ms(0.5) - by_path["direct"][-1].ms(0.5)
+    print(f"\ngateway p50 TTFT overhead: {one:.2f} ms with one client, {many:.1f} ms with {args.concurrency}")
+    if args.rounds > 1:
+        for path, done in by_path.items():
+            rps = [r.rps for r in done]
+            print(f"{path} rounds: {', '.join(f'{v:.0f}' for v in rps)} req/s; max/min {spread(rps):.2f}")
+        relative = [g.rps / d.rps for g, d in zip(by_path["gateway"], by_path["direct"])]
+        print(
+            f"gateway over direct, each round: {', '.join(f'{v:.3f}' for v in relative)}; "
+            f"max/min {spread(relative):.2f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
