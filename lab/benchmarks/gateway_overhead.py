@@ -10,8 +10,9 @@ gateway's own time and the client's). ``--agent N`` makes each request an agent'
 and N tool calls with their results between the system prompt and the question. ``--tracing`` adds a second
 gateway, the same but for its OpenTelemetry traces sent to a collector on this machine (one that takes every
 batch and answers at once), and a third, untraced, as a yardstick (two identical gateways differ by a few tenths
-of a millisecond), in the same rounds, each path in each place of the round in turn: the cost of tracing on the
-gateway's own time.
+of a millisecond), in the same rounds, each path in each place of the round and after each other path equally
+often (``balanced_orders``): the cost of tracing on the gateway's own time, as the difference of medians and as
+the median of the rounds' differences with its 95% bootstrap interval.
 
     .venv/bin/python lab/benchmarks/gateway_overhead.py [--backend vllm|fast] [--rounds 14] [--think 0.1] [--agent N]
         [--tracing]
@@ -61,15 +62,25 @@ def agent_turns(n: int) -> tuple[list[dict], list[dict]]:
     return messages, tools
 
 
+def balanced_orders(n: int) -> list[list[int]]:
+    """Orders of ``n`` paths in which each takes each place in the round equally often and follows each other
+    path equally often (a Williams design; with an odd ``n``, every order and its reverse): whatever one path's
+    request leaves behind it (a process's work after its answer is sent) lands on every other path alike."""
+    first = [0]
+    for k in range(1, n):
+        first.append((k + 1) // 2 if k % 2 else n - k // 2)
+    rows = [[(x + i) % n for x in first] for i in range(n)]
+    return rows if n % 2 == 0 else rows + [row[::-1] for row in rows]
+
+
 async def alternate(
     urls: dict[str, str], system: str, rounds: int, think: float, verbose: bool, agent: int = 0
 ) -> dict[str, list[float]]:
     times: dict[str, list[float]] = {name: [] for name in urls}
     async with httpx.AsyncClient(timeout=600) as client:
+        paths, orders = list(urls.items()), balanced_orders(len(urls))
         for i in range(rounds):
-            order = list(urls.items())
-            shift = i % len(order)  # each path in each place in turn
-            for name, url in order[shift:] + order[:shift]:
+            for name, url in (paths[k] for k in orders[i % len(orders)]):
                 await wait_idle(client, list(urls.values()))
                 await asyncio.sleep(think)  # a user's pause: caches and the CPU cool down, as between real requests
                 body = {
@@ -203,6 +214,24 @@ def main() -> None:
             f"the noise); tracing against both: {traced - (gateway + twin) / 2:+.2f} ms"
         )
         print(f"the collector received {received['batches']} batches of spans, {received['bytes']:,} bytes")
+        base = [(g + t) / 2 for g, t in zip(times["gateway"], times["twin"], strict=True)]
+        for label, a, b in (
+            ("tracing against both", times["traced"], base),
+            ("twin against first", times["twin"], times["gateway"]),
+        ):
+            low, mid, high = paired(a[COUNTED_FROM:], b[COUNTED_FROM:])
+            print(f"round by round, {label}: median {mid:+.2f} ms (95% interval {low:+.2f} to {high:+.2f})")
+
+
+def paired(a: list[float], b: list[float], resamples: int = 2000) -> tuple[float, float, float]:
+    """The median of the rounds' differences (ms; each round's paths measured back to back, so a slow stretch
+    of the machine lands on both) and its 95% bootstrap interval."""
+    import random
+
+    differences = [(x - y) * 1e3 for x, y in zip(a, b, strict=True)]
+    rng = random.Random(0)
+    medians = sorted(statistics.median(rng.choices(differences, k=len(differences))) for _ in range(resamples))
+    return medians[int(0.025 * resamples)], statistics.median(differences), medians[int(0.975 * resamples)]
 
 
 if __name__ == "__main__":
