@@ -295,7 +295,7 @@ def run_server(
     tracing = Tracing(service, options.otlp_endpoint)
     guard = GuardMiddleware(app, max_body_bytes=max_body_bytes, max_header_bytes=max_header_bytes)
     config = uvicorn.Config(
-        RequestTelemetry(guard, tracing.tracer, log_json=options.log_json),
+        RequestTelemetry(guard, tracing.writer, log_json=options.log_json),
         host=options.host,
         port=options.port,
         log_level=options.log_level,

@@ -11,8 +11,8 @@ reference engine, a draft worker); pure ASGI, the outermost layer, so that refus
   ``x-specprefill-*`` headers say (plan, tokens, timings). Never a key, never prompt text.
 - With OpenTelemetry configured (``common.tracing``), a server span per request, continuing the client's
   ``traceparent``, with the GenAI semantic conventions' attributes and the project's own; the app's child spans
-  (draft, plan, backend) hang under it, and ``outgoing_headers`` carries its context on. Off, nothing of
-  OpenTelemetry is imported or made.
+  (draft, plan, backend) hang under it, and ``outgoing_headers`` carries its context on. The spans are made once
+  the answer has gone (``RequestTrace.finish``). Off, nothing of OpenTelemetry is imported or made.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from common.tracing import RequestTrace, SpanWriter, enter, inject_context, leave
 
 HEADER = "x-request-id"
 _SANE = re.compile(rb"[!-~]{1,128}")  # printable ASCII, no spaces: safe in headers, log lines and JSON
@@ -52,8 +54,7 @@ class RequestRecord:
     model: str | None = None
     operation: str | None = None  # the GenAI operation: chat, text_completion
     usage: dict[str, int] = field(default_factory=dict)  # input, output, cached (tokens)
-    span: Any = None  # the request's server span, where tracing is on
-    tracer: Any = None  # and the tracer that made it, for the app's child spans (``common.tracing.span``)
+    trace: RequestTrace | None = None  # its spans, where tracing is on
 
 
 _record: ContextVar[RequestRecord | None] = ContextVar("specprefill_request", default=None)
@@ -75,10 +76,8 @@ def outgoing_headers() -> dict[str, str]:
     if record is None:
         return {}
     headers = {HEADER: record.id}
-    if record.span is not None:
-        from opentelemetry.propagate import inject
-
-        inject(headers)
+    if record.trace is not None:
+        inject_context(headers)
     return headers
 
 
@@ -120,11 +119,10 @@ def note_usage(usage: Any) -> None:
 class RequestTelemetry:
     """The outermost middleware of a service: the request's ID, its log line, its server span."""
 
-    def __init__(self, app: ASGIApp, tracer: Any = None, *, log_json: bool = False) -> None:
+    def __init__(self, app: ASGIApp, writer: SpanWriter | None = None, *, log_json: bool = False) -> None:
         self.app = app
-        self.tracer = tracer  # an OpenTelemetry tracer (common.tracing), or None: tracing off
+        self.writer = writer  # the service's span writer (common.tracing), or None: tracing off
         self.log_json = log_json
-        self._fields_read: frozenset[bytes] | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -132,7 +130,7 @@ class RequestTelemetry:
         headers = dict(scope["headers"])
         record = RequestRecord(sane_id(headers.get(HEADER.encode())))
         token = _record.set(record)
-        context_token = self._start_span(record, scope, headers) if self.tracer is not None else None
+        span_token = self._start_span(record, scope, headers) if self.writer is not None else None
         answer: dict[str, Any] = {"status": None, "headers": {}}
         start = time.perf_counter()
         stamp = (HEADER.encode(), record.id.encode())
@@ -151,30 +149,17 @@ class RequestTelemetry:
             milliseconds = (time.perf_counter() - start) * 1e3
             fields = self._fields(record, scope, answer, milliseconds)
             logger.info(json.dumps(fields) if self.log_json else _line(fields))
-            if record.span is not None:
-                _end_span(record, fields, context_token)
+            if record.trace is not None and span_token is not None:
+                leave(span_token)
+                _end_span(record.trace, fields)
             _record.reset(token)
 
     def _start_span(self, record: RequestRecord, scope: Scope, headers: dict[bytes, bytes]) -> Any:
-        from opentelemetry import context, trace
-        from opentelemetry.propagate import extract
-
-        if self._fields_read is None:  # the configured propagators' headers (traceparent, tracestate, baggage...)
-            from opentelemetry.propagate import get_global_textmap
-
-            self._fields_read = frozenset(f.lower().encode("latin-1") for f in get_global_textmap().fields)
-        parent = None  # no trace context sent: a new trace, without the propagators' work
-        if not self._fields_read.isdisjoint(headers):
-            parent = extract({k.decode("latin-1"): v.decode("latin-1") for k, v in headers.items()})
+        assert self.writer is not None
         method, path = scope.get("method", "GET"), scope.get("path", "")
-        record.tracer = self.tracer
-        record.span = self.tracer.start_span(
-            f"{method} {path}",
-            context=parent,
-            kind=trace.SpanKind.SERVER,
-            attributes={"http.request.method": method, "url.path": path, "specprefill.request_id": record.id},
-        )
-        return context.attach(trace.set_span_in_context(record.span, parent))
+        attributes = {"http.request.method": method, "url.path": path, "specprefill.request_id": record.id}
+        record.trace = self.writer.begin(f"{method} {path}", headers, attributes)
+        return enter(record.trace)
 
     @staticmethod
     def _fields(record: RequestRecord, scope: Scope, answer: dict[str, Any], milliseconds: float) -> dict[str, Any]:
@@ -213,11 +198,12 @@ GEN_AI_USAGE = {
 NUMBERS = ("original_tokens", "kept_tokens", "keep_rate", "draft_ms", "backend_ms", "predicted_ms")
 
 
-def _end_span(record: RequestRecord, fields: dict[str, Any], context_token: Any) -> None:
-    from opentelemetry import context
+def _end_span(trace: RequestTrace, fields: dict[str, Any]) -> None:
+    """The server span's attributes from the request's log line, and every span of the request made and sent
+    on: after the answer has gone."""
     from opentelemetry.trace import Status, StatusCode
 
-    span = record.span
+    span = trace.server
     status = fields.get("status")
     attributes: dict[str, Any] = {"http.response.status_code": status} if status is not None else {}
     attributes |= {GEN_AI[k]: fields[k] for k in GEN_AI if k in fields}
@@ -230,8 +216,8 @@ def _end_span(record: RequestRecord, fields: dict[str, Any], context_token: Any)
     for key in NUMBERS:
         if key in fields:
             attributes[f"specprefill.{key}"] = float(fields[key]) if "." in str(fields[key]) else int(fields[key])
-    span.set_attributes(attributes)
+    span.attributes |= attributes
     if status is None or status >= 500:
-        span.set_status(Status(StatusCode.ERROR))
-    span.end()
-    context.detach(context_token)
+        span.status = Status(StatusCode.ERROR)
+    span.end = time.time_ns()
+    trace.finish()

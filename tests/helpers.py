@@ -150,12 +150,12 @@ def tiny_llama(
 
 
 @contextlib.contextmanager
-def serve(app, *, timeout: float = 60.0, port: int = 0, max_body_bytes: int = 16 << 20, tracer=None) -> Iterator[str]:
+def serve(app, *, timeout: float = 60.0, port: int = 0, max_body_bytes: int = 16 << 20, writer=None) -> Iterator[str]:
     """Runs ``app`` on 127.0.0.1 at a free port (or ``port``) behind the production guard middleware, header limit
-    and request telemetry (``tracer``: its server spans), in a background thread; yields its base URL; stops it on
+    and request telemetry (``writer``: its spans), in a background thread; yields its base URL; stops it on
     exit."""
     config = uvicorn.Config(
-        RequestTelemetry(GuardMiddleware(app, max_body_bytes=max_body_bytes), tracer),
+        RequestTelemetry(GuardMiddleware(app, max_body_bytes=max_body_bytes), writer),
         host="127.0.0.1",
         port=port,
         log_level="warning",

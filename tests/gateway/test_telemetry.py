@@ -173,9 +173,9 @@ def test_a_request_log_line_can_be_json(model_pair, engine_backend, caplog):
 
 
 def _traced_requests(model_pair, dead: str, gateway_tracing: Tracing, engine_tracing: Tracing) -> None:
-    with serve(RecordingApp(engine_app(model_pair)), tracer=engine_tracing.tracer) as engine:
+    with serve(RecordingApp(engine_app(model_pair)), writer=engine_tracing.writer) as engine:
         settings = gateway_settings(model_pair, backend_url=[dead, engine], backend_model="target", planner="cost")
-        with serve(create_app(settings), tracer=gateway_tracing.tracer) as gateway:
+        with serve(create_app(settings), writer=gateway_tracing.writer) as gateway:
             chat = httpx.post(
                 f"{gateway}/v1/chat/completions",
                 json={"model": "tiny", "messages": _messages(), "max_tokens": 2},
@@ -255,3 +255,35 @@ def test_tracing_is_off_unless_configured(monkeypatch):
     assert Tracing("x").on
     monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
     assert not Tracing("x", "http://127.0.0.1:1").on
+
+
+@pytest.mark.parametrize("sampler", ["always_on", "always_off"])
+def test_spans_are_made_after_the_answer_as_the_sampler_says(monkeypatch, sampler):
+    """The spans written while the request runs become the SDK's finished spans at ``finish`` (after the answer),
+    one per span, children under their parents; a request not sampled still sends its context on, marked so,
+    and makes none."""
+    from common.tracing import enter, inject_context, leave, span
+
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", sampler)
+    tracing = Tracing("x", "http://127.0.0.1:1")
+    made: list = []
+    monkeypatch.setattr(tracing.writer.processor, "on_end", made.append)
+    trace = tracing.writer.begin("POST /v1/chat/completions", {}, {"specprefill.request_id": "r"})
+    token = enter(trace)
+    headers: dict[str, str] = {}
+    with span("specprefill.plan") as plan, span("specprefill.backend", replica=0) as backend:
+        inject_context(headers)
+    leave(token)
+    assert made == []  # nothing made while the request runs
+    trace.finish()
+    tracing.shutdown()
+    server = trace.server.context
+    flags = "01" if sampler == "always_on" else "00"
+    assert headers["traceparent"] == f"00-{server.trace_id:032x}-{backend.context.span_id:016x}-{flags}"
+    assert backend.parent == plan.context and plan.parent == server
+    if sampler == "always_off":
+        assert made == []
+        return
+    assert [s.name for s in made] == ["POST /v1/chat/completions", "specprefill.plan", "specprefill.backend"]
+    assert {s.context.trace_id for s in made} == {server.trace_id} and made[2].parent.span_id == plan.context.span_id
+    assert all(s.start_time <= s.end_time for s in made) and made[2].attributes["replica"] == 0
