@@ -47,7 +47,7 @@ async def build_serving(
     ):
         raise MissingModelError(
             "set --target-model and --draft-model (or --draft-worker-url); "
-            "`specprefill serve` without either serves the demo pair"
+            "`specprefill serve` without either serves the default real pair"
         )
     tokenizer = load_tokenizer(settings.target_model)
     draft = draft or await _draft(settings, tokenizer, metrics)
