@@ -15,7 +15,7 @@ often (``balanced_orders``): the cost of tracing on the gateway's own time, as t
 the median of the rounds' differences with its 95% bootstrap interval.
 
     .venv/bin/python lab/benchmarks/gateway_overhead.py [--backend vllm|fast] [--rounds 14] [--think 0.1] [--agent N]
-        [--tracing]
+        [--tracing] [--profile SVG]
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from vllm_plugin_ab import options, system_prompt  # beside this script
 
 from specprefill_lab.bench import parse_server_timing, stream_ttft, wait_idle
 from specprefill_lab.demo_models import DEMO_NAME, ensure_demo_models
-from specprefill_lab.launch import launched_gateway, launched_instant_backend
+from specprefill_lab.launch import launched_gateway, launched_gateway_process, launched_instant_backend
 
 COUNTED_FROM = 2  # the first reads the system prompt; the second follows it
 
@@ -170,6 +170,25 @@ def collector(received: dict[str, int]) -> Iterator[str]:
         thread.join(timeout=10)
 
 
+@contextlib.contextmanager
+def profiled(pid: int, svg: Path) -> Iterator[None]:
+    """py-spy sampling process ``pid`` (every thread, idle ones left out) while the block runs, its flame graph
+    written to ``svg`` at the end."""
+    import signal
+    import subprocess
+    import sys
+
+    spy = Path(sys.executable).with_name("py-spy")
+    command = [str(spy), "record", "--pid", str(pid), "--rate", "1000", "--format", "flamegraph", "-o", str(svg)]
+    recorder = subprocess.Popen([*command, "--nonblocking"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        yield
+    finally:
+        recorder.send_signal(signal.SIGINT)
+        recorder.wait(timeout=60)
+        print(f"flame graph: {svg}")
+
+
 def main() -> None:
     parser = options(__doc__, f"requests per path; the first {COUNTED_FROM} are not counted")
     parser.add_argument("--backend", choices=("vllm", "fast"), default="vllm")
@@ -181,6 +200,9 @@ def main() -> None:
         help="an agent's turn: this many tools and tool calls so far between the system prompt and the question",
     )
     parser.add_argument("--tracing", action="store_true", help="also a gateway with its traces sent to a collector")
+    parser.add_argument(
+        "--profile", metavar="SVG", help="py-spy's flame graph of the gateway (the first) over the rounds, to SVG"
+    )
     args = parser.parse_args()
     system = system_prompt(args.words)
     root = ensure_demo_models()
@@ -189,7 +211,10 @@ def main() -> None:
     received = {"batches": 0, "bytes": 0}
     with contextlib.ExitStack() as stack:
         url = stack.enter_context(backend(args.backend, args.vllm_python, root / "target"))
-        urls = {"direct": url, "gateway": stack.enter_context(launched_gateway(["--backend-url", url, *flags]))}
+        gateway_url, process = stack.enter_context(launched_gateway_process(["--backend-url", url, *flags]))
+        urls = {"direct": url, "gateway": gateway_url}
+        if args.profile:
+            stack.enter_context(profiled(process.pid, Path(args.profile)))
         if args.tracing:
             sink = stack.enter_context(collector(received))
             traced = ["--backend-url", url, "--otlp-endpoint", sink, *flags]
