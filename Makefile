@@ -36,7 +36,7 @@ browser:
 	@bash scripts/ensure-chromium.sh
 
 test: $(VENV)/.installed redis browser
-	SPECPREFILL_TEST_REDIS_URL="$(REDIS_URL)" $(BIN)/python -m pytest
+	SPECPREFILL_TEST_REDIS_URL="$(REDIS_URL)" $(BIN)/python -m pytest --durations=30
 
 # the documentation site (MkDocs, Material); the reference pages are generated from the code at each build
 docs: $(VENV)/.installed
