@@ -4,7 +4,7 @@ load, warming), score cache, planner."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -167,7 +167,7 @@ async def _replica(
     return replica
 
 
-def _sender(backend: Backend) -> Callable[[list[int], int | None], Awaitable[dict[str, Any]]]:
+def _sender(backend: Backend) -> Callable[[Sequence[int], int | None], Awaitable[dict[str, Any]]]:
     return lambda ids, priority: _one_token(backend, ids, priority)
 
 
@@ -180,7 +180,7 @@ def _landed_at(planner: Planner, replica: Replica) -> Callable[..., Awaitable[No
     return landed
 
 
-async def _one_token(backend: Backend, token_ids: list[int], priority: int | None) -> dict[str, Any]:
+async def _one_token(backend: Backend, token_ids: Sequence[int], priority: int | None) -> dict[str, Any]:
     """The prompt through the target, one greedy token (a warm, a probe); the completion answer."""
     params = {"max_tokens": 1, "temperature": 0.0, "stream": False, **({"priority": priority} if priority else {})}
     return await backend.completion(backend.kind.token_body(await backend.model_name(), token_ids, None, params))

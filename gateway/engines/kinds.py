@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,8 +24,8 @@ from gateway.engines.text_kind import kept_messages, kept_text
 class Kept:
     """A compressed prompt, for a backend that does not take the swap."""
 
-    token_ids: list[int]  # the whole prompt
-    position_ids: list[int]  # the kept tokens' positions
+    token_ids: Sequence[int]  # the whole prompt
+    position_ids: Sequence[int]  # the kept tokens' positions
     params: dict[str, Any]  # the request's sampling fields, as a completion takes them
     messages: list[ChatMessage] | None = None  # a chat's messages and their rendering (a text backend's chat
     rendered: RenderedChat | None = None  # gets each message cut to its kept tokens)
@@ -43,7 +44,7 @@ class Kind:
         return self.name
 
     def token_body(
-        self, model: str, token_ids: list[int], position_ids: list[int] | None, params: dict[str, Any]
+        self, model: str, token_ids: Sequence[int], position_ids: Sequence[int] | None, params: dict[str, Any]
     ) -> dict[str, Any]:
         """A ``/v1/completions`` body carrying token IDs, and their positions where this kind reads them."""
         body: dict[str, Any] = {"model": model, "prompt": token_ids, **params}

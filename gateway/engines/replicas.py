@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -25,7 +26,7 @@ logger = logging.getLogger("specprefill.gateway")
 class Warming(Protocol):
     """Background work that puts a recurring context in the engine's prefix cache (``gateway.planning.warming``)."""
 
-    def offer(self, token_ids: list[int]) -> None: ...
+    def offer(self, token_ids: Sequence[int]) -> None: ...
 
     async def close(self) -> None: ...
 

@@ -6,6 +6,7 @@ so the model reads that text was left out.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
@@ -16,7 +17,7 @@ from common.protocol import ChatMessage
 DROPPED_MARK = " … "
 
 
-def kept_text(tokenizer: PreTrainedTokenizerBase, token_ids: list[int], kept: list[int]) -> str:
+def kept_text(tokenizer: PreTrainedTokenizerBase, token_ids: Sequence[int], kept: Sequence[int]) -> str:
     """Kept tokens as text, each dropped span replaced by ``DROPPED_MARK``."""
     runs, run, last = [], [], None
     for index in kept:
@@ -33,7 +34,7 @@ def kept_text(tokenizer: PreTrainedTokenizerBase, token_ids: list[int], kept: li
 
 
 def kept_messages(
-    tokenizer: PreTrainedTokenizerBase, messages: list[ChatMessage], rendered: RenderedChat, kept: list[int]
+    tokenizer: PreTrainedTokenizerBase, messages: list[ChatMessage], rendered: RenderedChat, kept: Sequence[int]
 ) -> list[dict[str, Any]]:
     """Each message's content cut to its kept tokens (the roles and the message list stay)."""
     kept_set = set(kept)

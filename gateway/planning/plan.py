@@ -1,9 +1,13 @@
 """A plan: what goes to the backend for one request, decided once (``planner`` makes it) and frozen. What happens
 to the request afterwards (its timings at the backend, the wait predicted when it was sent, its headers) is its
-``Trace``."""
+``Trace``.
+
+A plan holds only immutable values: its token IDs and kept positions as tuples (made from any sequence, in
+``__post_init__``: a 57,000-token list's copy is 0.05 ms), its token array read-only."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -17,10 +21,10 @@ if TYPE_CHECKING:
 class Plan:
     """What goes to the backend for one request, priced at the replica it goes to."""
 
-    token_ids: list[int]
+    token_ids: Sequence[int]  # a tuple, whatever sequence it was made from
     status: str = "bypassed"
     reason: str | None = None
-    position_ids: list[int] | None = None  # None: the whole prompt
+    position_ids: Sequence[int] | None = None  # a tuple; None: the whole prompt
     keep_rate: float = 1.0
     cache: str = "off"
     draft_ms: float = 0.0
@@ -34,6 +38,16 @@ class Plan:
     select_ms: float = 0.0
     replica: Replica | None = None  # the replica it is priced for (None: not yet routed)
     tokens: np.ndarray | None = field(default=None, compare=False, repr=False)  # token_ids as int64, where made
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.token_ids, tuple):
+            object.__setattr__(self, "token_ids", tuple(self.token_ids))
+        if self.position_ids is not None and not isinstance(self.position_ids, tuple):
+            object.__setattr__(self, "position_ids", tuple(self.position_ids))
+        if self.tokens is not None and self.tokens.flags.writeable:
+            tokens = self.tokens.view()  # the prompt's own array stays as it was
+            tokens.flags.writeable = False
+            object.__setattr__(self, "tokens", tokens)
 
     @property
     def placed(self) -> Replica:
@@ -50,7 +64,7 @@ class Plan:
     def kept_tokens(self) -> int:
         return len(self.position_ids) if self.position_ids is not None else len(self.token_ids)
 
-    def kept_token_ids(self) -> list[int]:
+    def kept_token_ids(self) -> Sequence[int]:
         if self.position_ids is None:
             return self.token_ids
         return [self.token_ids[i] for i in self.position_ids]
@@ -63,9 +77,9 @@ class Plan:
     def kept_array(self) -> np.ndarray:
         """``kept_token_ids`` as an int64 array."""
         tokens = self.token_array()
-        return tokens if self.position_ids is None else tokens[self.position_ids]
+        return tokens if self.position_ids is None else tokens[np.asarray(self.position_ids, dtype=np.intp)]
 
-    def sent_position_ids(self) -> list[int]:
+    def sent_position_ids(self) -> Sequence[int]:
         return self.position_ids if self.position_ids is not None else list(range(len(self.token_ids)))
 
     def but(self, **changes: Any) -> Plan:

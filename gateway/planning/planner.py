@@ -30,7 +30,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -66,7 +66,7 @@ class Context(NamedTuple):
 @dataclass(slots=True)
 class Candidate:
     kind: str
-    kept: list[int] | None
+    kept: Sequence[int] | None
     cached: int  # predicted engine cache hit
     seconds: float  # predicted target time
     protected: bool = False  # keeps the system prompt whole
@@ -257,18 +257,18 @@ class Planner:
         return None
 
     async def candidate(
-        self, kind: str, tokens: np.ndarray, kept: list[int] | None, replica: Replica, protected: bool = False
+        self, kind: str, tokens: np.ndarray, kept: Sequence[int] | None, replica: Replica, protected: bool = False
     ) -> Candidate:
         cached = await self._cached(tokens, kept, replica)
         sent = len(tokens) if kept is None else len(kept)
         return Candidate(kind, kept, cached, self.target_cost.predict(sent - cached, cached), protected)
 
-    async def _cached(self, tokens: np.ndarray, kept: list[int] | None, replica: Replica) -> int:
+    async def _cached(self, tokens: np.ndarray, kept: Sequence[int] | None, replica: Replica) -> int:
         """The leading tokens of this prompt (of its ``kept`` tokens at their positions) ``replica`` holds."""
         if replica.cache is None:
             return 0
         return await replica.cache.cached_tokens(
-            tokens if kept is None else tokens[kept], kept if self.positional else None
+            tokens if kept is None else tokens[np.asarray(kept, dtype=np.intp)], kept if self.positional else None
         )
 
     @staticmethod

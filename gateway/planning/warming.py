@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from common.errors import APIError
@@ -45,7 +45,7 @@ QUIET_BLOCKS = 1  # a piece's blocks' time in a quiet window where one block tak
 class Warmer:
     def __init__(
         self,
-        send: Callable[[list[int], int | None], Awaitable[dict[str, Any]]],
+        send: Callable[[Sequence[int], int | None], Awaitable[dict[str, Any]]],
         landed: Callable[..., Any],
         load: EngineLoad,
         cache: EngineCacheModel,
@@ -71,14 +71,14 @@ class Warmer:
         self.max_jobs = max_jobs
         self.recheck_s = recheck_s
         self.quiet_blocks = quiet_blocks
-        self._jobs: list[list[int]] = []  # prompts to warm, the newest last
-        self._next: tuple[list[int], int, float] | None = None  # the piece to send when the engine is quiet
+        self._jobs: list[tuple[int, ...]] = []  # prompts to warm, the newest last
+        self._next: tuple[tuple[int, ...], int, float] | None = None  # the piece to send when the engine is quiet
         self._task: asyncio.Task[Any] | None = None
 
-    def offer(self, token_ids: list[int]) -> None:
+    def offer(self, token_ids: Sequence[int]) -> None:
         """Warms the whole prompt ``token_ids`` when the engine has time. A prompt that begins with an earlier job's
         (the chat's next turn) replaces it; the oldest job goes past ``max_jobs``."""
-        prompt = token_ids
+        prompt = tuple(token_ids)  # jobs are tuples: a plan's tokens and a rendered next turn compare alike
         if len(prompt) > self.cache.max_blocks * self.cache.block_size:
             return  # more than the engine keeps: it would evict its own head
         kept = []
@@ -114,12 +114,12 @@ class Warmer:
             if not await self._piece(job[:end], predicted):
                 self._drop(job)
 
-    def _drop(self, job: list[int]) -> None:
+    def _drop(self, job: tuple[int, ...]) -> None:
         if job in self._jobs:
             self._jobs.remove(job)
         self.metrics.warming_pending.set(len(self._jobs))
 
-    async def _next_piece(self) -> tuple[list[int], int, float] | None:
+    async def _next_piece(self) -> tuple[tuple[int, ...], int, float] | None:
         """The newest job's next piece (its prompt, where the piece ends, its predicted time), from what the
         engine holds of it; None when the job is done (it is dropped)."""
         job = self._jobs[-1]
@@ -153,7 +153,7 @@ class Warmer:
         end = start + blocks * block
         return n if end + block > n else end
 
-    async def _piece(self, prompt: list[int], predicted: float) -> bool:
+    async def _piece(self, prompt: Sequence[int], predicted: float) -> bool:
         """One piece; False if the warm should stop (the backend refused it)."""
         ticket = self.load.begin(predicted, background=True)
         self.metrics.in_flight.labels("warm").inc()
@@ -174,7 +174,7 @@ class Warmer:
         )
         return True
 
-    async def _send(self, prompt: list[int]) -> dict[str, Any]:
+    async def _send(self, prompt: Sequence[int]) -> dict[str, Any]:
         try:
             return await self.send(prompt, self.priority)
         except APIError as exc:  # an engine without priorities that refuses the field: send none from now on

@@ -6,9 +6,11 @@ Costs are a 30x-the-draft target, as for a large model, so that compression pays
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import httpx
+import numpy as np
 import pytest
 import torch
 
@@ -225,6 +227,24 @@ async def test_a_plan_carries_the_array_it_was_priced_with():
     assert made.token_array().tolist() == prompt and made.kept_array().tolist() == plan.kept_token_ids()
 
 
+async def test_a_plan_holds_only_immutable_values():
+    """Frozen, and nothing inside it changes either: token IDs and kept positions as tuples, whatever sequence
+    they came from; its token array read-only, while the prompt's own array stays writable; a plan hashes."""
+    planner, _ = _planner()
+    prompt = _ids(3000, 10)
+    plan = await plan_prompt(planner, prompt, OPTIONS, [])
+    assert plan.status == "compressed" and isinstance(plan.position_ids, tuple)
+    assert isinstance(plan.token_ids, tuple) and list(plan.token_ids) == prompt
+    assert plan.tokens is not None and not plan.tokens.flags.writeable
+    with pytest.raises(ValueError):
+        plan.tokens[0] = 1
+    made = Plan([1, 2, 3], position_ids=[0, 2], tokens=(array := np.arange(1, 4)))
+    assert (made.token_ids, made.position_ids) == ((1, 2, 3), (0, 2)) and array.flags.writeable
+    assert made.kept_array().tolist() == [1, 3] and hash(made) == hash(made.but())
+    mutable = [f.name for f in dataclasses.fields(Plan) if any(k in str(f.type) for k in ("list", "dict", "set"))]
+    assert not mutable, f"Plan fields of a mutable type: {mutable}"
+
+
 def test_no_plan_changes_an_answer(model_pair, tmp_path):
     """Through a live gateway (cost planner, warming, an engine with its prefix cache): a fresh selection, an
     extension, the whole prompt after warming, and an extension again each answer exactly as a fresh engine
@@ -365,7 +385,7 @@ async def test_a_system_prompt_the_engine_does_not_hold_extends_the_earlier_sele
     draft.values = {6: 0.02}  # the next question: another chunk of the system prompt a little higher
     second = await plan_prompt(planner, prompt + _ids(32, 16), OPTIONS, [], system)
     assert (second.kind, second.protected) == ("extend", False)
-    reused = [i for i in first.position_ids if i < 3968]
+    reused = tuple(i for i in first.position_ids if i < 3968)
     assert second.position_ids[: len(reused)] == reused and second.engine_cached >= len(reused) - CHUNK
 
 
@@ -405,7 +425,7 @@ async def test_filling_blocks_never_moves_tokens_the_engine_already_holds():
     assert first.kind == "fresh"
     await planner.completed(first, None, 1.0)
     second = await plan_prompt(planner, document + _ids(40, 23), OPTIONS, [])
-    head = [i for i in first.position_ids if i < 3000]
+    head = tuple(i for i in first.position_ids if i < 3000)
     assert second.kind == "extend" and second.position_ids[: len(head)] == head
     assert second.engine_cached >= len(head) // 64 * 64
 

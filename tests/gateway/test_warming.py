@@ -176,7 +176,7 @@ async def test_a_growing_context_replaces_its_earlier_warm_and_a_refused_priorit
     setup = Setup(send=send, piece_s=10.0)
     turn = _plan(600)
     setup.warmer.offer(turn.token_ids)
-    setup.warmer.offer(turn.token_ids + list(range(50, 450)))  # the next turn
+    setup.warmer.offer([*turn.token_ids, *range(50, 450)])  # the next turn, as a rendered list
     assert setup.count("superseded") == 1
     assert await setup.done()
     assert sent == [(1000, 10), (1000, None)]  # one job, one piece; then no priority ever again
