@@ -21,8 +21,9 @@ def markdown(name: str) -> str:
     return {"cli": cli, "settings": settings, "metrics": metrics, "http": http}[name]()
 
 
-def cli_options() -> dict[str, list[argparse.Action]]:
-    """Each subcommand's options, as ``specprefill SUBCOMMAND --help`` lists them."""
+def cli_commands() -> dict[str, tuple[type, list[argparse.Action]]]:
+    """Each subcommand (``bench sweep`` for a subcommand's own), its settings class and its arguments, as
+    ``specprefill SUBCOMMAND --help`` lists them; a command made only of subcommands is left out."""
     from pydantic_settings import CliSettingsSource
 
     from specprefill.cli import Main
@@ -30,20 +31,31 @@ def cli_options() -> dict[str, list[argparse.Action]]:
     parser = CliSettingsSource(
         Main, cli_prog_name="specprefill", cli_kebab_case=True, cli_implicit_flags=True
     ).root_parser
-    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    return {
-        name: [a for a in sub._actions if a.option_strings and a.dest != "help"]
-        for name, sub in commands.choices.items()
-    }
+    out: dict[str, tuple[type, list[argparse.Action]]] = {}
+
+    def walk(parser: argparse.ArgumentParser, settings: type, prefix: str) -> None:
+        commands = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+        if commands is None:
+            out[prefix] = (settings, [a for a in parser._actions if a.dest != "help"])
+            return
+        for name, sub in commands.choices.items():
+            field = settings.model_fields[name.replace("-", "_")]  # type: ignore[attr-defined]
+            command = field.annotation.__args__[0] if hasattr(field.annotation, "__args__") else field.annotation
+            walk(sub, command, f"{prefix} {name}".strip())
+
+    walk(parser, Main, "")
+    return out
+
+
+def cli_options() -> dict[str, list[argparse.Action]]:
+    """Each subcommand's options (``bench sweep`` for a subcommand's own)."""
+    return {name: [a for a in actions if a.option_strings] for name, (_, actions) in cli_commands().items()}
 
 
 def cli() -> str:
-    from specprefill.cli import Main
-
     lines = []
-    for name, actions in cli_options().items():
-        field = Main.model_fields[name.replace("-", "_")]
-        command = field.annotation.__args__[0] if hasattr(field.annotation, "__args__") else field.annotation
+    for name, (command, arguments) in cli_commands().items():
+        actions = [a for a in arguments if a.option_strings] + [a for a in arguments if not a.option_strings]
         lines += [
             f"## `specprefill {name}`",
             "",
@@ -54,7 +66,7 @@ def cli() -> str:
         ]
         for action in actions:
             help_text, default = _split_default(action.help or "")
-            flags = ", ".join(f"`{flag}`" for flag in action.option_strings)
+            flags = ", ".join(f"`{flag}`" for flag in action.option_strings) or f"`{action.metavar or action.dest}`"
             lines.append(f"| {flags} | {_code(default)} | {_cell(help_text)} |")
         lines.append("")
     return "\n".join(lines)

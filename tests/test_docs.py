@@ -41,11 +41,12 @@ def test_the_site_builds_strictly_with_every_page_and_the_generated_reference(tm
 def test_every_flag_setting_and_metric_in_the_code_is_in_the_reference(gateway_url, engine_backend):
     # the flags as users see them, from each subcommand's --help: the pages must list every one
     cli, settings = reference.cli(), reference.settings()
-    for command in Main.model_fields:
-        command = command.replace("_", "-")
+    commands = list(reference.cli_commands())  # a command's subcommands each (bench sweep, bench load, ...)
+    assert {c.split()[0] for c in commands} == {name.replace("_", "-") for name in Main.model_fields}
+    for command in commands:
         out = io.StringIO()
         with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
-            main([command, "--help"])
+            main([*command.split(), "--help"])
         # the options list: each line that starts with its flags ("  --cuda-graphs, --no-cuda-graphs  ...")
         listed = re.findall(r"^ {2}(--[a-z][\w-]*(?:, --[a-z][\w-]*)*)", out.getvalue(), re.MULTILINE)
         flags = {flag for line in listed for flag in line.split(", ")} - {"--help"}

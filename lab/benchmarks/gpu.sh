@@ -12,8 +12,8 @@
 #              serve`, as a deployment starts them). Then, against that stack:
 #                the cold sweep, one `specprefill bench` per length (REGIME_LENGTHS, default 65536 131072 32768;
 #                keep REGIME_KEEPS) so that each length's JSON is kept whatever comes after it, then merged into
-#                one table and plot (`bench --merge`, in regime-sweep/);
-#                Poisson mixed sessions (`bench --workloads --arrivals poisson --shared-engine`: POISSON_RATES
+#                one table and plot (`bench merge`, in regime-sweep/);
+#                Poisson mixed sessions (`bench workloads --arrivals poisson --shared-engine`: POISSON_RATES
 #                sessions/s, POISSON_SESSIONS each, POISSON_TOKENS-token contexts, keep POISSON_KEEP)
 #   rounds     lab/benchmarks/loadtest.py: ROUNDS rounds of ROUND_STREAMS streams (the gateway's own cost on the CPU
 #              cores, the instant backend), after the GPU stack is gone
@@ -117,7 +117,7 @@ regime() {
     nvidia-smi --query-gpu=memory.used --format=csv >>"$OUT/device.txt" 2>/dev/null
     for length in $REGIME_LENGTHS; do
         stamp "regime: sweep at $length tokens"
-        timeout -k 10 "$SWEEP_CAP_S" "$PYTHON" -m specprefill bench --base-url $gateway --backend-url $engine \
+        timeout -k 10 "$SWEEP_CAP_S" "$PYTHON" -m specprefill bench sweep --base-url $gateway --backend-url $engine \
             --lengths "$length" --keep-rates "$REGIME_KEEPS" --repeats "$REGIME_REPEATS" --no-warmup-direct \
             --out "$OUT/regime-$length" || echo "regime: the sweep at $length stopped ($?)"
         nvidia-smi --query-gpu=memory.used --format=csv,noheader >>"$OUT/device.txt" 2>/dev/null
@@ -125,12 +125,12 @@ regime() {
     done
     local swept
     swept=$(ls "$OUT"/regime-[0-9]*/bench.json 2>/dev/null | paste -sd,)
-    [ -n "$swept" ] && "$PYTHON" -m specprefill bench --merge "$swept" --out "$OUT/regime-sweep"
+    [ -n "$swept" ] && "$PYTHON" -m specprefill bench merge "$swept" --out "$OUT/regime-sweep"
     stamp "regime: Poisson mixed sessions"
-    timeout -k 10 "$POISSON_CAP_S" "$PYTHON" -m specprefill bench --base-url $gateway --backend-url $engine \
-        --workloads --arrivals poisson --shared-engine --session-rates "$POISSON_RATES" \
-        --sessions-per-rate "$POISSON_SESSIONS" --workload-tokens "$POISSON_TOKENS" \
-        --workload-keep-rate "$POISSON_KEEP" --out "$OUT/regime-poisson" || echo "regime: Poisson stopped ($?)"
+    timeout -k 10 "$POISSON_CAP_S" "$PYTHON" -m specprefill bench workloads --base-url $gateway --backend-url $engine \
+        --arrivals poisson --shared-engine --session-rates "$POISSON_RATES" \
+        --sessions-per-rate "$POISSON_SESSIONS" --tokens "$POISSON_TOKENS" \
+        --keep-rate "$POISSON_KEEP" --out "$OUT/regime-poisson" || echo "regime: Poisson stopped ($?)"
     kill $gateway_pid $engine_pid
     wait $gateway_pid $engine_pid 2>/dev/null
     return 0
@@ -180,11 +180,11 @@ for step in $STEPS; do
             case $step in
                 scorer) "$PYTHON" lab/benchmarks/bench_scorer.py --model "$PAIR/draft" --device cuda \
                             --lengths 8192 16384 32768 --repeats 5 --json "$OUT/scorer.json" ;;
-                sweep) "$PYTHON" -m specprefill bench --pair "$PAIR" --lengths "${LENGTHS:-8192,16384,32768}" \
+                sweep) "$PYTHON" -m specprefill bench sweep --pair "$PAIR" --lengths "${LENGTHS:-8192,16384,32768}" \
                            --keep-rates 0.1,0.3,0.5,1.0 --repeats "${REPEATS:-3}" --out "$OUT/sweep" ;;
-                workloads) "$PYTHON" -m specprefill bench --pair "$PAIR" --workloads \
-                               --workload-tokens "${WORKLOAD_TOKENS:-16000}" \
-                               --workload-requests "${WORKLOAD_REQUESTS:-5}" --out "$OUT/workloads" \
+                workloads) "$PYTHON" -m specprefill bench workloads --pair "$PAIR" \
+                               --tokens "${WORKLOAD_TOKENS:-16000}" \
+                               --requests "${WORKLOAD_REQUESTS:-5}" --out "$OUT/workloads" \
                                ${WORKLOAD_FLAGS:-} ;;
             esac ;;
         *) echo "unknown step $step" >&2; exit 2 ;;

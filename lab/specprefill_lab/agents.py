@@ -1,4 +1,4 @@
-"""Coding agents' sessions through the gateway and directly (``specprefill bench --agents``).
+"""Coding agents' sessions through the gateway and directly (``specprefill bench agents``).
 
 Claude Code and Codex CLI run headless as their users run them (``claude -p``, then ``claude -c -p`` for each next
 turn of the session; ``codex exec``, then ``codex exec resume --last``), each with a home of its own, against one

@@ -1,4 +1,4 @@
-"""Faults under load: ``specprefill bench --chaos``.
+"""Faults under load: ``specprefill bench chaos``.
 
 A gateway (cost planner, warming, the engine-cache model in Redis, two remote draft workers) in front of a
 reference engine, every part its own process on loopback, serves a steady mixed load (long prompts over a few

@@ -1,4 +1,4 @@
-"""Real traffic, replayed: ``specprefill bench --trace FILE``.
+"""Real traffic, replayed: ``specprefill bench trace FILE``.
 
 A Mooncake trace (kvcache-ai/Mooncake, ``FAST25-release/traces/*.jsonl``, from the FAST '25 paper; Apache-2.0)
 gives, per request, its arrival (``timestamp``, ms), its ``input_length`` and ``output_length`` in tokens, and

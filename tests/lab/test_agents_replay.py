@@ -1,4 +1,4 @@
-"""``specprefill bench --agents --agent-direct replay``: the requests an agent sent through one path go again, as
+"""``specprefill bench agents --direct replay``: the requests an agent sent through one path go again, as
 it sent them, to the other: the same bytes, in order, with the pauses the agent left between them."""
 
 from __future__ import annotations

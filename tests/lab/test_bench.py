@@ -290,3 +290,17 @@ def test_workloads_that_disturb_the_engine_act_on_each_paths_engine_before_their
                 [gateway_url],
             )
         )
+
+
+def test_bench_has_a_subcommand_for_each_thing_it_measures_each_with_its_own_options():
+    """``specprefill bench`` was one command of 70 flags; each measurement now takes only what it reads."""
+    from specprefill.reference import cli_options
+
+    options = {name: {f for a in actions for f in a.option_strings} for name, actions in cli_options().items()}
+    kinds = ("sweep", "load", "workloads", "agents", "trace", "chaos", "merge")
+    assert {n for n in options if n.startswith("bench")} == {f"bench {kind}" for kind in kinds}
+    assert "--lengths" in options["bench sweep"] and "--rates" in options["bench load"]
+    assert "--arrivals" in options["bench workloads"] and "--arrivals" not in options["bench sweep"]
+    assert "--clocks" in options["bench trace"] and "--lengths" not in options["bench trace"]
+    assert options["bench merge"] - {"-h", "--help"} == {"--out"}  # and its files, positional
+    assert max(len(flags) for name, flags in options.items() if name.startswith("bench")) <= 40

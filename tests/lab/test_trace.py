@@ -100,17 +100,16 @@ def test_a_line_that_is_not_a_request_is_named(tmp_path):
 
 
 def test_the_committed_slice_replays_through_both_paths(model_pair, tmp_path):
-    from specprefill_lab.commands.bench import Bench, run_bench
+    from specprefill_lab.commands.bench import Trace
 
     out = tmp_path / "trace"
-    options = Bench(
+    options = Trace(
         _cli_parse_args=[
-            "--trace", str(SLICE), "--trace-requests", "10", "--trace-block-tokens", "32", "--trace-clocks", "4",
-            "--trace-max-output", "4", "--pair", str(model_pair), "--out", str(out),
-            "--trace-foreign-tokens", "256", "--trace-foreign-every", "0.5",
+            str(SLICE), "--requests", "10", "--block-tokens", "32", "--clocks", "4", "--max-output", "4",
+            "--pair", str(model_pair), "--out", str(out), "--foreign-tokens", "256", "--foreign-every", "0.5",
         ]
     )  # fmt: skip
-    assert run_bench(options) == 0  # one replay per clock, each in its own folder, and the max-QPS ratio beside
+    assert options.run() == 0  # one replay per clock, each in its own folder, and the max-QPS ratio beside
     assert (out / "clock-4" / "trace.png").exists() and "ratio" in json.loads((out / "max-qps.json").read_text())
     report = json.loads((out / "clock-4" / "trace.json").read_text())
     samples = report["samples"]

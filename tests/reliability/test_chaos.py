@@ -1,5 +1,5 @@
 """The chaos run and the soak, short: faults of every part under a steady mixed load, then the same load without
-faults (``specprefill_lab.chaos``); the full runs are ``specprefill bench --chaos`` (docs: Operations)."""
+faults (``specprefill_lab.chaos``); the full runs are ``specprefill bench chaos`` (docs: Operations)."""
 
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ def test_faults_under_load_lose_nothing_and_change_no_answer(tmp_path):
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server (make test installs it)")
 def test_a_short_soak_holds_memory_and_file_descriptors_flat(tmp_path):
     # the soak's short version: new documents and shared ones at a steady rate, no faults; the full hour is
-    # ``specprefill bench --chaos --chaos-soak-s 3600`` (docs: Operations)
+    # ``specprefill bench chaos --soak-s 3600`` (docs: Operations)
     report = asyncio.run(
         run_chaos(ensure_demo_models(), tmp_path, calm_s=75.0, rate=2.0, tokens=1200, faults=(), sample_s=5.0)
     )

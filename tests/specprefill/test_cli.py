@@ -282,9 +282,9 @@ def test_score_reports_exactly_what_the_gateway_sends(
 def test_bench_launches_the_gateway_its_options_name(bench_args, expected):
     """The bench's gateway options reach the launched gateway, read by the gateway's own settings parser."""
     from gateway.settings import GatewaySettings
-    from specprefill_lab.commands.bench import Bench, gateway_args
+    from specprefill_lab.commands.bench import Workloads
 
-    options = Bench(_cli_parse_args=["--workloads", *bench_args])
-    settings = GatewaySettings(_cli_parse_args=gateway_args(options))
+    options = Workloads(_cli_parse_args=bench_args)
+    settings = GatewaySettings(_cli_parse_args=options.gateway_args())
     assert {name: getattr(settings, name) for name in expected} == expected
     assert settings.min_prompt_tokens == 1024
