@@ -29,9 +29,14 @@ class RenderedChat:
     offsets: np.ndarray  # int64 [N, 2]: each token's character span in ``text``
     ids: np.ndarray | None = None  # ``token_ids`` as an int64 array, where the tokenizer made one
     _order: Any = field(default=False, init=False, repr=False, compare=False)  # ``_ordered``'s, once
+    _spans: Any = field(default=None, init=False, repr=False, compare=False)  # (messages, their spans), once
 
     def content_spans(self, messages: list[ChatMessage]) -> list[tuple[int, int] | None]:
-        """Each message's content as a character span of the text (None where the template changed it)."""
+        """Each message's content as a character span of the text (None where the template changed it); found
+        once for a request's messages (the system prompt's tokens, the last message's start and a text backend's
+        kept messages each ask: an agent's 50 messages took 0.5 ms a search)."""
+        if self._spans is not None and self._spans[0] is messages:
+            return cast("list[tuple[int, int] | None]", self._spans[1])
         spans: list[tuple[int, int] | None] = []
         cursor = 0
         for message in messages:
@@ -42,6 +47,7 @@ class RenderedChat:
                 continue
             cursor = start + len(content)
             spans.append((start, cursor))
+        self._spans = (messages, spans)
         return spans
 
     def tokens_in(self, span: tuple[int, int]) -> list[int]:

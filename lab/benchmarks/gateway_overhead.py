@@ -12,10 +12,12 @@ gateway, the same but for its OpenTelemetry traces sent to a collector on this m
 batch and answers at once), and a third, untraced, as a yardstick (two identical gateways differ by a few tenths
 of a millisecond), in the same rounds, each path in each place of the round and after each other path equally
 often (``balanced_orders``): the cost of tracing on the gateway's own time, as the difference of medians and as
-the median of the rounds' differences with its 95% bootstrap interval.
+the median of the rounds' differences with its 95% bootstrap interval. ``--against DIR`` adds another checkout's
+gateway (``git worktree add DIR REV``) to the same rounds, in front of the same backend: before and after, measured
+in one run, each path in each place of the round equally often.
 
     .venv/bin/python lab/benchmarks/gateway_overhead.py [--backend vllm|fast] [--rounds 14] [--think 0.1] [--agent N]
-        [--tracing] [--profile SVG]
+        [--tracing] [--profile SVG] [--against DIR]
 """
 
 from __future__ import annotations
@@ -101,7 +103,7 @@ async def alternate(
                 times[name].append(ttft)
                 if verbose:
                     plan = ""
-                    if name == "gateway":
+                    if name in ("gateway", "before"):
                         plan = (
                             f"  {headers.get('x-specprefill-plan')} {parse_server_timing(headers.get('server-timing'))}"
                         )
@@ -203,6 +205,9 @@ def main() -> None:
     parser.add_argument(
         "--profile", metavar="SVG", help="py-spy's flame graph of the gateway (the first) over the rounds, to SVG"
     )
+    parser.add_argument(
+        "--against", type=Path, help="another checkout (git worktree add DIR REV), its gateway in the same rounds"
+    )
     args = parser.parse_args()
     system = system_prompt(args.words)
     root = ensure_demo_models()
@@ -215,6 +220,10 @@ def main() -> None:
         urls = {"direct": url, "gateway": gateway_url}
         if args.profile:
             stack.enter_context(profiled(process.pid, Path(args.profile)))
+        if args.against:
+            urls["before"], _ = stack.enter_context(
+                launched_gateway_process(["--backend-url", url, *flags], cwd=args.against)
+            )
         if args.tracing:
             sink = stack.enter_context(collector(received))
             traced = ["--backend-url", url, "--otlp-endpoint", sink, *flags]
@@ -228,8 +237,18 @@ def main() -> None:
         print(f"{name}: {min(counted):.1f}–{max(counted):.1f} ms, median {statistics.median(counted):.1f} ms")
     direct, gateway = (statistics.median(times[name][COUNTED_FROM:]) * 1e3 for name in ("direct", "gateway"))
     print(
-        f"the gateway's own: {gateway - direct:.1f} ms (difference of medians over {args.rounds - COUNTED_FROM} rounds)"
+        f"the gateway's own: {gateway - direct:.2f} ms (difference of medians over {args.rounds - COUNTED_FROM} rounds)"
     )
+    if args.against:
+        before = statistics.median(times["before"][COUNTED_FROM:]) * 1e3
+        print(f"the other checkout's ({args.against}): {before - direct:.2f} ms")
+        for label, a, b in (
+            ("this checkout's gateway over direct", times["gateway"], times["direct"]),
+            ("the other checkout's over direct", times["before"], times["direct"]),
+            ("this checkout's against the other's", times["gateway"], times["before"]),
+        ):
+            low, mid, high = paired(a[COUNTED_FROM:], b[COUNTED_FROM:])
+            print(f"round by round, {label}: median {mid:+.2f} ms (95% interval {low:+.2f} to {high:+.2f})")
     if args.tracing:
         traced = statistics.median(times["traced"][COUNTED_FROM:]) * 1e3
         twin = statistics.median(times["twin"][COUNTED_FROM:]) * 1e3

@@ -202,3 +202,58 @@ def test_developer_messages_render_as_vllm_renders_them_for_a_template_without_t
             tokenizer, [ChatMessage(role="system", content="Sandbox."), ChatMessage(role="user", content="Hi?")]
         ).text
     )
+
+
+def _agent_turns(steps: int) -> tuple[list[ChatMessage], list[dict]]:
+    tools = [
+        {"type": "function", "function": {"name": f"tool_{i}", "description": f"Tool {i} does step {i}.",
+                                          "parameters": {"type": "object", "properties": {"x": {"type": "string"}}}}}
+        for i in range(3)
+    ]  # fmt: skip
+    messages = [ChatMessage(role="system", content=LONG_DOC), ChatMessage(role="user", content="Fix the test.")]
+    for i in range(steps):
+        call = {"id": f"c{i}", "type": "function", "function": {"name": f"tool_{i % 3}", "arguments": '{"x": "y"}'}}
+        messages.append(ChatMessage(role="assistant", content=None, tool_calls=[call]))
+        messages.append(ChatMessage(role="tool", tool_call_id=f"c{i}", content=f"line {i}: " + "ok " * (50 + i)))
+    return messages, tools
+
+
+def _real_tokenizer():
+    from transformers import AutoTokenizer
+
+    from specprefill.real_models.catalog import QWEN_CODER_05B
+    from specprefill.real_models.checkpoint import ensure_checkpoint
+
+    return AutoTokenizer.from_pretrained(ensure_checkpoint(QWEN_CODER_05B))
+
+
+@pytest.mark.parametrize("which", ["demo", "qwen2.5"])
+def test_a_chats_next_turn_takes_the_earlier_turns_tokens_and_is_exactly_a_fresh_render(tokenizer, which):
+    """An agent's turns, each the last one and more (and one with an earlier message changed, and one that parts
+    from the last inside an added token): every render's IDs and offsets equal a plain tokenization of its text,
+    on the real pair's ChatML template with tool calls as on the demo's, and later turns took the part they share
+    from the turn before."""
+    tokenizer = _real_tokenizer() if which == "qwen2.5" else tokenizer
+    cache = PieceCache(tokenizer)
+    assert cache.enabled
+    for steps in (0, 1, 2, 3, 5, 8):
+        messages, tools = _agent_turns(steps)
+        if steps == 5:  # an earlier tool result edited: the turns part there
+            messages[3] = ChatMessage(role="tool", tool_call_id="c0", content="edited")
+        fast = render_chat(tokenizer, messages, cache.encode_arrays, tools=tools)
+        plain = render_chat(tokenizer, messages, tools=tools)
+        assert fast.token_ids == plain.token_ids and np.array_equal(fast.offsets, plain.offsets), steps
+    assert cache.continued >= 5
+    added = max(tokenizer.get_added_vocab(), key=len)
+    head = LONG_DOC + added[:-2]  # the next text parts from this one two characters before an added token ends
+    for text in (head + added[-2:] + " one", head + "xy two " + added, head + added[-2:] + " three"):
+        ids, offsets = cache.encode_arrays(text)
+        plain_ids = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        assert ids.tolist() == plain_ids.input_ids and offsets.tolist() == [list(o) for o in plain_ids.offset_mapping]
+
+
+def test_recent_texts_count_within_the_caches_bound(tokenizer):
+    cache = PieceCache(tokenizer, capacity_bytes=1 << 20)
+    for n in range(40):
+        cache.encode(f"Document {n}: " + " ".join(f"w{n * 7 + i}x{i % 13}" for i in range(1500)))
+        assert cache.bytes + cache.recent_bytes <= 1 << 20 and cache.recent_bytes <= (1 << 20) // 4
