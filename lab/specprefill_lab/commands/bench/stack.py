@@ -128,6 +128,11 @@ class Against(Gateway):
     model: str | None = Field(None, description="model name at the gateway (default: its first)")
     backend_model: str | None = Field(None, description="model name at the backend (default: its first)")
     max_tokens: int = Field(1, description="tokens generated per request")
+    nonce: str | None = Field(
+        None,
+        description="what every document begins with (default: new each run, so that no run sends an engine an "
+        "earlier run's documents; the same in two runs on fresh engines: the same prompts, before and after)",
+    )
     vllm_scheduling: str = Field(
         "fcfs",
         description="launched vLLM: fcfs (its default) or priority (--scheduling-policy priority), for both instances",

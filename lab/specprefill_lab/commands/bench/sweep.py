@@ -152,8 +152,7 @@ def measured(options: Against, measure: Callable[[Stack, Any, tuple[str, str], d
         from specprefill_lab.bench import PromptMaker
 
         models = served_models(client, stack, options)
-        written = measure(
-            stack, PromptMaker(client, stack.gateway_url, models[0]), models, options.meta(stack, models[0])
-        )
+        prompts = PromptMaker(client, stack.gateway_url, models[0], options.nonce)
+        written = measure(stack, prompts, models, options.meta(stack, models[0]))
     print("wrote " + ", ".join(str(p) for p in written))
     return 0
