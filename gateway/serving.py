@@ -317,7 +317,8 @@ class GatewayServing:
         whole, and the client never sees it."""
         if plan.position_ids is None:
             return await self.forward(plan, body, endpoint)
-        swap = {KEPT_KEY: plan.kept_token_ids(), POSITIONS_KEY: plan.position_ids}
+        # lists, as JSON has them: an in-process backend reads the body as it is, and the swap's check wants lists
+        swap = {KEPT_KEY: list(plan.kept_token_ids()), POSITIONS_KEY: list(plan.position_ids)}
         try:
             return await self.forward(
                 plan, {**body, "vllm_xargs": {**(body.get("vllm_xargs") or {}), **swap}}, endpoint

@@ -46,9 +46,11 @@ class Kind:
     def token_body(
         self, model: str, token_ids: Sequence[int], position_ids: Sequence[int] | None, params: dict[str, Any]
     ) -> dict[str, Any]:
-        """A ``/v1/completions`` body carrying token IDs, and their positions where this kind reads them."""
-        body: dict[str, Any] = {"model": model, "prompt": token_ids, **params}
+        """A ``/v1/completions`` body carrying token IDs, and their positions where this kind reads them (as lists,
+        as JSON has them: an in-process backend reads the body as it is)."""
+        body: dict[str, Any] = {"model": model, "prompt": list(token_ids), **params}
         if position_ids is not None and self.reads_positions:
+            position_ids = list(position_ids)
             body["vllm_xargs"] = {"position_ids": position_ids}
             if self.positions_field:
                 body["position_ids"] = position_ids

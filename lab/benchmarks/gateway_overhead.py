@@ -232,6 +232,11 @@ def main() -> None:
         times = asyncio.run(
             alternate(urls, system, args.rounds, args.think, verbose=args.backend == "vllm", agent=args.agent)
         )
+    report(args, times, received)
+
+
+def report(args, times: dict[str, list[float]], received: dict[str, int]) -> None:
+    """Each path's spread and median, the gateway's own time, and the comparisons the options asked for."""
     for name, seconds in times.items():
         counted = [s * 1e3 for s in seconds[COUNTED_FROM:]]
         print(f"{name}: {min(counted):.1f}–{max(counted):.1f} ms, median {statistics.median(counted):.1f} ms")

@@ -262,3 +262,16 @@ def test_each_kind_says_how_kept_tokens_travel():
     assert bodies["tokens"] == bodies["text"] == {"model": "m", "prompt": [5, 6], "max_tokens": 1}
     assert [k.name for k in KINDS.values() if k.takes_swap] == ["reference", "vllm"]
     assert [k.name for k in KINDS.values() if not k.reads_tokens] == ["text"]
+
+
+def test_a_token_body_holds_lists_as_json_has_them():
+    """A plan's tokens and positions are tuples; an in-process backend reads the body as it is, without a JSON
+    round trip, and its swap check takes lists only (a tuple there sent every compressed prompt whole)."""
+    from gateway.engines.kinds import KINDS
+
+    for kind in KINDS.values():
+        body = kind.token_body("m", (5, 6, 7), (0, 2), {"max_tokens": 1})
+        assert type(body["prompt"]) is list
+        for value in (body.get("vllm_xargs") or {}).values():
+            assert type(value) is list
+        assert type(body.get("position_ids", [])) is list

@@ -49,12 +49,8 @@ class Agents(Gateway):
         from specprefill_lab.agents import AGENT_MODELS, as_dicts, ending_target, format_turns, summarize_turns
         from specprefill_lab.demo_models import ensure_demo_models
 
-        unknown = sorted(set(self.names) - {"claude", "codex"})
-        if unknown:
-            print(f"specprefill bench: unknown agent {unknown[0]!r}: use claude or codex", file=sys.stderr)
-            return 2
-        if self.direct not in ("session", "replay"):
-            print("specprefill bench: --direct is session or replay", file=sys.stderr)
+        if (refused := self.refused()) is not None:
+            print(f"specprefill bench: {refused}", file=sys.stderr)
             return 2
         bin_dir = agent_clis()
         if bin_dir is None:
@@ -68,15 +64,7 @@ class Agents(Gateway):
         args = self.gateway_args() + ["--model-alias", ",".join(AGENT_MODELS)]
         turns: list = []
         failures: list[dict] = []
-        meta = {
-            "engine": "vllm" if self.vllm_python else "reference",
-            "think_s": self.think,
-            "direct": self.direct,
-            "turns": self.turns,
-            "sessions": self.sessions,
-            "max_new_tokens": cap,
-            "pair": pair_description(self.pair),
-        }
+        meta = self.meta()
 
         def write() -> list[dict]:  # after every session: a run cut short keeps what it measured
             rows = summarize_turns(turns)
@@ -109,6 +97,27 @@ class Agents(Gateway):
         print(format_turns(write()))
         print(f"wrote {out / 'agents.json'}")
         return 0 if not failures else 1
+
+    def refused(self) -> str | None:
+        """What is wrong with these options, if anything."""
+        unknown = sorted(set(self.names) - {"claude", "codex"})
+        if unknown:
+            return f"unknown agent {unknown[0]!r}: use claude or codex"
+        if self.direct not in ("session", "replay"):
+            return "--direct is session or replay"
+        return None
+
+    def meta(self) -> dict:
+        """What the run measured, written beside its results."""
+        return {
+            "engine": "vllm" if self.vllm_python else "reference",
+            "think_s": self.think,
+            "direct": self.direct,
+            "turns": self.turns,
+            "sessions": self.sessions,
+            "max_new_tokens": self.max_new_tokens,
+            "pair": pair_description(self.pair),
+        }
 
     def sessions_through(
         self, stack: Stack, bin_dir: Path, out: Path, turns: list, failures: list, write: Callable[[], object]
