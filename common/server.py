@@ -227,15 +227,24 @@ async def _send_error(
 
 
 class DrainingServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, guard: GuardMiddleware, drain_timeout: float) -> None:
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        guard: GuardMiddleware,
+        drain_timeout: float,
+        on_serving: Callable[[], None] | None = None,
+    ) -> None:
         super().__init__(config)
         self.guard = guard
         self.drain_timeout = drain_timeout
+        self.on_serving = on_serving
         self._drain_task: asyncio.Task[Any] | None = None
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)  # the app's lifespan: models, tokenizers, caches
         freeze_startup_heap()
+        if self.on_serving is not None and self.started:
+            self.on_serving()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self.guard.draining:  # a second signal: stop now
@@ -284,9 +293,12 @@ def run_server(
     service: str = "specprefill",
     max_body_bytes: int = 16 << 20,
     max_header_bytes: int = 64 << 10,
+    sockets: list[socket.socket] | None = None,
+    on_serving: Callable[[], None] | None = None,
 ) -> None:
     """Serves ``app`` behind the guard and the request's telemetry (its ID, its log line, its trace:
-    ``common.telemetry``), with logging configured the same way for every service."""
+    ``common.telemetry``), with logging configured the same way for every service. ``sockets``: already bound
+    ones to serve on (a worker of ``common.workers``); ``on_serving``: called once it serves."""
     logging.basicConfig(
         level=options.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s [%(request_id)s]: %(message)s"
     )
@@ -306,6 +318,6 @@ def run_server(
         timeout_keep_alive=75,
     )
     try:
-        DrainingServer(config, guard, options.drain_timeout).run()
+        DrainingServer(config, guard, options.drain_timeout, on_serving).run(sockets)
     finally:
         tracing.shutdown()

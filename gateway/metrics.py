@@ -1,4 +1,6 @@
-"""Prometheus metrics of one gateway app (its own registry: no module globals)."""
+"""Prometheus metrics of one gateway app (its own registry: no module globals). In a worker of a multi-worker
+gateway (``common.workers``) ``/metrics`` shows the sum over the workers, from prometheus_client's multiprocess
+files, with this worker's own readings of the replicas and the cost models beside it."""
 
 from __future__ import annotations
 
@@ -7,6 +9,9 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from common.workers import shared_metrics_dir
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 TOKEN_BUCKETS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
@@ -15,6 +20,8 @@ TOKEN_BUCKETS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        self._readings: list[Collector] = []  # read from this process at each scrape (not summed over workers)
+        self._exposed: CollectorRegistry | None = None
         self._requests(self.registry)
         self._planning(self.registry)
         self._backends(self.registry)
@@ -83,7 +90,11 @@ class GatewayMetrics:
     def _backends(self, r: CollectorRegistry) -> None:
         """The engines: requests at them, the swap, warming and the replicas."""
         self.in_flight = Gauge(
-            "specprefill_backend_requests_in_flight", "Backend requests under way", ["kind"], registry=r
+            "specprefill_backend_requests_in_flight",
+            "Backend requests under way",
+            ["kind"],
+            registry=r,
+            multiprocess_mode="livesum",
         )
         self.swap_mismatch = Counter(
             "specprefill_swap_mismatch",
@@ -103,6 +114,7 @@ class GatewayMetrics:
             "specprefill_warming_pending_contexts",
             "Recurring contexts waiting to be warmed (pieces go in the engine's idle time)",
             registry=r,
+            multiprocess_mode="livesum",
         )
         self.behind_background = Histogram(
             "specprefill_foreground_behind_background_seconds",
@@ -123,6 +135,25 @@ class GatewayMetrics:
             registry=r,
         )
 
+    def exposed(self) -> CollectorRegistry:
+        """What ``/metrics`` shows: this app's registry, or in a worker the sum over the workers."""
+        folder = shared_metrics_dir()
+        if folder is None:
+            return self.registry
+        if self._exposed is None:
+            from prometheus_client import multiprocess
+
+            self._exposed = CollectorRegistry()
+            multiprocess.MultiProcessCollector(self._exposed, folder)  # type: ignore[no-untyped-call]
+            for reading in self._readings:
+                self._exposed.register(reading)
+        return self._exposed
+
+    def _read_at_scrape(self, reading: Collector) -> None:
+        self.registry.register(reading)
+        self._readings.append(reading)
+        self._exposed = None
+
     def expose_replicas(self, replicas: list[Any]) -> None:
         """Whether each replica is in the routing (1) or out (0), read at each scrape."""
 
@@ -138,11 +169,10 @@ class GatewayMetrics:
                     family.add_metric([str(replica.index)], float(replica.up))
                 yield family
 
-        self.registry.register(Up())
+        self._read_at_scrape(Up())
 
     def expose_costs(self, models: dict[str, Any]) -> None:
         """The cost models' current coefficients on /metrics (``models``: name -> CostModel)."""
-        registry = self.registry
 
         class Costs:
             def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
@@ -164,4 +194,4 @@ class GatewayMetrics:
                 yield family
                 yield resets
 
-        registry.register(Costs())
+        self._read_at_scrape(Costs())

@@ -217,6 +217,12 @@ class GatewaySettings(ServerOptions, DeviceOptions, ScoringOptions):
     )
     max_messages: int = Field(4096, gt=0, description="chats with more messages get 400")
     metrics_public: bool = Field(False, description="serve /metrics without the API key")
+    workers: int = Field(
+        1,
+        ge=1,
+        description="worker processes serving on one port (with --backend-url and --redis-url: the workers share "
+        "the score cache and the engine-cache model through Redis, as replicas do; /metrics sums them)",
+    )
 
     @field_validator("keep_rate", mode="before")
     @classmethod
@@ -230,6 +236,21 @@ class GatewaySettings(ServerOptions, DeviceOptions, ScoringOptions):
         if self.auto_keep_floor > self.auto_keep_ceiling:
             raise ValueError(
                 f"--auto-keep-floor ({self.auto_keep_floor}) is above --auto-keep-ceiling ({self.auto_keep_ceiling})"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _workers(self) -> GatewaySettings:
+        if self.workers > 1 and self.embedded:
+            raise ValueError(
+                f"--workers {self.workers} needs --backend-url: the embedded engine lives in one process (start "
+                "`specprefill engine` and point the gateway's workers at it)"
+            )
+        if self.workers > 1 and not self.redis_url:
+            raise ValueError(
+                f"--workers {self.workers} needs --redis-url: the workers share the score cache and what the "
+                "engine's prefix cache holds through Redis (alone, each would guess the engine's cache from its own "
+                "requests)"
             )
         return self
 

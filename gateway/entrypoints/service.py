@@ -50,4 +50,4 @@ async def health(raw_request: Request) -> JSONResponse:
 @router.get("/metrics", dependencies=[Depends(require_key_for_metrics)])
 async def prometheus(raw_request: Request) -> Response:
     """Prometheus metrics (the key unless ``--metrics-public``)."""
-    return Response(generate_latest(raw_request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    return Response(generate_latest(raw_request.app.state.metrics.exposed()), media_type=CONTENT_TYPE_LATEST)

@@ -50,6 +50,18 @@ class Serve(GatewaySettings):
             f"-H 'x-keep-rate: 0.3' -d '{body}'",
             flush=True,
         )
+        if settings.workers > 1:
+            from common.workers import run_workers
+
+            raise SystemExit(
+                run_workers(
+                    create_app,
+                    settings,
+                    settings.workers,
+                    service="specprefill-gateway",
+                    max_body_bytes=settings.max_request_bytes,
+                )
+            )
         run_server(
             create_app(settings), settings, service="specprefill-gateway", max_body_bytes=settings.max_request_bytes
         )

@@ -185,6 +185,9 @@ def test_unknown_subcommand_fails_cleanly(capsys):
         (["score", "--model", "m", "--keep-rate", "2", "-"], "--keep-rate: keep rate must be a number in (0, 1]"),
         (["serve", "--look-ahead", "0"], "look_ahead must be >= 1"),
         (["engine"], "--model: Field required"),
+        (["serve", "--workers", "2"], "--workers 2 needs --backend-url"),
+        (["serve", "--workers", "2", "--backend-url", "http://127.0.0.1:9"], "--workers 2 needs --redis-url"),
+        (["serve", "--workers", "0"], "--workers: Input should be greater than or equal to 1"),
     ],
 )
 def test_bad_options_are_one_clear_line(args, message, capsys):
