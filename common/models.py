@@ -8,6 +8,7 @@ import hashlib
 import inspect
 import json
 import logging
+import time
 from pathlib import Path
 from typing import Any, cast
 
@@ -54,14 +55,40 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | str:
 
 
 def compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """The dtype ``auto`` computes in: the checkpoint's own, except half precision on a CPU that has no fast kernels
-    for it (x86 without AVX-512, most of them), where PyTorch's matmul falls back to a scalar loop: there float32.
-    SmolLM2-135M's 2,000-token prefill on 2 AVX2 cores of an AMD EPYC took 37 s in bfloat16 and 8 s in float32."""
+    """The dtype ``auto`` computes in: the checkpoint's own, except half precision on a CPU where it is slower than
+    float32 (no bfloat16 or float16 dot products: PyTorch falls back to a slow loop), where float32. Decided by
+    measuring (``_half_is_fast``), not by PyTorch's feature flags: on 2 cores of an AMD EPYC the flag said bfloat16
+    was supported while a 2048x1536 by 1536x8960 matmul took 101.6 s in bfloat16 and 0.73 s in float32; on a Xeon
+    with AMX the same matmul took 0.05 s in bfloat16 and 0.20 s in float32."""
     if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float16):
         return dtype
-    mkldnn = torch.ops.mkldnn
-    fast = mkldnn._is_mkldnn_bf16_supported() if dtype == torch.bfloat16 else mkldnn._is_mkldnn_fp16_supported()
-    return dtype if fast else torch.float32
+    return dtype if _half_is_fast(dtype) else torch.float32
+
+
+@functools.cache
+def _half_is_fast(dtype: torch.dtype, rows: int = 256, width: int = 512) -> bool:
+    """Whether a linear layer in ``dtype`` on this CPU runs about as fast as in float32 or faster (within 1.25x: half
+    the memory is worth a little time; the slow loop is 100x): the best of three runs of each after a warm-up,
+    about a millisecond in float32."""
+    seconds = {}
+    for kind in (torch.float32, dtype):
+        x, w = torch.randn(rows, width, dtype=kind), torch.randn(width, width, dtype=kind)
+        torch.nn.functional.linear(x, w)
+        runs = []
+        for _ in range(3):
+            start = time.perf_counter()
+            torch.nn.functional.linear(x, w)
+            runs.append(time.perf_counter() - start)
+        seconds[kind] = min(runs)
+    fast = seconds[dtype] <= 1.25 * seconds[torch.float32]
+    log.info(
+        "%s linear %.2f ms, float32 %.2f ms on this CPU: %s",
+        dtype,
+        seconds[dtype] * 1e3,
+        seconds[torch.float32] * 1e3,
+        "kept" if fast else "computing in float32",
+    )
+    return fast
 
 
 def load_tokenizer(path_or_id: str | Path) -> PreTrainedTokenizerBase:
