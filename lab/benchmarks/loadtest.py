@@ -2,6 +2,7 @@
 
     .venv/bin/python lab/benchmarks/loadtest.py [--concurrency 200] [--duration 20]     (or: make loadtest)
     .venv/bin/python lab/benchmarks/loadtest.py --concurrency 100 --rounds 5 --pause 60   (rounds that must agree)
+    .venv/bin/python lab/benchmarks/loadtest.py --concurrency 100 --workers 1,2 --rounds 3 --slice 5   (workers)
 
 The backend answers at once (``specprefill_lab.fast_backend``), so the numbers are the gateway's own cost.
 Prompts are short (they bypass compression: the gateway tokenizes, renders the chat template and proxies).
@@ -19,8 +20,7 @@ import json
 import time
 from pathlib import Path
 
-from common.process import rss_mib
-from specprefill_lab.rounds import Round, closed_loop, instant_stack, rounds, spread
+from specprefill_lab.rounds import Round, closed_loop, instant_stack, rounds, spread, tree_rss_mib
 
 
 def _arguments() -> argparse.Namespace:
@@ -47,16 +47,59 @@ def _arguments() -> argparse.Namespace:
         help="the gateway on one core, the client and the backend on "
         "another (the system under test then shares no core with the load)",
     )
+    parser.add_argument(
+        "--workers",
+        default="1",
+        help="gateway worker processes (specprefill serve --workers; more than 1 needs Redis); a list "
+        "(1,2) measures each in turn, a fresh stack each, and prints requests/s against the worker count",
+    )
+    parser.add_argument(
+        "--redis",
+        action="store_true",
+        help="one worker shares its state through Redis too, as more than one must (a like-for-like yardstick)",
+    )
     parser.add_argument("--out", type=Path, help="write every round's numbers to this JSON file")
     return parser.parse_args()
 
 
 def main() -> None:
     args = _arguments()
-    with instant_stack(args.pin) as stack:
+    counts = [int(n) for n in str(args.workers).split(",")]
+    measured = {count: _measure(args, count) for count in counts}
+    if len(counts) > 1:
+        print("\nworkers   gateway req/s   direct req/s   gateway/direct   gateway CPU ms/request   errors")
+        for count, found in measured.items():
+            by_path = {path: [r for r in found["loaded"] if r.path == path] for path in ("direct", "gateway")}
+            gateway, direct = (sum(r.rps for r in by_path[p]) / len(by_path[p]) for p in ("gateway", "direct"))
+            cpu = sum(r.cpu_ms["gateway"] for r in by_path["gateway"]) / len(by_path["gateway"])
+            errors = sum(r.errors for r in found["loaded"])
+            print(f"{count:>7} {gateway:>15.0f} {direct:>14.0f} {gateway / direct:>16.3f} {cpu:>24.2f} {errors:>8}")
+    if args.out:
+        args.out.write_text(
+            json.dumps(
+                {
+                    "args": vars(args) | {"out": str(args.out)},
+                    "by_workers": {
+                        str(count): {
+                            "sequential": [r.summary() for r in found["sequential"].values()],
+                            "rounds": [r.summary() for r in found["loaded"]],
+                            "rss_mib": found["rss_mib"],
+                        }
+                        for count, found in measured.items()
+                    },
+                },
+                indent=1,
+            )
+        )
+
+
+def _measure(args: argparse.Namespace, workers: int) -> dict:
+    """One stack with ``workers`` gateway processes: the sequential rounds, the loaded ones, the memory."""
+    print(f"\n== {workers} gateway worker{'s' if workers > 1 else ''}{' (Redis)' if workers > 1 or args.redis else ''}")
+    with instant_stack(args.pin, workers, args.redis) as stack:
         asyncio.run(closed_loop(stack.gateway_url, "demo", 4, 2.0))  # warm-up
         gateway_pid = stack.pids["gateway"]
-        rss_before = rss_mib(gateway_pid)
+        rss_before = tree_rss_mib(gateway_pid)
         sequential = {
             path: asyncio.run(closed_loop(url, model, 1, min(args.duration, 10.0), path))
             for path, url, model in (("direct", stack.backend_url, "fast"), ("gateway", stack.gateway_url, "demo"))
@@ -64,24 +107,14 @@ def main() -> None:
         loaded = rounds(stack, args.rounds, args.concurrency, args.duration, args.pause, slice_s=args.slice)
         rss_peak = max([rss_before, *(r.gateway_rss_mib for r in loaded)])
         time.sleep(3)
-        rss_after = rss_mib(gateway_pid)
+        rss_after = tree_rss_mib(gateway_pid)
     _report(args, sequential, loaded)
     print(
         f"gateway resident memory: {rss_before:.0f} MiB before, {rss_peak:.0f} MiB at peak, "
         f"{rss_after:.0f} MiB 3 s after the load"
     )
-    if args.out:
-        args.out.write_text(
-            json.dumps(
-                {
-                    "args": vars(args) | {"out": str(args.out)},
-                    "sequential": [r.summary() for r in sequential.values()],
-                    "rounds": [r.summary() for r in loaded],
-                    "rss_mib": {"before": rss_before, "peak": rss_peak, "after": rss_after},
-                },
-                indent=1,
-            )
-        )
+    rss = {"before": rss_before, "peak": rss_peak, "after": rss_after}
+    return {"sequential": sequential, "loaded": loaded, "rss_mib": rss}
 
 
 def _report(args: argparse.Namespace, sequential: dict[str, Round], loaded: list[Round]) -> None:

@@ -73,39 +73,96 @@ class InstantStack:
 
 
 @contextlib.contextmanager
-def instant_stack(pin: bool = False) -> Iterator[InstantStack]:
+def instant_stack(pin: bool = False, workers: int = 1, redis: bool = False) -> Iterator[InstantStack]:
     """The demo gateway in front of the instant backend. ``pin``: the gateway on one core, this process (the
-    client) and the backend on the others."""
+    client) and the backend on the others. ``workers``: the gateway as that many worker processes on its port
+    (``specprefill serve --workers``, sharing state through the Redis at ``SPECPREFILL_TEST_REDIS_URL``, or
+    the local one; ``redis``: one worker with it too); every number of the gateway's is then summed over its
+    parent and workers."""
     root = ensure_demo_models()
-    with (
-        launched_instant_backend() as (backend_url, backend),
-        launched_gateway_process(
-            [
-                "--backend-url",
-                backend_url,
-                "--backend-model",
-                "fast",
-                "--target-model",
-                str(root / "target"),
-                "--draft-model",
-                str(root / "draft"),
-                "--served-model-name",
-                "demo",
-            ]
-        ) as (gateway_url, gateway),
-    ):
-        if pin:
-            cores = sorted(os.sched_getaffinity(0))
-            os.sched_setaffinity(gateway.pid, cores[:1])
-            for pid in (0, backend.pid):
-                os.sched_setaffinity(pid, cores[1:] or cores)
-        yield InstantStack(backend_url, gateway_url, {"gateway": gateway.pid, "backend": backend.pid})
+    args = [
+        "--backend-url",
+        "",  # the backend's, below
+        "--backend-model",
+        "fast",
+        "--target-model",
+        str(root / "target"),
+        "--draft-model",
+        str(root / "draft"),
+        "--served-model-name",
+        "demo",
+    ]
+    if workers > 1 or redis:
+        args += ["--redis-url", os.environ.get("SPECPREFILL_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")]
+    if workers > 1:
+        args += ["--workers", str(workers)]
+    with launched_instant_backend() as (backend_url, backend):
+        args[1] = backend_url
+        with launched_gateway_process(args) as (gateway_url, gateway):
+            if workers > 1:
+                _until_workers_serve(gateway.pid, workers)
+            if pin:
+                cores = sorted(os.sched_getaffinity(0))
+                for pid in tree(gateway.pid):
+                    os.sched_setaffinity(pid, cores[:1])
+                for pid in (0, backend.pid):
+                    os.sched_setaffinity(pid, cores[1:] or cores)
+            yield InstantStack(backend_url, gateway_url, {"gateway": gateway.pid, "backend": backend.pid})
+
+
+def _until_workers_serve(parent: int, count: int, timeout: float = 300.0) -> None:
+    """Waits until ``parent`` has ``count`` workers and the last has finished starting (its CPU use stalls: the
+    supervisor starts each worker once the one before serves, so only the last can still be loading)."""
+    deadline = time.monotonic() + timeout
+    while len(children := _workers(parent)) < count:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{len(children)} of {count} gateway workers started in {timeout:.0f} s")
+        time.sleep(0.2)
+    last, used = max(children), -1.0
+    while (now := cpu_seconds(last)) != used and time.monotonic() < deadline:
+        used = now
+        time.sleep(1.0)
+
+
+def _workers(parent: int) -> list[int]:
+    """The gateway's worker processes (multiprocessing's spawned children; not its resource tracker)."""
+    found = []
+    for pid in tree(parent)[1:]:
+        with contextlib.suppress(OSError):
+            if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                found.append(pid)
+    return found
+
+
+def tree(pid: int) -> list[int]:
+    """``pid`` and its descendants, alive now (from ``/proc``)."""
+    found, index = [pid], 0
+    while index < len(found):
+        with contextlib.suppress(OSError):
+            for task in Path(f"/proc/{found[index]}/task").iterdir():
+                found += [int(c) for c in (task / "children").read_text().split()]
+        index += 1
+    return found
 
 
 def cpu_seconds(pid: int) -> float:
     """CPU seconds the process has used, user and system."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU seconds ``pid`` and its descendants have used (a gateway's workers with it)."""
+    total = 0.0
+    for each in tree(pid):
+        with contextlib.suppress(OSError):
+            total += cpu_seconds(each)
+    return total
+
+
+def tree_rss_mib(pid: int) -> float:
+    """The resident memory of ``pid`` and its descendants, in MiB."""
+    return sum(rss_mib(each) for each in tree(pid))
 
 
 def machine_times() -> tuple[int, int]:
@@ -162,17 +219,17 @@ async def closed_loop(url: str, model: str, concurrency: int, duration: float, p
 def measured_round(stack: InstantStack, path: str, concurrency: int, duration: float) -> Round:
     """One round on ``path`` ("direct" or "gateway") with each process's CPU per request and the steal."""
     url, model = (stack.gateway_url, "demo") if path == "gateway" else (stack.backend_url, "fast")
-    before = {name: cpu_seconds(pid) for name, pid in stack.pids.items()} | {"client": time.process_time()}
+    before = {name: tree_cpu_seconds(pid) for name, pid in stack.pids.items()} | {"client": time.process_time()}
     total_before, steal_before = machine_times()
     result = asyncio.run(closed_loop(url, model, concurrency, duration, path))
-    after = {name: cpu_seconds(pid) for name, pid in stack.pids.items()} | {"client": time.process_time()}
+    after = {name: tree_cpu_seconds(pid) for name, pid in stack.pids.items()} | {"client": time.process_time()}
     total_after, steal_after = machine_times()
     done = result.requests or 1
     result.cpu_ms = {name: (after[name] - before[name]) / done * 1e3 for name in after}
     if path == "direct":
         del result.cpu_ms["gateway"]  # idle: its CPU in a direct round is not per request of anything
     result.steal = (steal_after - steal_before) / max(1, total_after - total_before)
-    result.gateway_rss_mib = rss_mib(stack.pids["gateway"])
+    result.gateway_rss_mib = tree_rss_mib(stack.pids["gateway"])
     return result
 
 
