@@ -175,13 +175,14 @@ def collector(received: dict[str, int]) -> Iterator[str]:
 @contextlib.contextmanager
 def profiled(pid: int, svg: Path) -> Iterator[None]:
     """py-spy sampling process ``pid`` (every thread, idle ones left out) while the block runs, its flame graph
-    written to ``svg`` at the end."""
+    written to ``svg`` at the end (py-spy's collapsed stacks instead where the name ends in ``.txt``)."""
     import signal
     import subprocess
     import sys
 
     spy = Path(sys.executable).with_name("py-spy")
-    command = [str(spy), "record", "--pid", str(pid), "--rate", "1000", "--format", "flamegraph", "-o", str(svg)]
+    fmt = "raw" if svg.suffix == ".txt" else "flamegraph"
+    command = [str(spy), "record", "--pid", str(pid), "--rate", "1000", "--format", fmt, "-o", str(svg)]
     recorder = subprocess.Popen([*command, "--nonblocking"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         yield
