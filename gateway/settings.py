@@ -9,9 +9,11 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import NoDecode
 
 from common.options import DeviceOptions, ServerOptions
-from common.selection import AutoKeepRate, KeepRate, validate_keep_rate
+from common.selection import DEFAULT_KEEP_RATE, AutoKeepRate, KeepRate, validate_keep_rate
 from draft_worker.settings import ScoringOptions
 from gateway.cost_terms import check_coefficients, coefficients_help
+
+_AUTO = AutoKeepRate()  # the auto rule's default target and bounds
 
 BackendKind = Literal["reference", "vllm", "tokens", "text"]
 # the model names coding agents ask for unless told otherwise (Claude Code 2.1.332, Codex CLI 0.171.0): a client
@@ -97,15 +99,17 @@ class GatewaySettings(ServerOptions, DeviceOptions, ScoringOptions):
     memory_cache_mb: int = Field(256, ge=0, description="in-memory score cache size without Redis (0: off)")
     draft_prefix_cache_mb: int = Field(1024, ge=0, description="in-process draft KV kept for prefix reuse (0: off)")
     keep_rate: float | Literal["auto"] = Field(
-        0.3,
+        DEFAULT_KEEP_RATE,
         description="default fraction of chunks kept, in (0, 1], or auto: the fewest chunks that hold "
         "--auto-keep-target of the draft's score mass, between --auto-keep-floor and --auto-keep-ceiling",
     )
     auto_keep_target: float = Field(
-        0.5, gt=0, le=1, description="auto keep rate: the share of the score mass the kept chunks reach"
+        _AUTO.target, gt=0, le=1, description="auto keep rate: the share of the score mass the kept chunks reach"
     )
-    auto_keep_floor: float = Field(0.05, gt=0, le=1, description="auto keep rate: the least rate it applies")
-    auto_keep_ceiling: float = Field(0.3, gt=0, le=1, description="auto keep rate: the most (what it is priced at)")
+    auto_keep_floor: float = Field(_AUTO.floor, gt=0, le=1, description="auto keep rate: the least rate it applies")
+    auto_keep_ceiling: float = Field(
+        _AUTO.ceiling, gt=0, le=1, description="auto keep rate: the most (what it is priced at)"
+    )
     min_prompt_tokens: int = Field(
         1024, ge=1, description="shorter prompts bypass compression (a floor; above it the cost model decides)"
     )

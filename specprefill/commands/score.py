@@ -10,8 +10,10 @@ from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import CliPositionalArg
 
 from common.options import DeviceOptions
-from common.selection import AutoKeepRate, KeepRate, validate_keep_rate
+from common.selection import DEFAULT_KEEP_RATE, AutoKeepRate, KeepRate, validate_keep_rate
 from draft_worker.settings import ScoringOptions
+
+_AUTO = AutoKeepRate()  # the auto rule's default target and bounds
 
 DIM_STRIKE, RESET = "\x1b[2;9m", "\x1b[0m"
 
@@ -22,11 +24,11 @@ class Score(DeviceOptions, ScoringOptions):
     file: CliPositionalArg[str] = Field(description="a text file, or - for standard input")
     model: str = Field(description="draft model: a local folder or a hub id")
     keep_rate: float | Literal["auto"] = Field(
-        0.3, description="fraction of chunks kept, in (0, 1], or auto (the gateway's rule: --auto-keep-*)"
+        DEFAULT_KEEP_RATE, description="fraction of chunks kept, in (0, 1], or auto (the gateway's rule: --auto-keep-*)"
     )
-    auto_keep_target: float = Field(0.5, gt=0, le=1, description="auto: the share of the score mass kept")
-    auto_keep_floor: float = Field(0.05, gt=0, le=1, description="auto: the least keep rate")
-    auto_keep_ceiling: float = Field(0.3, gt=0, le=1, description="auto: the most")
+    auto_keep_target: float = Field(_AUTO.target, gt=0, le=1, description="auto: the share of the score mass kept")
+    auto_keep_floor: float = Field(_AUTO.floor, gt=0, le=1, description="auto: the least keep rate")
+    auto_keep_ceiling: float = Field(_AUTO.ceiling, gt=0, le=1, description="auto: the most")
     token_ids: bool = Field(False, description="read a JSON list of token IDs instead of text")
     json_output: bool = Field(
         False, validation_alias=AliasChoices("json", "json_output"), description="print the numbers as JSON"

@@ -9,6 +9,7 @@ import httpx
 import openai
 import pytest
 
+from common.selection import AutoKeepRate
 from gateway.app import create_app
 from gateway.settings import GatewaySettings
 from specprefill_lab.bench import parse_server_timing
@@ -430,7 +431,21 @@ def test_a_malformed_auto_rule_is_a_400_naming_the_setting(gateway_url, options,
     assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
 
 
-def test_the_server_default_can_be_auto(model_pair, engine_backend):
+def test_the_server_default_is_auto_and_a_fixed_rate_one_flag_away(gateway_url):
+    assert GatewaySettings(target_model="t").keep_rate == "auto"  # measured on the real pair: docs/results/quality.md
+    assert GatewaySettings(target_model="t").default_keep_rate == AutoKeepRate()
+    assert GatewaySettings(target_model="t", keep_rate="0.3").default_keep_rate == 0.3
+    body = {"model": "tiny", "messages": _messages("Which default?"), "max_tokens": 1}
+    default = httpx.post(f"{gateway_url}/v1/chat/completions", json=body, timeout=60)
+    asked = httpx.post(f"{gateway_url}/v1/chat/completions", json=body, headers={"x-keep-rate": "auto"}, timeout=60)
+    fixed = httpx.post(f"{gateway_url}/v1/chat/completions", json=body, headers={"x-keep-rate": "0.3"}, timeout=60)
+    assert default.headers["x-specprefill-status"] == "compressed", default.text
+    assert default.headers["x-specprefill-keep-rate"] == asked.headers["x-specprefill-keep-rate"]
+    assert default.headers["x-specprefill-kept-tokens"] == asked.headers["x-specprefill-kept-tokens"]
+    assert fixed.headers["x-specprefill-keep-rate"] == "0.3"
+
+
+def test_the_server_default_auto_rule_takes_its_settings(model_pair, engine_backend):
     settings = gateway_settings(model_pair, backend_url=engine_backend[0], keep_rate="auto", auto_keep_target=0.3)
     assert GatewaySettings(target_model="t", keep_rate="AUTO").keep_rate == "auto"
     with pytest.raises(ValueError, match="above --auto-keep-ceiling"):

@@ -36,18 +36,11 @@ def test_score_json_on_text(model_pair, tmp_path):
     assert len(payload["kept_indices"]) == payload["kept_tokens"] < payload["original_tokens"]
 
 
-def test_score_text_marks_dropped_spans(model_pair):
-    out = _run(
-        "score",
-        "--model",
-        str(model_pair / "draft"),
-        "--keep-rate",
-        "0.2",
-        "-",
-        stdin="Cadupa anbe bora je lipa ancuci. " * 80,
-    )
+def test_score_text_marks_dropped_spans_at_the_servers_default_rate(model_pair):
+    out = _run("score", "--model", str(model_pair / "draft"), "-", stdin="Cadupa anbe bora je lipa ancuci. " * 80)
     assert out.returncode == 0, out.stderr
     assert "dropped:" in out.stdout and "kept " in out.stderr
+    assert "(auto)" in out.stderr  # the default keep rate, as the gateway's
 
 
 def test_score_token_ids_and_a_bad_list(model_pair):
