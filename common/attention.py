@@ -112,6 +112,70 @@ def split_causal_attention(
     return merged
 
 
+ATTENTION_SINKS = 4
+"""Keys every query of a local attention sees whatever its window: the prompt's first tokens, on which a trained
+model's attention piles up (StreamingLLM's attention sinks, Xiao et al., 2024, keep 4)."""
+
+
+def local_causal_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    window: int,
+    scaling: float | None = None,
+    block: int = 512,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of the last Q of K positions in which each query sees only the ``ATTENTION_SINKS`` first
+    keys, the ``window`` keys before its block of ``block`` queries and its block's keys up to its own: linear in
+    K for a fixed window, where full causal attention is quadratic. Blocks are aligned to absolute positions
+    (multiples of ``block`` from the first key), so a prompt read after a cached prefix sees what it would have
+    seen read at once. query: [B, Hq, Q, D]; key, value: [B, Hkv, K, D]; returns [B, Q, Hq, D]. On the CPU each
+    block is ``split_causal_attention`` over its keys (two flash calls); elsewhere one masked SDPA call over
+    [block, window + block] (never a [Q, K] mask). ``mask`` (boolean or additive, [B or 1, 1 or Hq, Q, K]):
+    what another kernel was given, applied too, block by block (the masked call then)."""
+    q_length, k_length = query.shape[2], key.shape[2]
+    offset = k_length - q_length  # the absolute position of the first query
+    grouped = query.shape[1] != key.shape[1]
+    outs = []
+    start = offset
+    while start < k_length:
+        stop = min(k_length, (start // block + 1) * block)
+        low = max(ATTENTION_SINKS, (start // block) * block - window)
+        sinks = min(ATTENTION_SINKS, low)
+        keys = torch.cat([key[:, :, :sinks], key[:, :, low:stop]], dim=2) if sinks else key[:, :, low:stop]
+        values = torch.cat([value[:, :, :sinks], value[:, :, low:stop]], dim=2) if sinks else value[:, :, low:stop]
+        part = query[:, :, start - offset : stop - offset]
+        given = None
+        if mask is not None:
+            rows = mask[..., start - offset : stop - offset, :]
+            given = torch.cat([rows[..., :sinks], rows[..., low:stop]], dim=-1) if sinks else rows[..., low:stop]
+        if given is not None:
+            seen = torch.ones(part.shape[2], keys.shape[2], dtype=torch.bool, device=query.device)
+            causal = seen.tril(keys.shape[2] - part.shape[2])
+            both = given & causal if given.dtype == torch.bool else given.masked_fill(~causal, float("-inf"))
+            out = torch.nn.functional.scaled_dot_product_attention(
+                part, keys, values, attn_mask=both, scale=scaling, enable_gqa=grouped
+            )
+            outs.append(out.transpose(1, 2))
+        elif keys.shape[2] == part.shape[2]:  # the first block: plain causal attention
+            out = torch.nn.functional.scaled_dot_product_attention(
+                part, keys, values, is_causal=True, scale=scaling, enable_gqa=grouped
+            )
+            outs.append(out.transpose(1, 2))
+        elif query.device.type == "cpu":
+            outs.append(split_causal_attention(part, keys, values, scaling))
+        else:
+            seen = torch.ones(part.shape[2], keys.shape[2], dtype=torch.bool, device=query.device)
+            mask = seen.tril(keys.shape[2] - part.shape[2])
+            out = torch.nn.functional.scaled_dot_product_attention(
+                part, keys, values, attn_mask=mask, scale=scaling, enable_gqa=grouped
+            )
+            outs.append(out.transpose(1, 2))
+        start = stop
+    return torch.cat(outs, dim=1).contiguous()
+
+
 def end_aligned_causal_mask(**kwargs: Any) -> torch.Tensor | None:
     """transformers' SDPA mask (its mask interface, called with keywords), except that a plain causal mask whose
     queries are the last ``q_length`` of the keys, with no padding, is left out (None) whatever the query's

@@ -19,6 +19,8 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from common.attention import local_causal_attention
+
 CAPTURE_PREFIX = "specprefill_capture_"
 
 
@@ -27,6 +29,8 @@ class QueryRecorder:
     """Collects, per layer, the queries of the last ``window`` positions of every forward it is passed to."""
 
     window: int = 1
+    local_attention: int = 0
+    """A prompt's forward (more than one query, no mask) attends locally within this many keys (0: in full)."""
     queries: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     scaling: dict[int, float] = field(default_factory=dict)
 
@@ -55,6 +59,10 @@ def _capturing_attention(inner: Callable[..., Any]) -> Callable[..., Any]:
             scaling = float(kwargs.get("scaling") or int(getattr(module, "head_dim")) ** -0.5)
             window = specprefill_recorder.window
             specprefill_recorder.record(int(getattr(module, "layer_idx")), query[:, :, -window:, :], scaling)
+            local = specprefill_recorder.local_attention
+            if local and query.shape[2] > 1 and getattr(module, "is_causal", True):
+                mask = attention_mask[..., : key.shape[2]] if attention_mask is not None else None
+                return local_causal_attention(query, key, value, local, scaling, mask=mask), None
         return inner(module, query, key, value, attention_mask, **kwargs)
 
     return attention

@@ -25,8 +25,16 @@ class ScoringConfig(SelectionConfig):
     """The prompt's last N tokens whose queries are scored, each over the keys up to its own (SnapKV's observation
     window, Li et al., 2024: a chat's question reads where its answer is); 1: the last token only, the paper."""
 
+    local_attention: int = 0
+    """The draft reads the prompt with local attention: each token sees the first 4 tokens (attention sinks) and
+    the N before its block of 512, linear in the prompt's length where full attention is quadratic; the scored
+    queries still see every key. 0: full attention, the paper's. This project's option (measured on the quality
+    page), not the paper's."""
+
     def __post_init__(self) -> None:
         SelectionConfig.__post_init__(self)
+        if self.local_attention < 0:
+            raise ConfigError(f"local_attention must be >= 0 (0: full attention), got {self.local_attention}")
         if self.look_ahead < 1:
             raise ConfigError(f"look_ahead must be >= 1, got {self.look_ahead}")
         if self.pool_kernel < 1 or self.pool_kernel % 2 == 0:
@@ -39,7 +47,8 @@ class ScoringConfig(SelectionConfig):
         """The parameters that change scores (not selection): part of every score-cache key (the paper's window
         leaves the keys as they were)."""
         window = (self.observation_window,) if self.observation_window > 1 else ()
-        return (self.look_ahead, self.pool_kernel, *window)
+        local = (f"local{self.local_attention}",) if self.local_attention else ()
+        return (self.look_ahead, self.pool_kernel, *window, *local)
 
     def to_dict(self) -> dict[str, int]:
         return asdict(self)

@@ -67,7 +67,8 @@ def score_prompts(
     """Scores every token of each prompt in one batched draft run: float32 CPU tensors, one per prompt.
 
     Padded keys get zero probability, which matches zero padding in the pooling exactly, so a batch scores
-    like single runs. With ``prefix`` (one prompt only), its first ``prefix_len`` KV entries stand in for the
+    like single runs (with ``config.local_attention``, whose blocks are aligned to unpadded positions, they are
+    single runs). With ``prefix`` (one prompt only), its first ``prefix_len`` KV entries stand in for the
     prompt's first ``prefix_len`` tokens, which must be the same tokens: only the rest is prefilled.
     With ``return_kv``, each prompt's KV cache (prompt entries only) comes back for reuse.
     With ``graphs`` (a model on CUDA), a single prompt's look-ahead steps replay CUDA graphs.
@@ -75,12 +76,16 @@ def score_prompts(
     """
     assert captures_queries(model), "call enable_query_capture first"
     assert all(len(p) > 0 for p in prompts), "empty prompt"
+    if config.local_attention and len(prompts) > 1:  # local attention reads unpadded prompts: one by one
+        runs = [score_prompts(model, [prompt], config, return_kv=return_kv, graphs=graphs) for prompt in prompts]
+        kv_runs = [kv for _, kvs in runs if kvs is not None for kv in kvs]
+        return [scores for run, _ in runs for scores in run], kv_runs if return_kv else None
     storage = None
     if graphs is not None and len(prompts) == 1:
         storage = graphs.storage_for(len(prompts[0]) + config.look_ahead)
     batch = _prepare(model, prompts, prefix, prefix_len, config.look_ahead, storage)
     eos = _eos(model)  # before the prefill is queued: a copy from host memory waits for the GPU to finish
-    recorder = QueryRecorder(window=config.observation_window)
+    recorder = QueryRecorder(window=config.observation_window, local_attention=config.local_attention)
     with record_function("specprefill.prefill"):
         logits = prefill(model, batch, recorder)
     valid = None

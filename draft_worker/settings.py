@@ -31,6 +31,13 @@ class ScoringOptions(BaseSettings):
         description="the prompt's last N tokens' queries scored too, each over the keys before it (SnapKV's "
         "observation window; 1: the last token only, as the paper)",
     )
+    local_attention: int = Field(
+        _DEFAULTS.local_attention,
+        ge=0,
+        description="the draft reads the prompt with local attention: each token sees the first 4 tokens and the "
+        "N before its block of 512 (linear in the prompt's length; the scored queries still see every key); 0: "
+        "full attention, as the paper",
+    )
     chunk_size: int = Field(
         _DEFAULTS.chunk_size, description="tokens are kept in contiguous chunks of this size (1: single tokens)"
     )
@@ -59,6 +66,7 @@ class ScoringOptions(BaseSettings):
             look_ahead=self.look_ahead,
             pool_kernel=self.pool_kernel,
             observation_window=self.observation_window,
+            local_attention=self.local_attention,
             chunk_size=self.chunk_size,
             protect_first=self.protect_first,
             protect_last=self.protect_last,

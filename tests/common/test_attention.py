@@ -187,3 +187,27 @@ def test_a_chunk_after_a_cache_split_in_two_is_the_masked_attention(dtype):
     assert got.shape == (2, 40, 8, 32) and got.dtype == dtype
     tolerance = {} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
     torch.testing.assert_close(got.float(), expected, **tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("queries", "keys", "window", "block"),
+    [(300, 300, 64, 32), (100, 300, 64, 32), (77, 300, 40, 16), (300, 300, 1000, 32), (1, 300, 64, 32)],
+    ids=["cold", "after-a-cache", "unaligned-chunk", "window-past-the-prompt", "one-query"],
+)
+def test_local_causal_attention_is_attention_under_its_explicit_mask(dtype, queries, keys, window, block):
+    """Query i (the last Q of K) sees the first ATTENTION_SINKS keys and those from ``window`` before its block
+    (blocks aligned to absolute positions) up to its own: against one SDPA call under that [Q, K] mask."""
+    g = torch.Generator().manual_seed(1)
+    query = torch.randn(1, 6, queries, 16, generator=g).to(dtype)
+    key, value = (torch.randn(1, 2, keys, 16, generator=g).to(dtype) for _ in range(2))
+    rows = torch.arange(keys - queries, keys)[:, None]
+    columns = torch.arange(keys)[None, :]
+    mask = (columns <= rows) & ((columns < attention.ATTENTION_SINKS) | (columns >= (rows // block) * block - window))
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        query.float(), key.float(), value.float(), attn_mask=mask, enable_gqa=True
+    ).transpose(1, 2)
+    got = attention.local_causal_attention(query, key, value, window, block=block)
+    assert got.shape == (1, queries, 6, 16) and got.dtype == dtype
+    tolerance = {} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    torch.testing.assert_close(got.float(), expected, **tolerance)

@@ -62,6 +62,18 @@ def test_an_observation_window_is_always_prefilled():
     torch.testing.assert_close(reuse.score(prompt), scratch.score(prompt), rtol=1e-5, atol=1e-8)
 
 
+def test_local_attention_reads_a_suffix_as_it_reads_the_whole():
+    """With local attention the suffix after a cached prefix sees what it would have seen read at once (blocks
+    aligned to absolute positions): the same scores as from scratch, the prefix 700 tokens, a block boundary
+    inside the suffix."""
+    reuse, scratch = _workers(ScoringConfig(local_attention=64, observation_window=16))
+    document = _ids(700, 7)
+    reuse.score(document)
+    prompt = document + _ids(600, 8)
+    assert reuse.prefix_cache.lookup(prompt)[1] > 0
+    torch.testing.assert_close(reuse.score(prompt), scratch.score(prompt), rtol=1e-5, atol=1e-8)
+
+
 def test_batched_runs_store_unpadded_entries():
     model = tiny_llama(seed=12)
     enable_query_capture(model)

@@ -15,15 +15,30 @@ from draft_worker.scorer import score_prompts
 from tests.helpers import tiny_llama
 
 
+def local_mask(length: int, prompt_length: int, local: int, block: int = 512) -> torch.Tensor:
+    """An explicit additive mask [1, 1, T, T]: causal; a prompt token at i sees only the first 4 keys and those
+    from ``local`` before its block of ``block`` (``ScoringConfig.local_attention``); look-ahead tokens see all."""
+    rows, keys = torch.arange(length)[:, None], torch.arange(length)[None, :]
+    seen = keys <= rows
+    if local:
+        near = (keys < 4) | (keys >= (rows // block) * block - local)
+        seen &= near | (rows >= prompt_length)
+    return torch.zeros(length, length).masked_fill(~seen, torch.finfo(torch.float32).min)[None, None]
+
+
 @torch.no_grad()
-def reference_scores(model, prompt: list[int], look_ahead: int, pool_kernel: int, window: int = 1) -> torch.Tensor:
+def reference_scores(
+    model, prompt: list[int], look_ahead: int, pool_kernel: int, window: int = 1, local: int = 0
+) -> torch.Tensor:
     """Eager attention, full recompute, float64 attention math, explicit loops; no KV cache, no capture hook.
     ``window``: the prompt's last that many tokens' queries (SnapKV's observation window), each over the keys up
-    to its own."""
+    to its own. ``local``: the prompt read with local attention, by an explicit mask."""
     eos = set(model.generation_config.eos_token_id)
     generated: list[int] = []
     for _ in range(look_ahead - 1):
-        logits = model(torch.tensor([prompt + generated])).logits[0, -1]
+        seq = torch.tensor([prompt + generated])
+        mask = local_mask(seq.shape[1], len(prompt), local)
+        logits = model(seq, attention_mask=mask).logits[0, -1]
         generated.append(int(logits.argmax()))
     n_queries = 1
     for token in generated:  # query j belongs to generated token j; queries from an EOS on are dropped
@@ -33,7 +48,7 @@ def reference_scores(model, prompt: list[int], look_ahead: int, pool_kernel: int
 
     seq = torch.tensor([prompt + generated])
     length = len(prompt)
-    out = model(seq, output_hidden_states=True)
+    out = model(seq, output_hidden_states=True, attention_mask=local_mask(seq.shape[1], length, local))
     positions = torch.arange(seq.shape[1])[None]
     config = model.config
     head_dim = config.hidden_size // config.num_attention_heads
@@ -110,6 +125,30 @@ def test_an_observation_window_matches_reference(look_ahead, window):
     torch.testing.assert_close(scores, reference_scores(model, prompt, look_ahead, 13, window), rtol=1e-5, atol=1e-8)
     (plain,), _ = score_prompts(model, [prompt], ScoringConfig(look_ahead=look_ahead))
     assert not torch.allclose(scores, plain, rtol=1e-3)
+
+
+@pytest.mark.parametrize("look_ahead,window", [(1, 1), (8, 16)])
+def test_local_attention_matches_reference(look_ahead, window):
+    """An option beyond the paper: the draft reads the prompt with local attention (the first 4 keys and 64 before
+    each block of 512), its scored queries still over every key. The reference reads it under an explicit mask;
+    prompts in one batch score as single runs; a window past the prompt is full attention."""
+    model = tiny_llama(heads=4, kv_heads=2)
+    prompt = _prompt(1300, seed=13)
+    enable_query_capture(model)
+    config = ScoringConfig(look_ahead=look_ahead, observation_window=window, local_attention=64)
+    (scores,), _ = score_prompts(model, [prompt], config)
+    expected = reference_scores(model, prompt, look_ahead, 13, window, local=64)
+    torch.testing.assert_close(scores, expected, rtol=1e-4, atol=1e-7)
+    full = ScoringConfig(look_ahead=look_ahead, observation_window=window)
+    (plain,), _ = score_prompts(model, [prompt], full)
+    assert not torch.allclose(scores, plain, rtol=1e-3)  # the test can see the mask
+    batched, _ = score_prompts(model, [prompt[:700], prompt], config)
+    (short,), _ = score_prompts(model, [prompt[:700]], config)
+    torch.testing.assert_close(batched[0], short)
+    torch.testing.assert_close(batched[1], scores)
+    wide = ScoringConfig(look_ahead=look_ahead, observation_window=window, local_attention=1300)
+    torch.testing.assert_close(score_prompts(model, [prompt], wide)[0][0], plain, rtol=1e-5, atol=1e-8)
+    assert config.score_params != full.score_params  # cached scores of one are never served for the other
 
 
 def test_queries_after_generated_eos_are_dropped():

@@ -47,6 +47,9 @@ class Launch(BaseSettings):
     observation_window: int | None = Field(
         None, ge=1, description="launched servers: the gateway's --observation-window (default: its own)"
     )
+    local_attention: int | None = Field(
+        None, ge=0, description="launched servers: the gateway's --local-attention (default: its own)"
+    )
     vllm_python: str | None = Field(
         None,
         description="launch vLLM (this python's, with the plugin for the "
@@ -79,6 +82,8 @@ class Launch(BaseSettings):
         args = ["--draft-layers", str(self.draft_layers)] if self.draft_layers else []
         if self.observation_window:
             args += ["--observation-window", str(self.observation_window)]
+        if self.local_attention is not None:
+            args += ["--local-attention", str(self.local_attention)]
         return args
 
 
@@ -212,6 +217,7 @@ class Against(Gateway):
             "real_pair": self.real_pair if "real" in (self.target_model, self.draft_model) else None,
             "draft_layers": self.draft_layers,
             "observation_window": self.observation_window,
+            "local_attention": self.local_attention,
         }
 
 
