@@ -28,7 +28,7 @@ class TokenizerMismatchError(ValueError):
     """The draft and target models do not share one tokenizer, so draft token indices mean nothing to the target."""
 
 
-def with_cache(model: PreTrainedModel, cache: Any) -> dict[str, Any]:
+def with_cache(model: torch.nn.Module, cache: Any) -> dict[str, Any]:
     """The KV cache as a forward's keyword: ``cache`` from transformers 5.24 on (``past_key_values`` is deprecated
     there, and removed in 5.40), ``past_key_values`` before."""
     return {_cache_keyword(cast(Any, type(model))): cache}

@@ -31,8 +31,23 @@ class ScoringConfig(SelectionConfig):
     queries still see every key. 0: full attention, the paper's. This project's option (measured on the quality
     page), not the paper's."""
 
+    propagate_layer: int = 0
+    """From this decoder layer on, the draft reads only the prompt tokens its layers below rank highest by this
+    scoring rule (FastKV's token-selective propagation, Jo et al., 2025), ``propagate_rate`` of them, at their
+    positions: the upper layers' work shrinks with the rate. 0: every token through every layer, the paper's. This
+    project's option (measured on the quality page), not the paper's."""
+    propagate_rate: float = 0.3
+    """The share of the prompt that goes on through the layers from ``propagate_layer`` (with the first tokens and
+    the scored window's)."""
+
     def __post_init__(self) -> None:
         SelectionConfig.__post_init__(self)
+        if self.propagate_layer < 0:
+            raise ConfigError(
+                f"propagate_layer must be >= 0 (0: every token through every layer), got {self.propagate_layer}"
+            )
+        if not (0.0 < self.propagate_rate <= 1.0):
+            raise ConfigError(f"propagate_rate must be in (0, 1], got {self.propagate_rate}")
         if self.local_attention < 0:
             raise ConfigError(f"local_attention must be >= 0 (0: full attention), got {self.local_attention}")
         if self.look_ahead < 1:
@@ -48,7 +63,8 @@ class ScoringConfig(SelectionConfig):
         leaves the keys as they were)."""
         window = (self.observation_window,) if self.observation_window > 1 else ()
         local = (f"local{self.local_attention}",) if self.local_attention else ()
-        return (self.look_ahead, self.pool_kernel, *window, *local)
+        propagate = (f"propagate{self.propagate_layer}@{self.propagate_rate:g}",) if self.propagate_layer else ()
+        return (self.look_ahead, self.pool_kernel, *window, *local, *propagate)
 
     def to_dict(self) -> dict[str, int]:
         return asdict(self)

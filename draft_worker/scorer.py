@@ -27,6 +27,7 @@ from common.models import eos_token_ids, with_cache
 from draft_worker.capture import QueryRecorder, captures_queries
 from draft_worker.config import ScoringConfig
 from draft_worker.graphs import LookAheadGraphs
+from draft_worker.propagation import chosen_tokens, propagated_prefill
 
 
 @dataclass
@@ -51,6 +52,8 @@ class ScoringBatch:
     position_ids: torch.Tensor | None  # [B, T]
     attention_mask: torch.Tensor | None  # [B, S + steps so far]: 0 on padding; None without padding
     cache: DynamicCache
+    propagated: torch.Tensor | None = None  # [S']: the prompt tokens in the cache from layer ``propagate_layer`` on
+    propagate_layer: int = 0
 
 
 @torch.inference_mode()
@@ -76,7 +79,10 @@ def score_prompts(
     """
     assert captures_queries(model), "call enable_query_capture first"
     assert all(len(p) > 0 for p in prompts), "empty prompt"
-    if config.local_attention and len(prompts) > 1:  # local attention reads unpadded prompts: one by one
+    if config.propagate_layer:  # one unpadded prompt at a time, its own KV cache never reused, no graphs
+        assert prefix is None, "a propagated prefill is not resumed from a prefix"
+        return_kv, graphs = False, None
+    if (config.local_attention or config.propagate_layer) and len(prompts) > 1:  # unpadded prompts: one by one
         runs = [score_prompts(model, [prompt], config, return_kv=return_kv, graphs=graphs) for prompt in prompts]
         kv_runs = [kv for _, kvs in runs if kvs is not None for kv in kvs]
         return [scores for run, _ in runs for scores in run], kv_runs if return_kv else None
@@ -87,7 +93,10 @@ def score_prompts(
     eos = _eos(model)  # before the prefill is queued: a copy from host memory waits for the GPU to finish
     recorder = QueryRecorder(window=config.observation_window, local_attention=config.local_attention)
     with record_function("specprefill.prefill"):
-        logits = prefill(model, batch, recorder)
+        if config.propagate_layer:
+            logits = propagate(model, batch, recorder, config)
+        else:
+            logits = prefill(model, batch, recorder)
     valid = None
     with record_function("specprefill.look_ahead"):
         if storage is not None and graphs is not None:
@@ -118,6 +127,33 @@ def prefill(model: PreTrainedModel, batch: ScoringBatch, recorder: QueryRecorder
     )
     logits: torch.Tensor = out.logits
     return logits[:, -1]
+
+
+def propagate(
+    model: PreTrainedModel, batch: ScoringBatch, recorder: QueryRecorder, config: ScoringConfig
+) -> torch.Tensor:
+    """``prefill`` whose layers from ``config.propagate_layer`` on read only the tokens the layers below rank
+    highest by the scoring rule itself (``draft_worker.propagation``); its logits [1, V]."""
+    layer = config.propagate_layer
+    if layer >= model.config.num_hidden_layers:  # nothing above it: a plain prefill
+        return prefill(model, batch, recorder)
+
+    def choose() -> torch.Tensor:
+        last_token_only = batch.input_ids.new_ones(1, 1, dtype=torch.bool)  # with the window, before the look-ahead
+        ranks = reduce_scores(batch, recorder, last_token_only, config.pool_kernel, layer)
+        return chosen_tokens(ranks[0], config.propagate_rate, config.observation_window)
+
+    logits, batch.propagated = propagated_prefill(
+        model,
+        batch.input_ids,
+        batch.position_ids,
+        batch.cache,
+        layer,
+        choose,
+        specprefill_recorder=recorder,
+    )
+    batch.propagate_layer = layer
+    return logits
 
 
 def look_ahead(
@@ -157,20 +193,28 @@ def look_ahead(
     return valid
 
 
-def reduce_scores(batch: ScoringBatch, recorder: QueryRecorder, valid: torch.Tensor, pool_kernel: int) -> torch.Tensor:
+def reduce_scores(
+    batch: ScoringBatch, recorder: QueryRecorder, valid: torch.Tensor, pool_kernel: int, layers: int | None = None
+) -> torch.Tensor:
     """Attention of the recorded queries over the prompt keys, pooled, max over layers × heads, mean over the
     valid queries: [B, S]. Queries recorded before the last prompt token's (an observation window) see only the
-    keys up to their own, and count only on rows whose prompt reaches back to them (rows are left-padded)."""
+    keys up to their own, and count only on rows whose prompt reaches back to them (rows are left-padded).
+    ``layers``: the first that many layers only. A layer that read only the propagated tokens scores those (the
+    rest 0 there, as pooling's zero padding)."""
     key_pad = None
     if batch.attention_mask is not None:
         key_pad = batch.attention_mask[:, None, None, : batch.width] == 0  # [B, 1, 1, S]
     extra = recorder.layer_queries(0).shape[2] - valid.shape[1]  # window queries before the last prompt token's
     future, weights = _window(batch, extra, valid.float()) if extra else (None, valid.float())  # weights: [B, Q]
     scores: torch.Tensor | None = None
-    for layer_idx, layer_cache in enumerate(attention_layers(batch.cache)):
-        keys = keys_values(layer_cache)[0][:, :, : batch.width, :]  # [B, Hkv, S, D]
+    for layer_idx, layer_cache in enumerate(attention_layers(batch.cache)[:layers]):
+        index = batch.propagated if layer_idx >= batch.propagate_layer else None  # the keys' tokens, if not all
+        width = batch.width if index is None else index.shape[0]
+        keys = keys_values(layer_cache)[0][:, :, :width, :]  # [B, Hkv, S or S', D]
         queries = recorder.layer_queries(layer_idx)  # [B, H, W - 1 + Q, D]
-        pooled = _layer_attention(queries, keys, recorder.scaling[layer_idx], key_pad, pool_kernel, future)
+        pooled = _layer_attention(
+            queries, keys, recorder.scaling[layer_idx], key_pad, pool_kernel, future, index, batch.width
+        )
         layer_max = pooled.amax(dim=1)  # [B, Q, S]
         scores = layer_max if scores is None else torch.maximum(scores, layer_max)
     assert scores is not None  # a model has layers
@@ -256,15 +300,20 @@ def _layer_attention(
     key_pad: torch.Tensor | None,
     pool_kernel: int,
     future: torch.Tensor | None = None,
+    index: torch.Tensor | None = None,
+    prompt_width: int = 0,
 ) -> torch.Tensor:
     """Softmax over the prompt keys, pooled along the sequence.
 
     queries: [B, H, Q, D]; keys: [B, Hkv, S, D]; ``future``: [Q, S], keys a query may not see; returns
     [B, H, Q, S]. GQA: query head h reads kv head h // (H / Hkv), as ``repeat_kv`` does; grouping the queries
-    avoids materialising repeated keys.
+    avoids materialising repeated keys. With ``index`` [S'] the keys are those prompt tokens of ``prompt_width``
+    (keys: [B, Hkv, S', D]), and the others get probability 0 before pooling.
     """
     batch, heads, n_queries, dim = queries.shape
     kv_heads, width = keys.shape[1], keys.shape[2]
+    if index is not None and future is not None:
+        future = future[:, index]
     grouped = queries.reshape(batch, kv_heads, (heads // kv_heads) * n_queries, dim)
     logits = float_logits(grouped, keys) * scaling  # [B, Hkv, G*Q, S]
     if key_pad is not None:
@@ -275,6 +324,9 @@ def _layer_attention(
     if future is not None:  # a window query on a row's padding sees no key: its zero weight must not meet a NaN
         probs = probs.nan_to_num(0.0)
     probs = probs.reshape(batch, heads * n_queries, width)
+    if index is not None:
+        spread = probs.new_zeros(batch, heads * n_queries, prompt_width)
+        probs, width = spread.index_copy_(2, index, probs), prompt_width
     if pool_kernel > 1:
         probs = F.avg_pool1d(probs, kernel_size=pool_kernel, stride=1, padding=pool_kernel // 2)
     return probs.reshape(batch, heads, n_queries, width)

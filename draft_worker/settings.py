@@ -38,6 +38,19 @@ class ScoringOptions(BaseSettings):
         "N before its block of 512 (linear in the prompt's length; the scored queries still see every key); 0: "
         "full attention, as the paper",
     )
+    propagate_layer: int = Field(
+        _DEFAULTS.propagate_layer,
+        ge=0,
+        description="from this decoder layer on, the draft reads only the prompt tokens its lower layers rank "
+        "highest (--propagate-rate of them, at their positions; FastKV's token-selective propagation); 0: every "
+        "token through every layer, as the paper",
+    )
+    propagate_rate: float = Field(
+        _DEFAULTS.propagate_rate,
+        gt=0,
+        le=1,
+        description="the share of the prompt that goes on from --propagate-layer",
+    )
     chunk_size: int = Field(
         _DEFAULTS.chunk_size, description="tokens are kept in contiguous chunks of this size (1: single tokens)"
     )
@@ -67,6 +80,8 @@ class ScoringOptions(BaseSettings):
             pool_kernel=self.pool_kernel,
             observation_window=self.observation_window,
             local_attention=self.local_attention,
+            propagate_layer=self.propagate_layer,
+            propagate_rate=self.propagate_rate,
             chunk_size=self.chunk_size,
             protect_first=self.protect_first,
             protect_last=self.protect_last,

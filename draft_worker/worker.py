@@ -15,6 +15,7 @@ from draft_worker.capture import enable_query_capture
 from draft_worker.config import ScoringConfig
 from draft_worker.graphs import LookAheadGraphs
 from draft_worker.prefix_cache import PrefixKVCache
+from draft_worker.propagation import check_propagation
 from draft_worker.scorer import PromptKV, score_prompts
 
 
@@ -43,6 +44,9 @@ class DraftWorker:
         self.tokenizer = tokenizer
         self.config = config or ScoringConfig()
         self.name = name
+        if self.config.propagate_layer:
+            check_propagation(model)
+            prefix_cache_bytes = 0  # a propagated prompt's upper layers hold the tokens its own window chose
         window = self.config.observation_window
         self.prefix_cache = PrefixKVCache(prefix_cache_bytes, recompute=window) if prefix_cache_bytes > 0 else None
         self.identity = model_identity(model, name)

@@ -96,7 +96,18 @@ def test_bad_keep_rates(rate):
         validate_keep_rate(rate)
 
 
-@pytest.mark.parametrize("kwargs", [{"look_ahead": 0}, {"pool_kernel": 4}, {"chunk_size": 0}, {"protect_last": -1}])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"look_ahead": 0},
+        {"pool_kernel": 4},
+        {"chunk_size": 0},
+        {"protect_last": -1},
+        {"propagate_layer": -1},
+        {"propagate_rate": 0.0},
+        {"propagate_rate": 1.5},
+    ],
+)
 def test_bad_scoring_config(kwargs):
     with pytest.raises(ConfigError):
         ScoringConfig(**kwargs)

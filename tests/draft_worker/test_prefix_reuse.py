@@ -74,6 +74,17 @@ def test_local_attention_reads_a_suffix_as_it_reads_the_whole():
     torch.testing.assert_close(reuse.score(prompt), scratch.score(prompt), rtol=1e-5, atol=1e-8)
 
 
+def test_a_propagating_draft_reads_every_prompt_whole():
+    """With token-selective propagation a prompt's upper layers hold the tokens its own window chose, so no draft
+    prefix is kept or reused: a document asked again with a new question scores as from scratch."""
+    reuse, scratch = _workers(ScoringConfig(propagate_layer=1, propagate_rate=0.2, observation_window=8))
+    assert reuse.prefix_cache is None
+    document = _ids(600, 3)
+    for question_seed in (4, 5):
+        prompt = document + _ids(30, question_seed)
+        torch.testing.assert_close(reuse.score(prompt), scratch.score(prompt), rtol=1e-5, atol=1e-8)
+
+
 def test_batched_runs_store_unpadded_entries():
     model = tiny_llama(seed=12)
     enable_query_capture(model)

@@ -198,3 +198,138 @@ def test_capture_leaves_plain_forwards_unchanged():
     enable_query_capture(model)
     enable_query_capture(model)  # idempotent
     torch.testing.assert_close(model(ids).logits, before)
+
+
+def reference_chosen(scores: torch.Tensor, rate: float, window: int) -> list[int]:
+    """The tokens that go on past the propagation layer: top ``rate`` by score, the first 4, the last ``window``."""
+    length = len(scores)
+    top = sorted(range(length), key=lambda i: -float(scores[i]))[: math.ceil(rate * length)]
+    return sorted(set(top) | set(range(min(4, length))) | set(range(max(0, length - window), length)))
+
+
+@torch.no_grad()
+def reference_propagated_scores(
+    model, prompt: list[int], look_ahead: int, window: int, layer: int, rate: float, pool_kernel: int = 13
+) -> tuple[torch.Tensor, list[int]]:
+    """Token-selective propagation spelled out with masks instead of gathers: every token is computed in every
+    layer, but from ``layer`` on a prompt token that was not chosen is no key for anyone (an explicit additive
+    mask per layer, full recompute, no cache). The choice: the window's queries over layers below ``layer``,
+    scored as ``reference_scores`` scores (float64, explicit pooling)."""
+    config = model.config
+    head_dim = config.hidden_size // config.num_attention_heads
+    length = len(prompt)
+    lower = tiny_copy(model, layer)
+    chosen = reference_chosen(reference_scores(lower, prompt, 1, pool_kernel, window), rate, window)
+
+    def masks(total: int) -> tuple[torch.Tensor, torch.Tensor]:
+        rows, keys = torch.arange(total)[:, None], torch.arange(total)[None, :]
+        causal = keys <= rows
+        gone = torch.ones(total, dtype=torch.bool)
+        gone[chosen] = False
+        gone[length:] = False
+        upper = causal & (~gone[None, :] | (keys == rows))  # a dropped token still sees itself: no empty row
+        fill = torch.finfo(torch.float32).min
+        return tuple(torch.zeros(total, total).masked_fill(~m, fill)[None, None] for m in (causal, upper))
+
+    def hidden_states(seq: list[int]) -> list[torch.Tensor]:
+        full, upper = masks(len(seq))
+        hidden = model.model.embed_tokens(torch.tensor([seq]))
+        positions = torch.arange(len(seq))[None]
+        rotary = model.model.rotary_emb(hidden, positions)
+        states = []
+        for number, decoder_layer in enumerate(model.model.layers):
+            states.append(hidden)
+            hidden = decoder_layer(
+                hidden,
+                attention_mask=full if number < layer else upper,
+                position_ids=positions,
+                position_embeddings=rotary,
+            )
+        states.append(model.model.norm(hidden))
+        return states
+
+    eos = set(model.generation_config.eos_token_id)
+    generated: list[int] = []
+    for _ in range(look_ahead - 1):
+        generated.append(int(model.lm_head(hidden_states(prompt + generated)[-1])[0, -1].argmax()))
+    n_queries = 1
+    for token in generated:
+        if token in eos:
+            break
+        n_queries += 1
+    states = hidden_states(prompt + generated)
+    positions = torch.arange(length + len(generated))[None]
+    rows = []
+    for layer_idx, decoder_layer in enumerate(model.model.layers):
+        hidden = decoder_layer.input_layernorm(states[layer_idx])
+        attn = decoder_layer.self_attn
+        q = attn.q_proj(hidden).view(1, -1, config.num_attention_heads, head_dim).transpose(1, 2)
+        k = attn.k_proj(hidden).view(1, -1, config.num_key_value_heads, head_dim).transpose(1, 2)
+        cos, sin = model.model.rotary_emb(hidden, positions)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        k = repeat_kv(k, config.num_attention_heads // config.num_key_value_heads)
+        first = max(0, length - window)
+        q = q[0, :, first : length - 1 + n_queries].double()
+        k = k[0, :, :length].double()
+        logits = q @ k.transpose(-1, -2) / math.sqrt(head_dim)
+        for row in range(length - 1 - first):
+            logits[:, row, first + row + 1 :] = float("-inf")
+        if layer_idx >= layer:
+            dropped = sorted(set(range(length)) - set(chosen))
+            logits[:, :, dropped] = float("-inf")
+        probs = torch.softmax(logits, dim=-1)
+        rows.extend(probs[head] for head in range(probs.shape[0]))
+    half = pool_kernel // 2
+    pooled = []
+    for row in rows:
+        p = torch.zeros_like(row)
+        for i in range(length):
+            p[:, i] = row[:, max(0, i - half) : i + half + 1].sum(-1) / pool_kernel
+        pooled.append(p)
+    return torch.stack(pooled).max(dim=0).values.mean(dim=0).float(), chosen
+
+
+def tiny_copy(model, layers: int):
+    """The same weights, only the first ``layers`` decoder layers."""
+    import copy
+
+    from common.models import first_layers
+
+    lower = copy.deepcopy(model)
+    first_layers(lower, layers)
+    return lower
+
+
+@pytest.mark.parametrize("look_ahead,window,layer,rate", [(1, 1, 2, 0.2), (8, 16, 1, 0.3), (8, 16, 3, 0.1)])
+def test_token_selective_propagation_matches_reference(look_ahead, window, layer, rate):
+    """An option beyond the paper (FastKV's token-selective propagation): from ``layer`` on the draft reads only the
+    tokens its lower layers ranked highest, at their own positions. The reference computes every token in every
+    layer and masks the others out as keys; the implementation gathers the chosen ones."""
+    model = tiny_llama(layers=4, heads=4, kv_heads=2, seed=5)
+    prompt = _prompt(400, seed=17)
+    enable_query_capture(model)
+    config = ScoringConfig(look_ahead=look_ahead, observation_window=window, propagate_layer=layer, propagate_rate=rate)
+    (scores,), kvs = score_prompts(model, [prompt], config, return_kv=True)
+    expected, chosen = reference_propagated_scores(model, prompt, look_ahead, window, layer, rate)
+    assert len(chosen) < len(prompt) * (rate + 0.1)
+    torch.testing.assert_close(scores, expected, rtol=1e-4, atol=1e-7)
+    assert kvs is None  # a propagated prompt's cache is not one to reuse
+    plain = ScoringConfig(look_ahead=look_ahead, observation_window=window)
+    (full,), _ = score_prompts(model, [prompt], plain)
+    assert not torch.allclose(scores, full, rtol=1e-3)  # the test can see the propagation
+    assert config.score_params != plain.score_params  # cached scores of one are never served for the other
+    batched, _ = score_prompts(model, [prompt[:250], prompt], config)
+    torch.testing.assert_close(batched[1], scores)
+    torch.testing.assert_close(batched[0], score_prompts(model, [prompt[:250]], config)[0][0])
+
+
+@pytest.mark.parametrize("layer,rate", [(2, 1.0), (4, 0.2), (9, 0.2)])
+def test_propagation_of_every_token_or_above_the_top_is_the_plain_read(layer, rate):
+    """Every token going on, or a propagation layer at or past the top: the same scores as the paper's read."""
+    model = tiny_llama(layers=4, seed=2)
+    prompt = _prompt(300, seed=19)
+    enable_query_capture(model)
+    (plain,), _ = score_prompts(model, [prompt], ScoringConfig(look_ahead=8, observation_window=4))
+    config = ScoringConfig(look_ahead=8, observation_window=4, propagate_layer=layer, propagate_rate=rate)
+    (scores,), _ = score_prompts(model, [prompt], config)
+    torch.testing.assert_close(scores, plain, rtol=1e-5, atol=1e-8)

@@ -98,6 +98,11 @@ class Eval(BaseSettings):
         "smaller model (0.5b) and its first K layers for each --real-draft-layers K (0.5b-K), cross (SmolLM2), "
         "random, head, tail, each model draft with /wN for each --real-windows N; default: all)",
     )
+    real_variant: list[str] = Field(
+        [],
+        description="real: NAME=GATEWAY FLAGS, a draft of its own (repeatable; asked after --real-drafts): e.g. "
+        "'0.5b/w16/p8=--draft-model DIR --observation-window 16 --propagate-layer 8'",
+    )
     real_self_layers: list[int] = Field([4, 8, 12], description="real: the self-drafts' layer counts")
     real_draft_layers: list[int] = Field([], description="real: the smaller model's first-layer drafts")
     real_windows: list[int] = Field(
@@ -226,6 +231,12 @@ def _real(options: Eval, out: Path) -> int:
         print(f"specprefill eval: unknown draft {unknown[0]!r}; drafts: {', '.join(known)}", file=sys.stderr)
         return 2
     drafts = {name: known[name] for name in options.real_drafts} if options.real_drafts is not None else known
+    for spec in options.real_variant:
+        name, _, flags = spec.partition("=")
+        if not name or not flags:
+            print(f"specprefill eval: --real-variant {spec!r}: write NAME=GATEWAY FLAGS", file=sys.stderr)
+            return 2
+        drafts[name] = flags.split()
     rule = options.real_rule_length
     rule_lengths = options.real_lengths if rule is None else [rule] if rule else []
     counts = Counts(options.real_samples, options.real_default_samples, pair.default_variant)

@@ -50,6 +50,12 @@ class Launch(BaseSettings):
     local_attention: int | None = Field(
         None, ge=0, description="launched servers: the gateway's --local-attention (default: its own)"
     )
+    propagate_layer: int | None = Field(
+        None, ge=0, description="launched servers: the gateway's --propagate-layer (default: its own)"
+    )
+    propagate_rate: float | None = Field(
+        None, gt=0, le=1, description="launched servers: the gateway's --propagate-rate (default: its own)"
+    )
     vllm_python: str | None = Field(
         None,
         description="launch vLLM (this python's, with the plugin for the "
@@ -84,6 +90,10 @@ class Launch(BaseSettings):
             args += ["--observation-window", str(self.observation_window)]
         if self.local_attention is not None:
             args += ["--local-attention", str(self.local_attention)]
+        if self.propagate_layer is not None:
+            args += ["--propagate-layer", str(self.propagate_layer)]
+        if self.propagate_rate is not None:
+            args += ["--propagate-rate", str(self.propagate_rate)]
         return args
 
 
@@ -218,6 +228,8 @@ class Against(Gateway):
             "draft_layers": self.draft_layers,
             "observation_window": self.observation_window,
             "local_attention": self.local_attention,
+            "propagate_layer": self.propagate_layer,
+            "propagate_rate": self.propagate_rate,
         }
 
 
