@@ -35,6 +35,7 @@ from specprefill_lab.real_eval import (
     keep_label,
     keep_order,
     keep_request,
+    named_variants,
     variants,
     wilson,
 )
@@ -128,9 +129,7 @@ def main() -> None:
     pair = EvalPair.made(real_pair(args.pair))
     known = variants(pair, draft_layers=[int(k) for k in args.draft_layers.split(",") if k])
     drafts = {name: known[name] for name in args.drafts.split(",") if name}
-    for spec in args.variant:
-        name, _, flags = spec.partition("=")
-        drafts[name] = flags.split()
+    drafts |= named_variants(args.variant)
     tasks, keeps = set(args.tasks.split(",")), [_keep(k) for k in args.keep_rates.split(",")]
     asked = [i for i in items(pair, [int(n) for n in args.lengths.split(",")], args.samples) if i.sample.task in tasks]
     tokenizer = load_tokenizer(pair.target)

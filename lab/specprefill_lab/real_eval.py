@@ -122,6 +122,18 @@ def variants(
     return out
 
 
+def named_variants(specs: Sequence[str]) -> dict[str, list[str]]:
+    """Drafts of one's own: each ``NAME=GATEWAY FLAGS`` (``0.5b/p8=--draft-model DIR --propagate-layer 8``) as the
+    gateway flags its answers are asked with. Raises ``ValueError`` for one without a name or flags."""
+    out = {}
+    for spec in specs:
+        name, _, flags = spec.partition("=")
+        if not name.strip() or not flags.split():
+            raise ValueError(f"{spec!r}: write NAME=GATEWAY FLAGS (e.g. 'mine=--draft-model DIR --look-ahead 16')")
+        out[name.strip()] = flags.split()
+    return out
+
+
 @dataclass(frozen=True)
 class Item:
     length: int  # the asked length (the chat's tokens, about)

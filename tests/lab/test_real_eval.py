@@ -88,6 +88,19 @@ def test_a_draft_with_an_observation_window_is_its_own_variant_and_row(qwen, smo
     assert [table.index(row) for row in order] == sorted(table.index(row) for row in order)
 
 
+def test_a_variant_of_ones_own_is_its_gateway_flags():
+    from specprefill_lab.real_eval import named_variants
+
+    got = named_variants(["0.5b/p8=--draft-model /d  --propagate-layer 8", "w4 = --observation-window 4"])
+    assert got == {
+        "0.5b/p8": ["--draft-model", "/d", "--propagate-layer", "8"],
+        "w4": ["--observation-window", "4"],
+    }
+    for bad in ("=--look-ahead 4", "name=", "name"):
+        with pytest.raises(ValueError, match="NAME=GATEWAY FLAGS"):
+            named_variants([bad])
+
+
 def test_the_prose_is_real_and_the_haystacks_plant_every_fact(qwen):
     prose = paragraphs()
     assert len(prose) > 500 and all(len(p) >= 200 for p in prose)

@@ -218,7 +218,15 @@ def _dataset(options: Eval, out: Path) -> int:
 
 def _real(options: Eval, out: Path) -> int:
     from specprefill.real_models.gguf_files import RealModelError
-    from specprefill_lab.real_eval import Counts, EvalPair, format_summary, run_real_eval, summarize, variants
+    from specprefill_lab.real_eval import (
+        Counts,
+        EvalPair,
+        format_summary,
+        named_variants,
+        run_real_eval,
+        summarize,
+        variants,
+    )
 
     try:
         pair = EvalPair.made(real_pair(options.real_pair))
@@ -231,12 +239,11 @@ def _real(options: Eval, out: Path) -> int:
         print(f"specprefill eval: unknown draft {unknown[0]!r}; drafts: {', '.join(known)}", file=sys.stderr)
         return 2
     drafts = {name: known[name] for name in options.real_drafts} if options.real_drafts is not None else known
-    for spec in options.real_variant:
-        name, _, flags = spec.partition("=")
-        if not name or not flags:
-            print(f"specprefill eval: --real-variant {spec!r}: write NAME=GATEWAY FLAGS", file=sys.stderr)
-            return 2
-        drafts[name] = flags.split()
+    try:
+        drafts |= named_variants(options.real_variant)
+    except ValueError as exc:
+        print(f"specprefill eval: --real-variant {exc}", file=sys.stderr)
+        return 2
     rule = options.real_rule_length
     rule_lengths = options.real_lengths if rule is None else [rule] if rule else []
     counts = Counts(options.real_samples, options.real_default_samples, pair.default_variant)
