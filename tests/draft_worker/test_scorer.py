@@ -49,12 +49,22 @@ def reference_scores(
     seq = torch.tensor([prompt + generated])
     length = len(prompt)
     out = model(seq, output_hidden_states=True, attention_mask=local_mask(seq.shape[1], length, local))
-    positions = torch.arange(seq.shape[1])[None]
+    return reference_reduce(model, out.hidden_states, length, n_queries, window, pool_kernel)
+
+
+def reference_reduce(
+    model, states, length: int, n_queries: int, window: int, pool_kernel: int, dropped=(), from_layer: int = 0
+) -> torch.Tensor:
+    """From each layer's input hidden states ``states`` ([1, T, E], the prompt's ``length`` tokens then the
+    generated ones): the window's and the look-ahead's queries over the prompt keys in float64, softmax, average
+    pooling, max over layers × heads, mean over the queries. ``dropped``: prompt tokens that are no keys from layer
+    ``from_layer`` on."""
+    positions = torch.arange(states[0].shape[1])[None]
     config = model.config
     head_dim = config.hidden_size // config.num_attention_heads
     rows = []  # one [Q, S] attention map per (layer, head)
     for layer_idx, layer in enumerate(model.model.layers):
-        hidden = layer.input_layernorm(out.hidden_states[layer_idx])
+        hidden = layer.input_layernorm(states[layer_idx])
         attn = layer.self_attn
         q = attn.q_proj(hidden).view(1, -1, config.num_attention_heads, head_dim).transpose(1, 2)
         k = attn.k_proj(hidden).view(1, -1, config.num_key_value_heads, head_dim).transpose(1, 2)
@@ -67,6 +77,8 @@ def reference_scores(
         logits = q @ k.transpose(-1, -2) / math.sqrt(head_dim)
         for row in range(length - 1 - first):  # a window query at position first + row sees keys up to it
             logits[:, row, first + row + 1 :] = float("-inf")
+        if layer_idx >= from_layer and dropped:
+            logits[:, :, list(dropped)] = float("-inf")
         probs = torch.softmax(logits, dim=-1)
         for head in range(probs.shape[0]):
             rows.append(probs[head])
@@ -215,8 +227,6 @@ def reference_propagated_scores(
     layer, but from ``layer`` on a prompt token that was not chosen is no key for anyone (an explicit additive
     mask per layer, full recompute, no cache). The choice: the window's queries over layers below ``layer``,
     scored as ``reference_scores`` scores (float64, explicit pooling)."""
-    config = model.config
-    head_dim = config.hidden_size // config.num_attention_heads
     length = len(prompt)
     lower = tiny_copy(model, layer)
     chosen = reference_chosen(reference_scores(lower, prompt, 1, pool_kernel, window), rate, window)
@@ -257,36 +267,9 @@ def reference_propagated_scores(
         if token in eos:
             break
         n_queries += 1
+    dropped = sorted(set(range(length)) - set(chosen))
     states = hidden_states(prompt + generated)
-    positions = torch.arange(length + len(generated))[None]
-    rows = []
-    for layer_idx, decoder_layer in enumerate(model.model.layers):
-        hidden = decoder_layer.input_layernorm(states[layer_idx])
-        attn = decoder_layer.self_attn
-        q = attn.q_proj(hidden).view(1, -1, config.num_attention_heads, head_dim).transpose(1, 2)
-        k = attn.k_proj(hidden).view(1, -1, config.num_key_value_heads, head_dim).transpose(1, 2)
-        cos, sin = model.model.rotary_emb(hidden, positions)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        k = repeat_kv(k, config.num_attention_heads // config.num_key_value_heads)
-        first = max(0, length - window)
-        q = q[0, :, first : length - 1 + n_queries].double()
-        k = k[0, :, :length].double()
-        logits = q @ k.transpose(-1, -2) / math.sqrt(head_dim)
-        for row in range(length - 1 - first):
-            logits[:, row, first + row + 1 :] = float("-inf")
-        if layer_idx >= layer:
-            dropped = sorted(set(range(length)) - set(chosen))
-            logits[:, :, dropped] = float("-inf")
-        probs = torch.softmax(logits, dim=-1)
-        rows.extend(probs[head] for head in range(probs.shape[0]))
-    half = pool_kernel // 2
-    pooled = []
-    for row in rows:
-        p = torch.zeros_like(row)
-        for i in range(length):
-            p[:, i] = row[:, max(0, i - half) : i + half + 1].sum(-1) / pool_kernel
-        pooled.append(p)
-    return torch.stack(pooled).max(dim=0).values.mean(dim=0).float(), chosen
+    return reference_reduce(model, states, length, n_queries, window, pool_kernel, dropped, layer), chosen
 
 
 def tiny_copy(model, layers: int):

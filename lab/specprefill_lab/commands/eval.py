@@ -7,6 +7,7 @@ import json
 import sys
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings
@@ -14,6 +15,9 @@ from pydantic_settings import BaseSettings
 from common.options import SETTINGS_CONFIG
 from common.selection import validate_keep_rate
 from specprefill.real_models.catalog import DEFAULT_PAIR, PAIRS, real_pair
+
+if TYPE_CHECKING:
+    from specprefill_lab.real_eval import EvalPair
 
 
 class Eval(BaseSettings):
@@ -218,31 +222,17 @@ def _dataset(options: Eval, out: Path) -> int:
 
 def _real(options: Eval, out: Path) -> int:
     from specprefill.real_models.gguf_files import RealModelError
-    from specprefill_lab.real_eval import (
-        Counts,
-        EvalPair,
-        format_summary,
-        named_variants,
-        run_real_eval,
-        summarize,
-        variants,
-    )
+    from specprefill_lab.real_eval import Counts, EvalPair, format_summary, run_real_eval, summarize
 
     try:
         pair = EvalPair.made(real_pair(options.real_pair))
     except (RealModelError, ValueError) as exc:
         print(f"specprefill eval: {exc}", file=sys.stderr)
         return 1
-    known = variants(pair, options.real_self_layers, options.real_draft_layers, options.real_windows)
-    unknown = [d for d in options.real_drafts or () if d not in known]
-    if unknown:
-        print(f"specprefill eval: unknown draft {unknown[0]!r}; drafts: {', '.join(known)}", file=sys.stderr)
-        return 2
-    drafts = {name: known[name] for name in options.real_drafts} if options.real_drafts is not None else known
     try:
-        drafts |= named_variants(options.real_variant)
+        drafts = _real_drafts(options, pair)
     except ValueError as exc:
-        print(f"specprefill eval: --real-variant {exc}", file=sys.stderr)
+        print(f"specprefill eval: {exc}", file=sys.stderr)
         return 2
     rule = options.real_rule_length
     rule_lengths = options.real_lengths if rule is None else [rule] if rule else []
@@ -281,6 +271,22 @@ def _real(options: Eval, out: Path) -> int:
     (out / "real.json").write_text(json.dumps(result, indent=1))
     print(f"wrote {out / 'real.json'}, {out / 'real.md'} (answers in {out / 'answers.jsonl'})")
     return 0
+
+
+def _real_drafts(options: Eval, pair: EvalPair) -> dict[str, list[str]]:
+    """The drafts asked, each as its gateway flags: the named ones (``--real-drafts``, default all) in order, then
+    each ``--real-variant``. Raises ``ValueError`` for an unknown name or a malformed variant."""
+    from specprefill_lab.real_eval import named_variants, variants
+
+    known = variants(pair, options.real_self_layers, options.real_draft_layers, options.real_windows)
+    unknown = [d for d in options.real_drafts or () if d not in known]
+    if unknown:
+        raise ValueError(f"unknown draft {unknown[0]!r}; drafts: {', '.join(known)}")
+    drafts = {name: known[name] for name in options.real_drafts} if options.real_drafts is not None else known
+    try:
+        return drafts | named_variants(options.real_variant)
+    except ValueError as exc:
+        raise ValueError(f"--real-variant {exc}") from exc
 
 
 def _sessions(options: Eval, pair: Path, out: Path) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -50,11 +51,10 @@ class Launch(BaseSettings):
     local_attention: int | None = Field(
         None, ge=0, description="launched servers: the gateway's --local-attention (default: its own)"
     )
-    propagate_layer: int | None = Field(
-        None, ge=0, description="launched servers: the gateway's --propagate-layer (default: its own)"
-    )
-    propagate_rate: float | None = Field(
-        None, gt=0, le=1, description="launched servers: the gateway's --propagate-rate (default: its own)"
+    draft_flags: str = Field(
+        "",
+        description="launched servers: more of the gateway's draft flags, as one string (e.g. "
+        "'--propagate-layer 8 --propagate-rate 0.25')",
     )
     vllm_python: str | None = Field(
         None,
@@ -90,11 +90,7 @@ class Launch(BaseSettings):
             args += ["--observation-window", str(self.observation_window)]
         if self.local_attention is not None:
             args += ["--local-attention", str(self.local_attention)]
-        if self.propagate_layer is not None:
-            args += ["--propagate-layer", str(self.propagate_layer)]
-        if self.propagate_rate is not None:
-            args += ["--propagate-rate", str(self.propagate_rate)]
-        return args
+        return args + shlex.split(self.draft_flags)
 
 
 class Gateway(Launch):
@@ -228,8 +224,7 @@ class Against(Gateway):
             "draft_layers": self.draft_layers,
             "observation_window": self.observation_window,
             "local_attention": self.local_attention,
-            "propagate_layer": self.propagate_layer,
-            "propagate_rate": self.propagate_rate,
+            "draft_flags": self.draft_flags or None,
         }
 
 
