@@ -24,7 +24,7 @@ import json
 import math
 import random
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -190,6 +190,15 @@ def _key(length: int, index: int, task: str, variant: str, keep: Keep) -> str:
 
 
 FINAL = {Reason.PROMPT_TOO_LONG}  # bypasses a resume would meet again: the answer stands
+
+
+def answered(paths: Iterable[Path]) -> list[dict]:
+    """The answers these ``answers.jsonl`` files hold, as a resume would count them (where two files answered
+    one question, the later file's answer)."""
+    done: dict[str, dict] = {}
+    for path in paths:
+        done |= _done(path)
+    return list(done.values())
 
 
 def _done(path: Path) -> dict[str, dict]:
@@ -464,12 +473,13 @@ TASK_ORDER = (*TASKS, CODE_TASK, RULE_TASK)
 FRONTIER_TASKS = ("passkey", "fact", CODE_TASK)  # the goal's tasks: a passkey, a one-paragraph fact, a code lookup
 
 
-def frontier(cells: list[dict], speeds: dict[str, Path]) -> list[dict]:
+def frontier(cells: list[dict], speeds: Iterable[tuple[str, str | Path]]) -> list[dict]:
     """One point per draft and keep rate: its accuracy as a share of the full prompt's on the goal's tasks (the
     mean over them, at each length the speed run measured) against its cold TTFT as a share of direct's (from
-    ``speeds``: each draft's ``specprefill bench`` folder, or its ``bench.json`` as the docs keep it)."""
+    ``speeds``: (draft, its ``specprefill bench`` folder or its ``bench.json`` as the docs keep it), a draft
+    named again for another run, at other lengths)."""
     points = []
-    for draft, where in speeds.items():
+    for draft, where in speeds:
         path = Path(where)
         rows = json.loads((path if path.is_file() else path / "bench.json").read_text())["rows"]
         for row in rows:

@@ -167,9 +167,23 @@ def test_the_frontier_reads_a_bench_folder_or_its_json_as_the_docs_keep_it(tmp_p
         }
     ]
     cells = summarize(rows)
-    assert (
-        frontier(cells, {"self-8": tmp_path / "run"}) == frontier(cells, {"self-8": tmp_path / "self-8.json"}) == want
-    )
+    assert frontier(cells, [("self-8", tmp_path / "run")]) == frontier(cells, [("self-8", tmp_path / "self-8.json")])
+    assert frontier(cells, [("self-8", tmp_path / "run")]) == want
+    # a draft named again for a run at another length: each run's points
+    rows += [{**r, "length": 8000} for r in rows]
+    (tmp_path / "8k.json").write_text(json.dumps({"rows": [{**bench["rows"][0], "tokens": 8000, "gateway_s": 2.0}]}))
+    both = frontier(summarize(rows), [("self-8", tmp_path / "run"), ("self-8", tmp_path / "8k.json")])
+    assert [(p["length"], p["ttft_of_direct"]) for p in both] == [(2000, 0.25), (8000, 0.5)]
+
+
+def test_answered_counts_as_a_resume_does_the_later_file_winning(tmp_path):
+    from specprefill_lab.real_eval import answered
+
+    row = {"length": 2000, "index": 0, "task": "fact", "variant": "0.5b", "keep": 0.1, "status": "compressed"}
+    (tmp_path / "a.jsonl").write_text(json.dumps({**row, "correct": False}) + "\n")
+    failed = {**row, "index": 1, "status": "bypassed", "reason": "draft_failed", "correct": True}
+    (tmp_path / "b.jsonl").write_text(json.dumps({**row, "correct": True}) + "\n" + json.dumps(failed) + "\n")
+    assert answered([tmp_path / "a.jsonl", tmp_path / "b.jsonl"]) == [{**row, "correct": True}]
 
 
 def test_a_resume_asks_again_only_what_could_go_otherwise(tmp_path):

@@ -262,7 +262,8 @@ def _real(options: Eval, out: Path) -> int:
     if options.real_speed:
         from specprefill_lab.real_eval import frontier, plot_frontier
 
-        result["frontier"] = frontier(cells, dict(s.split("=", 1) for s in options.real_speed))
+        speeds = [(draft, where) for draft, _, where in (s.partition("=") for s in options.real_speed)]
+        result["frontier"] = frontier(cells, speeds)
         plot_frontier(result["frontier"], out / "real-frontier.png", pair.pair.target.name)
         print(f"wrote {out / 'real-frontier.png'}")
     from specprefill_lab.real_eval import markdown_summary
