@@ -517,12 +517,13 @@ def plot_frontier(points: list[dict], path: Path, model: str) -> None:
     for draft in dict.fromkeys(p["draft"] for p in points):
         mine = sorted((p for p in points if p["draft"] == draft), key=lambda p: (p["length"], p["keep"]))
         ax.plot([p["ttft_of_direct"] for p in mine], [p["accuracy_of_full"] for p in mine], "o", label=draft)
-        for p in mine:
+        # labels above and below in turn, left to right: neighbours do not overprint
+        for i, p in enumerate(sorted(mine, key=lambda p: p["ttft_of_direct"])):
             ax.annotate(
                 f"{p['keep']:g} @{p['length'] // 1000}k",
                 (p["ttft_of_direct"], p["accuracy_of_full"]),
                 fontsize=7,
-                xytext=(3, 3),
+                xytext=(3, 3 if i % 2 == 0 else -9),
                 textcoords="offset points",
             )
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
