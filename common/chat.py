@@ -95,11 +95,7 @@ def render_chat(
     ``tokenize.PieceCache``'s ``encode_arrays``)."""
     plain = developer_as_system([m.for_template() for m in messages], tokenizer.chat_template)
     try:
-        text = str(
-            tokenizer.apply_chat_template(
-                plain, tools=cast(Any, template_tools(tools)), tokenize=False, add_generation_prompt=True
-            )
-        )
+        text = template_text(tokenizer, plain, template_tools(tools))
     except (jinja2.TemplateError, TypeError) as exc:  # TypeError: a tool or tool call the template cannot print
         raise InvalidRequestError(
             f"the model's chat template rejected the messages or tools: {exc}", param="messages"
@@ -111,6 +107,52 @@ def render_chat(
         return RenderedChat(text, ids.tolist(), offsets, ids)
     encoding = tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
     return RenderedChat(text, encoding.input_ids, np.asarray(encoding["offset_mapping"], dtype=np.int64).reshape(-1, 2))
+
+
+def template_text(
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+) -> str:
+    """``tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)``, the
+    same compiled template rendering the same values, without transformers' copies of every message and tool
+    first (its guard against rich objects, such as decoded images, in a caller's inputs: these are JSON's own
+    types, made fresh for this request, and the template's sandbox cannot change them). On an agent's turn of 25
+    tools and 25 tool calls the copies were 0.8 of the template's 1.4 ms. Where transformers' helpers are not the
+    ones this was written against, ``apply_chat_template`` itself; a test holds the two equal on real templates."""
+    if _TEMPLATE_HELPERS is None:
+        return str(
+            tokenizer.apply_chat_template(
+                cast(Any, messages), tools=cast(Any, tools), tokenize=False, add_generation_prompt=True
+            )
+        )
+    compile_template, alias_reasoning, plain_data = _TEMPLATE_HELPERS
+    if not messages:
+        raise ValueError("Cannot apply chat template to an empty conversation. Provide at least one message.")
+    template = compile_template(tokenizer.get_chat_template(None, tools))
+    chat = alias_reasoning([{k: v for k, v in m.items() if v is not None} for m in messages])  # as it normalizes
+    return str(
+        template.render(
+            messages=chat,
+            tools=tools,
+            documents=None,
+            add_generation_prompt=True,
+            **plain_data(tokenizer.special_tokens_map),
+        )
+    )
+
+
+def _template_helpers() -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]] | None:
+    try:
+        from transformers.utils.chat_template_utils import (
+            _alias_reasoning_fields,
+            _compile_jinja_template,
+            _plain_template_data,
+        )
+    except ImportError:
+        return None
+    return _compile_jinja_template, _alias_reasoning_fields, _plain_template_data
+
+
+_TEMPLATE_HELPERS = _template_helpers()
 
 
 def developer_as_system(messages: list[dict[str, Any]], template: str | dict[str, str] | None) -> list[dict[str, Any]]:

@@ -257,3 +257,29 @@ def test_recent_texts_count_within_the_caches_bound(tokenizer):
     for n in range(40):
         cache.encode(f"Document {n}: " + " ".join(f"w{n * 7 + i}x{i % 13}" for i in range(1500)))
         assert cache.bytes + cache.recent_bytes <= 1 << 20 and cache.recent_bytes <= (1 << 20) // 4
+
+
+@pytest.mark.parametrize("which", ["demo", "qwen2.5"])
+def test_the_template_rendered_without_transformers_copies_is_exactly_its_render(tokenizer, which):
+    """``template_text`` renders the compiled template on the request's own dicts: the text equals
+    ``apply_chat_template``'s on the demo's and the real pair's templates, for chats with a system prompt, a
+    developer message, tools, tool calls and their results, reasoning, names and absent contents."""
+    from common.chat import _TEMPLATE_HELPERS, developer_as_system, template_text, template_tools
+
+    assert _TEMPLATE_HELPERS is not None  # the render without the copies, not apply_chat_template's own
+    tokenizer = _real_tokenizer() if which == "qwen2.5" else tokenizer
+    messages, tools = _agent_turns(3)
+    tools[0]["function"]["strict"] = True
+    reasoned = {"role": "assistant", "content": "Done.", "reasoning": "It was the cache."}
+    chats = [
+        [ChatMessage(role="user", content="Hi?")],
+        messages,
+        [ChatMessage(role="developer", content="Be brief."), *messages[1:], ChatMessage.model_validate(reasoned)],
+        [ChatMessage(role="system", content="S."), ChatMessage(role="user", content="Q?", name="ana")],
+    ]
+    for chat in chats:
+        for schemas in (None, template_tools(tools)):
+            plain = developer_as_system([m.for_template() for m in chat], tokenizer.chat_template)
+            expected = tokenizer.apply_chat_template(plain, tools=schemas, tokenize=False, add_generation_prompt=True)
+            assert template_text(tokenizer, plain, schemas) == expected
+            assert plain == developer_as_system([m.for_template() for m in chat], tokenizer.chat_template)  # unchanged
