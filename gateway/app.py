@@ -13,10 +13,11 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI
+from starlette.types import Receive, Scope, Send
 
 from common.errors import install_error_handlers
 from gateway.engines.backends import Backend
-from gateway.entrypoints import chat, completions, dry_run, messages, responses, service
+from gateway.entrypoints import chat, completions, dry_run, fast_lane, messages, responses, service
 from gateway.metrics import GatewayMetrics
 from gateway.planning.draft import DraftClient
 from gateway.settings import GatewaySettings
@@ -27,13 +28,25 @@ logger = logging.getLogger("specprefill.gateway")
 SURFACES = [chat, completions, responses, messages, dry_run]
 
 
+class GatewayApp(FastAPI):
+    """The FastAPI app, with chat completions and completions served past its layers once it serves
+    (``gateway.entrypoints.fast_lane``; their routes stay in the app for the schema and for what the lane does not
+    take)."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if fast_lane.takes(scope) and hasattr(self.state, "surfaces"):
+            await fast_lane.serve(self, scope, receive, send, super().__call__)
+            return
+        await super().__call__(scope, receive, send)
+
+
 def create_app(
     settings: GatewaySettings | None = None, *, draft: DraftClient | None = None, backend: Backend | None = None
-) -> FastAPI:
+) -> GatewayApp:
     """Builds the gateway. ``draft`` and ``backend`` replace the configured ones (embedding, tests)."""
     settings = settings or GatewaySettings()
     surfaces = list(SURFACES)
-    app = FastAPI(title="SpecPrefill gateway", lifespan=functools.partial(_lifespan, draft, backend, surfaces))
+    app = GatewayApp(title="SpecPrefill gateway", lifespan=functools.partial(_lifespan, draft, backend, surfaces))
     app.state.settings, app.state.metrics = settings, GatewayMetrics()
     install_error_handlers(app)
     for surface in surfaces:

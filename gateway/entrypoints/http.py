@@ -99,6 +99,15 @@ async def require_key_for_metrics(request: Request) -> None:
 AUTH = [Depends(require_key)]
 
 
+def key_accepted(request: Request) -> bool:
+    """Whether ``require_key`` lets this request through."""
+    try:
+        _check(request, _expected(request), browser=False)
+    except AuthenticationError:
+        return False
+    return True
+
+
 def _check(request: Request, expected: bytes | None, *, browser: bool) -> None:
     if expected is None:
         return
