@@ -36,6 +36,10 @@ OUTLIER = 4.0
 RESET_AFTER = 3  # prefills in a row that much slower than predicted: the fit is wrong, not the engine unlucky
 RESET_MIN_NEW = 512  # new tokens of a prefill that counts towards a reset (a few tokens' timing is mostly noise)
 RESET_SPAN_S = 60.0  # ... over at least this long: an engine stopped for a few seconds is a fault, not a change
+# the fit follows the window a 32nd of it at a time: a full window of 256 is fitted again every 8 answers (a fit is
+# about 130 µs of numpy on small arrays; after every answer it was a seventh of the gateway's CPU a request under
+# load, and one answer moves a 256-row least-squares fit by about a 256th)
+REFIT_SHARE = 32
 logger = logging.getLogger("specprefill.gateway")
 
 
@@ -70,6 +74,7 @@ class CostModel:
         self._x = np.zeros((window, len(self.terms)))
         self._y = np.zeros(window)
         self._seen = 0
+        self._unfitted = 0  # timings remembered since the last fit
         self.clock = clock
         # the slow prefills in a row: features, seconds, measured over predicted, when
         self._shortfalls: list[tuple[list[float], float, float, float]] = []
@@ -92,6 +97,9 @@ class CostModel:
             return
         else:
             self._remember(features, seconds)
+            self._unfitted += 1
+            if self._unfitted < min(self._seen, len(self._y)) // REFIT_SHARE:
+                return
         self.refit()
 
     def _remember(self, features: list[float], seconds: float) -> None:
@@ -132,6 +140,7 @@ class CostModel:
         self.refit()
 
     def refit(self) -> None:
+        self._unfitted = 0
         recent = min(self._seen, len(self._y))
         x, y = self._x[:recent], self._y[:recent]
         if self._probe:

@@ -27,6 +27,27 @@ def test_the_fit_recovers_the_coefficients_and_never_goes_negative():
         cost_models({"target": [1, 2, 3, 4], "draft": [1]})
 
 
+def test_a_full_window_is_fitted_again_every_8th_answer_and_follows_a_change_of_speed(monkeypatch):
+    """A fit per answer was a seventh of the gateway's CPU under load; one answer moves a 256-row fit by a 256th.
+    The window's first answers are each fitted, then every n/32rd, and a lasting change of speed is still learnt."""
+    target, _ = cost_models()
+    fits = []
+    refit = type(target).refit
+    monkeypatch.setattr(type(target), "refit", lambda self: (fits.append(self._seen), refit(self))[1])
+    truth = np.array([0.02, 4e-4, 5e-6, 2e-8])
+    shapes = [(256, 0), (1024, 0), (64, 12000), (3000, 500), (32, 4000), (512, 2048)]
+    for i in range(512):
+        new, cached = shapes[i % len(shapes)]
+        target.observe(new, cached, float(truth @ [1, new, cached, new * (cached + new / 2)]))
+    assert fits[:63] == list(range(1, 64))  # each of the window's first 63 answers
+    assert sum(1 for seen in fits if seen > 256) == 256 // 8  # a full window: every 8th
+    np.testing.assert_allclose(target.coefficients, truth, rtol=0.05)
+    for i in range(256 + 8):  # the engine doubles its time for good: learnt once the window holds only that
+        new, cached = shapes[i % len(shapes)]
+        target.observe(new, cached, 2 * float(truth @ [1, new, cached, new * (cached + new / 2)]))
+    np.testing.assert_allclose(target.coefficients, 2 * truth, rtol=0.05)
+
+
 def test_timings_a_fault_explains_leave_the_fit_as_it_was_and_a_lasting_change_is_learnt():
     """An engine stopped for a while (SIGSTOP, a hung GPU) answers requests sent into it 5-30x late, one at a
     time, so nothing flags them contended; an engine that serves from a cache it does not report answers 10x
