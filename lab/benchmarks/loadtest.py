@@ -3,6 +3,8 @@
     .venv/bin/python lab/benchmarks/loadtest.py [--concurrency 200] [--duration 20]     (or: make loadtest)
     .venv/bin/python lab/benchmarks/loadtest.py --concurrency 100 --rounds 5 --pause 60   (rounds that must agree)
     .venv/bin/python lab/benchmarks/loadtest.py --concurrency 100 --workers 1,2 --rounds 3 --slice 5   (workers)
+    .venv/bin/python lab/benchmarks/loadtest.py --concurrency 50 --rounds 4 --slice 2 --against /tmp/old
+        (before and after: another checkout's gateway beside this one's, after git worktree add /tmp/old REV)
 
 The backend answers at once (``specprefill_lab.fast_backend``), so the numbers are the gateway's own cost.
 Prompts are short (they bypass compression: the gateway tokenizes, renders the chat template and proxies).
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -58,6 +61,13 @@ def _arguments() -> argparse.Namespace:
         action="store_true",
         help="one worker shares its state through Redis too, as more than one must (a like-for-like yardstick)",
     )
+    parser.add_argument(
+        "--against",
+        type=Path,
+        help="another checkout (git worktree add /tmp/old REV) whose gateway stands beside this one's, with the "
+        "same arguments in front of the same backend; the three paths take turns (with --slice, slice by slice), "
+        "and its CPU per request, requests/s and TTFT are printed against this checkout's, round by round",
+    )
     parser.add_argument("--out", type=Path, help="write every round's numbers to this JSON file")
     return parser.parse_args()
 
@@ -96,15 +106,16 @@ def main() -> None:
 def _measure(args: argparse.Namespace, workers: int) -> dict:
     """One stack with ``workers`` gateway processes: the sequential rounds, the loaded ones, the memory."""
     print(f"\n== {workers} gateway worker{'s' if workers > 1 else ''}{' (Redis)' if workers > 1 or args.redis else ''}")
-    with instant_stack(args.pin, workers, args.redis) as stack:
-        asyncio.run(closed_loop(stack.gateway_url, "demo", 4, 2.0))  # warm-up
+    paths = ("direct", "gateway", "against") if args.against else ("direct", "gateway")
+    with instant_stack(args.pin, workers, args.redis, args.against) as stack:
+        for path in paths[1:]:
+            asyncio.run(closed_loop(stack.url(path)[0], "demo", 4, 2.0))  # warm-up
         gateway_pid = stack.pids["gateway"]
         rss_before = tree_rss_mib(gateway_pid)
         sequential = {
-            path: asyncio.run(closed_loop(url, model, 1, min(args.duration, 10.0), path))
-            for path, url, model in (("direct", stack.backend_url, "fast"), ("gateway", stack.gateway_url, "demo"))
+            path: asyncio.run(closed_loop(*stack.url(path), 1, min(args.duration, 10.0), path)) for path in paths
         }
-        loaded = rounds(stack, args.rounds, args.concurrency, args.duration, args.pause, slice_s=args.slice)
+        loaded = rounds(stack, args.rounds, args.concurrency, args.duration, args.pause, paths, slice_s=args.slice)
         rss_peak = max([rss_before, *(r.gateway_rss_mib for r in loaded)])
         time.sleep(3)
         rss_after = tree_rss_mib(gateway_pid)
@@ -134,12 +145,13 @@ def _report(args: argparse.Namespace, sequential: dict[str, Round], loaded: list
     )
     for path, r in sequential.items():
         row(f"sequential {path}", 1, r)
+    per_round = len(sequential)
     for index, r in enumerate(loaded):
-        row(r.path if args.rounds == 1 else f"{r.path} {index // 2 + 1}", args.concurrency, r)
+        row(r.path if args.rounds == 1 else f"{r.path} {index // per_round + 1}", args.concurrency, r)
     for r in [*sequential.values(), *loaded]:
         if r.error_reasons:
             print(f"{r.path} errors: {r.error_reasons}")
-    by_path = {path: [r for r in loaded if r.path == path] for path in ("direct", "gateway")}
+    by_path = {path: [r for r in loaded if r.path == path] for path in sequential}
     one = sequential["gateway"].ms(0.5) - sequential["direct"].ms(0.5)
     many = by_path["gateway"][-1].ms(0.5) - by_path["direct"][-1].ms(0.5)
     print(f"\ngateway p50 TTFT overhead: {one:.2f} ms with one client, {many:.1f} ms with {args.concurrency}")
@@ -152,6 +164,30 @@ def _report(args: argparse.Namespace, sequential: dict[str, Round], loaded: list
             f"gateway over direct, each round: {', '.join(f'{v:.3f}' for v in relative)}; "
             f"max/min {spread(relative):.2f}"
         )
+    if "against" in by_path:
+        _compared(args, sequential, by_path)
+
+
+def _compared(args: argparse.Namespace, sequential: dict[str, Round], by_path: dict[str, list[Round]]) -> None:
+    """This checkout's gateway against the other's, round by round (each pair took turns on the same machine)."""
+    pairs = list(zip(by_path["gateway"], by_path["against"]))
+
+    def line(name: str, values: list[tuple[float, float]], digits: int) -> None:
+        ratios = [now / before for now, before in values]
+        each = ", ".join(f"{before:.{digits}f} -> {now:.{digits}f}" for now, before in values)
+        print(f"  {name}: {each}; this over that, median {statistics.median(ratios):.3f}")
+
+    print(f"\nthis checkout's gateway against {args.against}'s (theirs -> ours, each round):")
+    line("gateway CPU ms a request", [(g.cpu_ms["gateway"], a.cpu_ms["gateway"]) for g, a in pairs], 3)
+    line(
+        "the gateway's CPU over the backend's",
+        [(g.cpu_ms["gateway"] / g.cpu_ms["backend"], a.cpu_ms["gateway"] / a.cpu_ms["backend"]) for g, a in pairs],
+        3,
+    )
+    line("requests/s", [(g.rps, a.rps) for g, a in pairs], 0)
+    line("TTFT p50 ms", [(g.ms(0.5), a.ms(0.5)) for g, a in pairs], 2)
+    one = (sequential["gateway"].ms(0.5), sequential["against"].ms(0.5), sequential["direct"].ms(0.5))
+    print(f"  one client, TTFT p50: {one[1]:.2f} -> {one[0]:.2f} ms (direct {one[2]:.2f} ms)")
 
 
 if __name__ == "__main__":

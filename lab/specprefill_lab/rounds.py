@@ -32,7 +32,7 @@ BODY = {"messages": [{"role": "user", "content": "Hello there, how are you?"}], 
 
 @dataclass
 class Round:
-    path: str  # "direct" or "gateway"
+    path: str  # "direct", "gateway", or "against" (another checkout's gateway)
     requests: int
     errors: int
     seconds: float
@@ -69,16 +69,26 @@ class Round:
 class InstantStack:
     backend_url: str
     gateway_url: str
-    pids: dict[str, int]  # "gateway", "backend"
+    pids: dict[str, int]  # "gateway", "backend", and "against" where another checkout's gateway stands beside
+    against_url: str | None = None
+
+    def url(self, path: str) -> tuple[str, str]:
+        """Where a round on ``path`` sends its requests, and the model it names."""
+        if path == "direct":
+            return self.backend_url, "fast"
+        return (self.against_url if path == "against" else self.gateway_url) or "", "demo"
 
 
 @contextlib.contextmanager
-def instant_stack(pin: bool = False, workers: int = 1, redis: bool = False) -> Iterator[InstantStack]:
+def instant_stack(
+    pin: bool = False, workers: int = 1, redis: bool = False, against: Path | None = None
+) -> Iterator[InstantStack]:
     """The demo gateway in front of the instant backend. ``pin``: the gateway on one core, this process (the
     client) and the backend on the others. ``workers``: the gateway as that many worker processes on its port
     (``specprefill serve --workers``, sharing state through the Redis at ``SPECPREFILL_TEST_REDIS_URL``, or
     the local one; ``redis``: one worker with it too); every number of the gateway's is then summed over its
-    parent and workers."""
+    parent and workers. ``against``: another checkout's gateway too, the same arguments, in front of the same
+    backend (path "against"), so that two versions are measured at the machine's same speed."""
     root = ensure_demo_models()
     args = [
         "--backend-url",
@@ -98,16 +108,23 @@ def instant_stack(pin: bool = False, workers: int = 1, redis: bool = False) -> I
         args += ["--workers", str(workers)]
     with launched_instant_backend() as (backend_url, backend):
         args[1] = backend_url
-        with launched_gateway_process(args) as (gateway_url, gateway):
-            if workers > 1:
-                _until_workers_serve(gateway.pid, workers)
+        with contextlib.ExitStack() as gateways:
+            gateway_url, gateway = gateways.enter_context(launched_gateway_process(args))
+            pids = {"gateway": gateway.pid, "backend": backend.pid}
+            against_url = None
+            if against is not None:
+                against_url, other = gateways.enter_context(launched_gateway_process(args, against))
+                pids["against"] = other.pid
+            for name in ("gateway", "against"):
+                if workers > 1 and name in pids:
+                    _until_workers_serve(pids[name], workers)
             if pin:
                 cores = sorted(os.sched_getaffinity(0))
-                for pid in tree(gateway.pid):
+                for pid in [*tree(gateway.pid), *(tree(pids["against"]) if against else [])]:
                     os.sched_setaffinity(pid, cores[:1])
                 for pid in (0, backend.pid):
                     os.sched_setaffinity(pid, cores[1:] or cores)
-            yield InstantStack(backend_url, gateway_url, {"gateway": gateway.pid, "backend": backend.pid})
+            yield InstantStack(backend_url, gateway_url, pids, against_url)
 
 
 def _until_workers_serve(parent: int, count: int, timeout: float = 300.0) -> None:
@@ -217,8 +234,9 @@ async def closed_loop(url: str, model: str, concurrency: int, duration: float, p
 
 
 def measured_round(stack: InstantStack, path: str, concurrency: int, duration: float) -> Round:
-    """One round on ``path`` ("direct" or "gateway") with each process's CPU per request and the steal."""
-    url, model = (stack.gateway_url, "demo") if path == "gateway" else (stack.backend_url, "fast")
+    """One round on ``path`` ("direct", "gateway" or "against") with each process's CPU per request and the steal
+    (``cpu_ms["gateway"]``: the gateway that served the round)."""
+    url, model = stack.url(path)
     before = {name: tree_cpu_seconds(pid) for name, pid in stack.pids.items()} | {"client": time.process_time()}
     total_before, steal_before = machine_times()
     result = asyncio.run(closed_loop(url, model, concurrency, duration, path))
@@ -226,10 +244,14 @@ def measured_round(stack: InstantStack, path: str, concurrency: int, duration: f
     total_after, steal_after = machine_times()
     done = result.requests or 1
     result.cpu_ms = {name: (after[name] - before[name]) / done * 1e3 for name in after}
-    if path == "direct":
-        del result.cpu_ms["gateway"]  # idle: its CPU in a direct round is not per request of anything
+    # a gateway that did not serve the round idled: its CPU then is not per request of anything
+    served = result.cpu_ms.pop(path, None)
+    for name in ("gateway", "against"):
+        result.cpu_ms.pop(name, None)
+    if served is not None:
+        result.cpu_ms["gateway"] = served
     result.steal = (steal_after - steal_before) / max(1, total_after - total_before)
-    result.gateway_rss_mib = tree_rss_mib(stack.pids["gateway"])
+    result.gateway_rss_mib = tree_rss_mib(stack.pids["against" if path == "against" else "gateway"])
     return result
 
 
@@ -244,7 +266,8 @@ def rounds(
 ) -> list[Round]:
     """``count`` rounds of ``duration`` seconds on each path against the same processes, ``pause`` seconds between
     rounds. ``slice_s``: the paths take turns every ``slice_s`` seconds within a round, so both see the machine
-    at the same speed (on a shared VM a fixed loop's 20-second means move 1.5x); otherwise one after the other."""
+    at the same speed (on a shared VM a fixed loop's 20-second means move 1.5x); otherwise one after the other.
+    Every other round takes the paths in the reverse order, so that none is always the first after a pause."""
     done: list[Round] = []
     slices = max(1, round(duration / slice_s)) if slice_s else 1
     for index in range(count):
@@ -252,7 +275,7 @@ def rounds(
             time.sleep(pause)
         parts: dict[str, list[Round]] = {path: [] for path in paths}
         for _ in range(slices):
-            for path in paths:
+            for path in paths if index % 2 == 0 else paths[::-1]:
                 parts[path].append(measured_round(stack, path, concurrency, duration / slices))
         done += [merged(parts[path]) for path in paths]
     return done
