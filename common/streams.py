@@ -6,6 +6,10 @@ import asyncio
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from common.cancellation import DisconnectWatch
 from common.errors import APIError, as_api_error
 from common.json_wire import dumps
 
@@ -118,3 +122,36 @@ async def sse_body(
         await chunks.aclose()
     if not named:
         yield SSE_DONE
+
+
+class EventStreamResponse(StreamingResponse):
+    """An event stream (``sse_body``'s frames) as an HTTP response, with what Starlette's ``StreamingResponse``
+    spends on every stream left out: under an ASGI server of spec 2.3 (uvicorn) it runs the stream in an anyio
+    task group beside a task that listens for the disconnect, and it ends every response with an empty message,
+    one more write to the socket. Here one ``DisconnectWatch`` cancels the stream when its client leaves (the
+    backend's request is closed by the stream's ``finally``), and ``[DONE]``, the last frame by the protocol,
+    ends the response in its own write. A named stream (no ``[DONE]``) ends with the empty message."""
+
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await super().__call__(scope, receive, send)
+            return
+        async with DisconnectWatch(receive) as watch:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            ended = False
+            async for chunk in self.body_iterator:
+                if ended:
+                    continue  # nothing follows [DONE] on the wire
+                if not isinstance(chunk, bytes | memoryview):
+                    chunk = chunk.encode(self.charset)
+                ended = chunk == SSE_DONE
+                if ended:
+                    watch.closing()
+                await send({"type": "http.response.body", "body": chunk, "more_body": not ended})
+            if not ended:
+                watch.closing()
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        if self.background is not None and not watch.gone:
+            await self.background()

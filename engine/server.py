@@ -8,7 +8,7 @@ from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -17,7 +17,7 @@ from common.cancellation import with_cancellation
 from common.errors import APIError, install_error_handlers, shaped_errors
 from common.protocol import ChatCompletionRequest, WireModel
 from common.responses import ResponsesRequest
-from common.streams import sse_body
+from common.streams import EventStreamResponse, sse_body
 from engine.metrics import EngineMetrics
 from engine.protocol import EngineCompletionRequest
 from engine.serving import EngineServing
@@ -89,7 +89,7 @@ async def _answer(
         named=named,
         error_shape=error_shape,
     )
-    return StreamingResponse(events, media_type="text/event-stream")
+    return EventStreamResponse(events)
 
 
 @router.post("/v1/completions")

@@ -11,11 +11,11 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
 from fastapi import Depends, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
 from common.errors import APIError, AuthenticationError
 from common.json_wire import WireJSONResponse
-from common.streams import sse_body
+from common.streams import EventStreamResponse, sse_body
 from common.telemetry import note_usage
 from gateway.dispatch.answer import Answer
 from gateway.metrics import GatewayMetrics
@@ -53,9 +53,8 @@ async def respond(
 
     if answer.stream is not None:
         events = _usage_noted(answer.stream)
-        return StreamingResponse(
+        return EventStreamResponse(
             sse_body(events, on_first=first_byte, on_error=failed, named=named, error_shape=error_shape),
-            media_type="text/event-stream",
             headers=answer.trace.headers(),
         )
     first_byte()

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
+import httpx
+
 from common.errors import InvalidRequestError
-from common.streams import SSE_DONE, prepend, sse_body
+from common.streams import SSE_DONE, EventStreamResponse, prepend, sse_body
+from tests.helpers import eventually, serve
 
 
 async def _chunks(fail_with: Exception | None = None):
@@ -59,3 +63,55 @@ async def test_prepend_closes_the_rest():
     assert await anext(stream) == {"n": 1} and await anext(stream) == {"n": 2}
     await stream.aclose()
     assert closed == [True]
+
+
+def _stream_app(stream, messages: list[dict]):
+    """An ASGI app answering every request with ``EventStreamResponse(sse_body(stream()))``, recording the ASGI
+    messages it sends."""
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        while (await receive()).get("more_body"):
+            pass
+
+        async def recorded(message):
+            messages.append(message)
+            await send(message)
+
+        await EventStreamResponse(sse_body(stream())).__call__(scope, receive, recorded)
+
+    return app
+
+
+def test_done_ends_the_response_in_its_own_message_and_nothing_follows():
+    """[DONE] is the last frame by the protocol: it carries the end of the body (no empty message after it, one
+    write to the socket fewer a stream); the client reads every frame."""
+    messages: list[dict] = []
+    with serve(_stream_app(_chunks, messages)) as url:
+        body = httpx.get(url).text
+    assert body == 'data: {"n":1}\n\ndata: {"n":2}\n\ndata: [DONE]\n\n'
+    bodies = [m for m in messages if m["type"] == "http.response.body"]
+    assert [m["body"] for m in bodies][-1] == SSE_DONE and not bodies[-1]["more_body"]
+    assert all(m["more_body"] for m in bodies[:-1]) and all(m["body"] for m in bodies)
+
+
+async def test_a_client_that_leaves_ends_its_stream_at_once():
+    """The stream waits for its next event when the client leaves: the watch cancels it there, and its
+    ``finally`` (where the gateway closes its backend request) runs within a second."""
+    state = {"closed": False}
+
+    async def stalling():
+        try:
+            yield {"n": 1}
+            await asyncio.sleep(60)
+            yield {"n": 2}
+        finally:
+            state["closed"] = True
+
+    with serve(_stream_app(stalling, [])) as url:
+        async with httpx.AsyncClient(timeout=10) as client, client.stream("GET", url) as response:
+            async for line in response.aiter_lines():
+                if line.startswith("data:"):
+                    break  # the first event: then the client leaves
+        assert await eventually(lambda: state["closed"], within=1.0)
