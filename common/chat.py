@@ -89,24 +89,35 @@ def render_chat(
     encode: Callable[[str], tuple[np.ndarray, np.ndarray]] | None = None,
     tools: list[dict[str, Any]] | None = None,
     add_special_tokens: bool = False,
+    text: str | None = None,
 ) -> RenderedChat:
     """The prompt the target model reads, with the generation prompt appended, as vLLM renders it (tools go to
     the template). ``encode(text) -> (ids, offsets)``, both int64 arrays, replaces a plain tokenization (a
-    ``tokenize.PieceCache``'s ``encode_arrays``)."""
+    ``tokenize.PieceCache``'s ``encode_arrays``). ``text``: ``chat_text`` of the same messages and tools, where
+    the caller has it already."""
+    if text is None:
+        text = chat_text(tokenizer, messages, tools)
+    if encode is not None and not add_special_tokens:
+        ids, offsets = encode(text)
+        return RenderedChat(text, ids.tolist(), offsets, ids)
+    encoding = tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
+    return RenderedChat(text, encoding.input_ids, np.asarray(encoding["offset_mapping"], dtype=np.int64).reshape(-1, 2))
+
+
+def chat_text(
+    tokenizer: PreTrainedTokenizerBase, messages: list[ChatMessage], tools: list[dict[str, Any]] | None = None
+) -> str:
+    """The chat as the template writes it, with the generation prompt appended (``render_chat``'s text); a
+    template that rejects the messages or tools is the client's 400."""
     plain = developer_as_system([m.for_template() for m in messages], tokenizer.chat_template)
     try:
-        text = template_text(tokenizer, plain, template_tools(tools))
+        return template_text(tokenizer, plain, template_tools(tools))
     except (jinja2.TemplateError, TypeError) as exc:  # TypeError: a tool or tool call the template cannot print
         raise InvalidRequestError(
             f"the model's chat template rejected the messages or tools: {exc}", param="messages"
         ) from None
     except ValueError as exc:  # no chat template
         raise InvalidRequestError(str(exc), param="messages") from None
-    if encode is not None and not add_special_tokens:
-        ids, offsets = encode(text)
-        return RenderedChat(text, ids.tolist(), offsets, ids)
-    encoding = tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
-    return RenderedChat(text, encoding.input_ids, np.asarray(encoding["offset_mapping"], dtype=np.int64).reshape(-1, 2))
 
 
 def template_text(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import re
@@ -25,7 +26,14 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from common.chat import ChatChunkConverter, RenderedChat, as_chat_chunks, completion_to_chat, render_chat
+from common.chat import (
+    ChatChunkConverter,
+    RenderedChat,
+    as_chat_chunks,
+    chat_text,
+    completion_to_chat,
+    render_chat,
+)
 from common.errors import APIError, InvalidRequestError, NotFoundError, OverloadedError
 from common.prompt_bound import refuse_unfittable
 from common.protocol import ChatCompletionRequest, CompletionRequest, WireModel
@@ -122,7 +130,15 @@ class GatewayServing:
             self.check_model(getattr(converted.wire, "model", ""))
             plan = Plan([], reason=converted.unplanned or Reason.UNSCORED_CONTENT, passthrough=True)
             return await self.forward(plan, await self.backend_body(converted.wire), endpoint)
-        plan, prompt = await self.planned(request, headers)
+        options, chars = self.checked(request, headers)
+        if (text := self._whole_for_any_tokens(request, options, chars)) is not None:
+            # sent before its tokens and plan are made: they are made while the backend reads the prompt
+            body = await self.backend_body(converted.wire)
+            if converted.adjust is not None:
+                converted.adjust(body)
+            planning = functools.partial(self.planned, request, options, chars, text)
+            return await self.dispatch.forward(self._sent_first, body, endpoint, planning=planning)
+        plan, prompt = await self.planned(request, options, chars)
         body = await self.backend_body(converted.wire)
         if converted.adjust is not None:
             converted.adjust(body)
@@ -146,21 +162,18 @@ class GatewayServing:
 
     # --- its prologue: checks, tokens and the plan ---
 
-    def prompt(self, request: ChatCompletionRequest | CompletionRequest) -> Prompt:
-        """The prompt's tokens as the backend would make them (chat template; special tokens added, like vLLM)."""
+    def prompt(self, request: ChatCompletionRequest | CompletionRequest, text: str | None = None) -> Prompt:
+        """The prompt's tokens as the backend would make them (chat template; special tokens added, like vLLM).
+        ``text``: the chat's ``chat_text``, where it was written already."""
         if isinstance(request, ChatCompletionRequest):
-            if len(request.messages) > self.settings.max_messages:
-                raise InvalidRequestError(
-                    f"the chat has {len(request.messages)} messages; this gateway accepts at "
-                    f"most {self.settings.max_messages}",
-                    param="messages",
-                )
+            self._check_messages(request)
             rendered = render_chat(
                 self.tokenizer,
                 request.messages,
                 self.pieces.encode_arrays,
                 tools=request.tools,
                 add_special_tokens=request.add_special_tokens,
+                text=text,
             )
             return Prompt(
                 rendered.token_ids,
@@ -169,6 +182,14 @@ class GatewayServing:
                 _last_message_start(request, rendered),
             )
         return Prompt(request.prompt_token_ids(self.tokenizer))
+
+    def _check_messages(self, request: ChatCompletionRequest) -> None:
+        if len(request.messages) > self.settings.max_messages:
+            raise InvalidRequestError(
+                f"the chat has {len(request.messages)} messages; this gateway accepts at "
+                f"most {self.settings.max_messages}",
+                param="messages",
+            )
 
     def _system_tokens(self, request: ChatCompletionRequest, rendered: RenderedChat) -> torch.Tensor | None:
         """The system prompt and the tool definitions (the template's text outside any message), kept whole."""
@@ -252,32 +273,88 @@ class GatewayServing:
             for replica in self.replicas:
                 replica.load.leave()
 
-    async def planned(
+    def checked(
         self, request: ChatCompletionRequest | CompletionRequest, headers: Mapping[str, str]
-    ) -> tuple[Plan, Prompt]:
-        """The request checked, tokenized as the target reads it, and planned."""
+    ) -> tuple[RequestOptions, int | None]:
+        """The checks that need no tokens (the model's name, the options, the bound on the prompt's length, the
+        room for the answer) and admission; the request's options and its characters (None: content the draft
+        cannot read, such as images, which goes whole unplanned)."""
         self.check_model(request.model)
         options = request_options(headers, request.specprefill, self.settings.default_keep_rate)
         unscored = isinstance(request, ChatCompletionRequest) and not all(m.has_only_text() for m in request.messages)
         # a request that can never fit is the client's to change, busy engine or not: its 400 before any 503
         chars = (
-            0 if unscored else refuse_unfittable(request, self.tokenizer, prompt_limit(self.settings, self.tokenizer))
+            None
+            if unscored
+            else refuse_unfittable(request, self.tokenizer, prompt_limit(self.settings, self.tokenizer))
         )
         output, requested = request.output_limit, request.completion_params().get("max_tokens")
         output.never_fits(requested, self.context)
         self.admit()
-        if unscored:
+        return options, chars
+
+    async def planned(
+        self,
+        request: ChatCompletionRequest | CompletionRequest,
+        options: RequestOptions,
+        chars: int | None,
+        text: str | None = None,
+    ) -> tuple[Plan, Prompt]:
+        """The checked request tokenized as the target reads it (from ``text``, its chat's text, where written
+        already), and planned."""
+        if chars is None:
             return Plan([], reason=Reason.UNSCORED_CONTENT, passthrough=True), Prompt([])  # images, audio
         start = time.perf_counter()
         # a long prompt is rendered and tokenized on a worker thread: other requests and /health go on meanwhile
-        prompt = await asyncio.to_thread(self.prompt, request) if chars > OFF_LOOP_CHARS else self.prompt(request)
+        if chars > OFF_LOOP_CHARS:
+            prompt = await asyncio.to_thread(self.prompt, request, text)
+        else:
+            prompt = self.prompt(request, text)
         tokenize_ms = (time.perf_counter() - start) * 1e3
         self.check_limits(request, prompt.token_ids)
         # the room counts the whole prompt's positions, compressed or not: generation continues after the last
+        output, requested = request.output_limit, request.completion_params().get("max_tokens")
         if (fitted := output.fit(requested, len(prompt.token_ids), self.context)) != requested and fitted:
             request.lower_max_tokens(fitted)
         plan = await self.plan(prompt, options, self.unsupported(request))
         return plan.but(tokenize_ms=tokenize_ms), prompt
+
+    def _whole_for_any_tokens(
+        self, request: ChatCompletionRequest | CompletionRequest, options: RequestOptions, chars: int | None
+    ) -> str | None:
+        """The chat's text, where the request goes whole whatever its tokens, so that it can be sent before they
+        are made (``--plan-after-send``); else None. A byte-level tokenizer makes at most one token of each byte
+        of the text, so a chat whose text has fewer bytes than ``--min-prompt-tokens`` is a short prompt (a
+        text the bound misjudges, such as one that Unicode normalization lengthens, is still sent whole: only a
+        compression is missed). Only with one replica (several are chosen by their caches, from the tokens) and
+        where nothing of the request changes with its length: under the prompt limit, its answer's room as
+        asked."""
+        if (
+            not self.settings.plan_after_send
+            or chars is None
+            or chars > OFF_LOOP_CHARS
+            or len(self.replicas) != 1
+            or not isinstance(request, ChatCompletionRequest)
+            or request.add_special_tokens
+            or len(request.messages) > self.settings.max_messages
+        ):
+            return None
+        text = chat_text(self.tokenizer, request.messages, request.tools)
+        most = len(text.encode())
+        if not self.planner.whole_for_any(most, options, self.unsupported(request)):
+            return None
+        limit = prompt_limit(self.settings, self.tokenizer)
+        requested, context = request.completion_params().get("max_tokens"), self.context
+        if limit is not None and most > limit:
+            return None
+        if requested is not None and context is not None and requested + most > context:
+            return None
+        return text
+
+    @property
+    def _sent_first(self) -> Plan:
+        """What the dispatcher holds of a request sent before its plan is made: the one replica."""
+        return Plan([], replica=self.replicas[0])
 
     async def plan(
         self,

@@ -113,6 +113,12 @@ class GatewaySettings(ServerOptions, DeviceOptions, ScoringOptions):
     min_prompt_tokens: int = Field(
         1024, ge=1, description="shorter prompts bypass compression (a floor; above it the cost model decides)"
     )
+    plan_after_send: bool = Field(
+        True,
+        description="a chat that goes whole whatever its tokens (off, keep rate 1, fewer bytes than "
+        "--min-prompt-tokens, features the backend cannot take compressed) is sent to the backend first, and "
+        "tokenized and planned while the backend reads it (one replica)",
+    )
     # --- planning around the engine's prefix cache ---
     planner: Literal["cost", "fresh"] = Field(
         "cost",

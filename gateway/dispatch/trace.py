@@ -16,6 +16,7 @@ class Trace:
     predicted_ms: float = 0.0  # the predicted backend time, when it was sent: the wait, then the target's time
     background_ms: float = 0.0  # time at the backend alongside this gateway's own background work
     backend_ms: float = 0.0  # request sent to first answer event received
+    expected_s: float = 0.0  # the predicted backend time at the engine's idle speed (what its slowdown learns from)
     notes: dict[str, str] = field(default_factory=dict)  # headers the API surface adds (tools it left out)
 
     def headers(self) -> dict[str, str]:

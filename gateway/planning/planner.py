@@ -243,18 +243,30 @@ class Planner:
 
     def _bypass(self, token_ids: list[int], options: RequestOptions, unsupported: list[str]) -> Plan | None:
         """The reasons to send the prompt whole that need no pricing."""
-        n = len(token_ids)
+        reason = self._bypass_reason(len(token_ids), options, unsupported)
+        if reason is None:
+            return None
+        return Plan(token_ids, reason=reason, passthrough=reason == Reason.OFF or bool(unsupported))
+
+    def _bypass_reason(self, n: int, options: RequestOptions, unsupported: list[str]) -> str | None:
         if not options.enabled:
-            return Plan(token_ids, reason=Reason.OFF, passthrough=True)
+            return Reason.OFF
         if unsupported:
-            return Plan(token_ids, reason=Reason.unsupported(unsupported[0]), passthrough=True)
+            return Reason.unsupported(unsupported[0])
         if options.keep_rate >= 1.0 and options.auto is None:
-            return Plan(token_ids, reason=Reason.KEEP_RATE_ONE)
+            return Reason.KEEP_RATE_ONE
         if n < self.settings.min_prompt_tokens:
-            return Plan(token_ids, reason=Reason.SHORT_PROMPT)
+            return Reason.SHORT_PROMPT
         if n > self.draft.max_prompt_tokens:
-            return Plan(token_ids, reason=Reason.PROMPT_TOO_LONG)
+            return Reason.PROMPT_TOO_LONG
         return None
+
+    def whole_for_any(self, most: int, options: RequestOptions, unsupported: list[str]) -> bool:
+        """Whether every prompt of at most ``most`` tokens with these options goes whole, for a reason that needs
+        neither its tokens nor a price (``_bypass``): what lets the gateway send such a request before it has
+        tokenized and planned it (``GatewayServing.serve``)."""
+        reason = self._bypass_reason(most, options, unsupported)
+        return reason is not None and reason != Reason.PROMPT_TOO_LONG
 
     async def candidate(
         self, kind: str, tokens: np.ndarray, kept: Sequence[int] | None, replica: Replica, protected: bool = False

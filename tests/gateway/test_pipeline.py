@@ -38,7 +38,7 @@ def test_the_route_to_the_backend_is_one_function():
     serving = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "GatewayServing")
     serve = next(n for n in serving.body if isinstance(n, ast.AsyncFunctionDef) and n.name == "serve")
     called = {n.func.attr for n in ast.walk(serve) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)}
-    assert {"planned", "backend_body", "swapped", "kept", "forward"} <= called, called
+    assert {"checked", "planned", "backend_body", "swapped", "kept", "forward"} <= called, called
     root = Path(gateway.serving.__file__).parent
     for path in root.rglob("*.py"):
         if path.name == "serving.py":
@@ -47,6 +47,8 @@ def test_the_route_to_the_backend_is_one_function():
         steps = {
             n.func.attr
             for n in ast.walk(tree)
-            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in ("planned", "swapped")
+            if isinstance(n, ast.Call)
+            and isinstance(n.func, ast.Attribute)
+            and n.func.attr in ("checked", "planned", "swapped")
         }
         assert not steps, f"{path.relative_to(root)} calls {sorted(steps)}: go through GatewayServing.serve"
