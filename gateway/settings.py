@@ -117,7 +117,8 @@ class GatewaySettings(ServerOptions, DeviceOptions, ScoringOptions):
         True,
         description="a chat that goes whole whatever its tokens (off, keep rate 1, fewer bytes than "
         "--min-prompt-tokens, features the backend cannot take compressed) is sent to the backend first, and "
-        "tokenized and planned while the backend reads it (one replica)",
+        "tokenized and planned while the backend reads it (one replica, an engine that takes 2 ms or more to its "
+        "first event)",
     )
     # --- planning around the engine's prefix cache ---
     planner: Literal["cost", "fresh"] = Field(

@@ -171,6 +171,11 @@ class EngineLoad:
             self._ended.append(ticket.ended)
         self._notify()
 
+    def typical_s(self) -> float | None:
+        """The median time from the send of a recent request, alone at the engine, to its first event (None:
+        none seen yet)."""
+        return statistics.median(self._typical) if self._typical else None
+
     def wait_s(self) -> float:
         """Predicted seconds before the engine starts on a new foreground request: the prefill left of every
         request ahead of it (an engine runs what it has first: vLLM schedules running requests before waiting

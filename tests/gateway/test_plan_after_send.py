@@ -9,6 +9,7 @@ import time
 import httpx
 import pytest
 
+import gateway.serving
 from common.errors import InvalidRequestError
 from gateway.app import create_app
 from gateway.serving import GatewayServing
@@ -62,8 +63,9 @@ def _answers(url: str, body: dict, state: dict, headers: dict | None = None) -> 
 
 
 def test_a_chat_that_goes_whole_reaches_the_backend_before_its_tokens_and_answers_the_same(
-    model_pair, backend, seen_at_prompt
+    model_pair, backend, seen_at_prompt, monkeypatch
 ):
+    monkeypatch.setattr(gateway.serving, "OVERLAP_FROM_S", 0.0)  # whatever this engine's time to its first event
     seen, state = seen_at_prompt
     state["issued"] = _chats(backend[1])
     answers = {}
@@ -88,6 +90,22 @@ def test_a_chat_that_goes_whole_reaches_the_backend_before_its_tokens_and_answer
     assert answers[True, "long"][2]["x-specprefill-status"] == "compressed"
 
 
+def test_against_an_engine_that_answers_sooner_than_a_plan_is_made_the_plan_comes_first(
+    model_pair, backend, seen_at_prompt, monkeypatch
+):
+    """Sent first, a request to an engine that answers at once is slower (the plan's work is not hidden, and
+    costs more after the send): only an engine whose recent requests took ``OVERLAP_FROM_S`` gets them first."""
+    monkeypatch.setattr(gateway.serving, "OVERLAP_FROM_S", 60.0)
+    seen, state = seen_at_prompt
+    state["issued"], state["wait"] = _chats(backend[1]), 0.3
+    settings = gateway_settings(model_pair, backend_url=backend[0], min_prompt_tokens=MIN_TOKENS)
+    with serve(create_app(settings)) as url:
+        _answers(url, SHORT, state)
+        seen.clear()
+        _answers(url, SHORT, state)
+    assert seen == [False, False], seen
+
+
 def test_a_plan_that_fails_after_the_send_is_the_clients_error_and_ends_the_request_at_the_backend(
     model_pair, backend, monkeypatch
 ):
@@ -95,6 +113,7 @@ def test_a_plan_that_fails_after_the_send_is_the_clients_error_and_ends_the_requ
         raise InvalidRequestError("refused after the send", param="messages")
 
     monkeypatch.setattr(GatewayServing, "prompt", refused)
+    monkeypatch.setattr(gateway.serving, "OVERLAP_FROM_S", 0.0)
     settings = gateway_settings(model_pair, backend_url=backend[0])
     with serve(create_app(settings)) as url:
         for stream in (False, True):
