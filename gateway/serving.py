@@ -135,14 +135,14 @@ class GatewayServing:
             plan = Plan([], reason=converted.unplanned or Reason.UNSCORED_CONTENT, passthrough=True)
             return await self.forward(plan, await self.backend_body(converted.wire), endpoint)
         options, chars = self.checked(request, headers)
-        if (text := self._whole_for_any_tokens(request, options, chars)) is not None:
-            # sent before its tokens and plan are made: they are made while the backend reads the prompt
+        first, text = self._sends_first(request, options, chars)
+        if first:  # sent before its tokens and plan are made: they are made while the backend reads the prompt
             body = await self.backend_body(converted.wire)
             if converted.adjust is not None:
                 converted.adjust(body)
             planning = functools.partial(self.planned, request, options, chars, text)
             return await self.dispatch.forward(self._sent_first, body, endpoint, planning=planning)
-        plan, prompt = await self.planned(request, options, chars)
+        plan, prompt = await self.planned(request, options, chars, text)
         body = await self.backend_body(converted.wire)
         if converted.adjust is not None:
             converted.adjust(body)
@@ -323,17 +323,18 @@ class GatewayServing:
         plan = await self.plan(prompt, options, self.unsupported(request))
         return plan.but(tokenize_ms=tokenize_ms), prompt
 
-    def _whole_for_any_tokens(
+    def _sends_first(
         self, request: ChatCompletionRequest | CompletionRequest, options: RequestOptions, chars: int | None
-    ) -> str | None:
-        """The chat's text, where the request goes whole whatever its tokens, so that it can be sent before they
-        are made (``--plan-after-send``); else None. A byte-level tokenizer makes at most one token of each byte
-        of the text, so a chat whose text has fewer bytes than ``--min-prompt-tokens`` is a short prompt (a
-        text the bound misjudges, such as one that Unicode normalization lengthens, is still sent whole: only a
-        compression is missed). Only where the engine's recent requests took it ``OVERLAP_FROM_S`` or more to
-        their first event (the plan's work is then hidden; against an engine that answers at once, planning
-        first is faster), with one replica (several are chosen by their caches, from the tokens), and where
-        nothing of the request changes with its length: under the prompt limit, its answer's room as asked."""
+    ) -> tuple[bool, str | None]:
+        """Whether the request goes whole whatever its tokens, so that it can be sent before they are made
+        (``--plan-after-send``), and the chat's text where it was written to find out (for its tokens). A
+        byte-level tokenizer makes at most one token of each byte of the text, so a chat whose text has fewer
+        bytes than ``--min-prompt-tokens`` is a short prompt (a text the bound misjudges, such as one that
+        Unicode normalization lengthens, is still sent whole: only a compression is missed). Only where the
+        engine's recent requests took it ``OVERLAP_FROM_S`` or more to their first event (the plan's work is then
+        hidden; against an engine that answers at once, planning first is faster), with one replica (several
+        are chosen by their caches, from the tokens), and where nothing of the request changes with its length:
+        under the prompt limit, its answer's room as asked."""
         typical = self.replicas[0].load.typical_s()
         if (
             not self.settings.plan_after_send
@@ -346,18 +347,17 @@ class GatewayServing:
             or request.add_special_tokens
             or len(request.messages) > self.settings.max_messages
         ):
-            return None
+            return False, None
+        unsupported = self.unsupported(request)
+        if not self.planner.whole_for_any(chars, options, unsupported):  # its text has at least as many bytes
+            return False, None
         text = chat_text(self.tokenizer, request.messages, request.tools)
         most = len(text.encode())
-        if not self.planner.whole_for_any(most, options, self.unsupported(request)):
-            return None
         limit = prompt_limit(self.settings, self.tokenizer)
         requested, context = request.completion_params().get("max_tokens"), self.context
-        if limit is not None and most > limit:
-            return None
-        if requested is not None and context is not None and requested + most > context:
-            return None
-        return text
+        room = requested is None or context is None or requested + most <= context
+        fits = (limit is None or most <= limit) and room
+        return fits and self.planner.whole_for_any(most, options, unsupported), text
 
     @property
     def _sent_first(self) -> Plan:
