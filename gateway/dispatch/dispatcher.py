@@ -78,6 +78,7 @@ class Dispatcher:
                 answer, ticket = await self._sent(trace, replica, send, planning)
                 break
             except BackendGone as exc:
+                planning = None  # made by then: the backend's first event is awaited after the plan
                 others = [r for r in self.replicas if r.up and r not in tried]
                 if not others:
                     raise
