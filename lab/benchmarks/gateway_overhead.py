@@ -17,7 +17,7 @@ gateway (``git worktree add DIR REV``) to the same rounds, in front of the same 
 in one run, each path in each place of the round equally often.
 
     .venv/bin/python lab/benchmarks/gateway_overhead.py [--backend vllm|fast] [--rounds 14] [--think 0.1] [--agent N]
-        [--tracing] [--profile SVG] [--against DIR]
+        [--first-event-ms MS] [--tracing] [--profile SVG] [--against DIR]
 """
 
 from __future__ import annotations
@@ -112,8 +112,8 @@ async def alternate(
 
 
 @contextlib.contextmanager
-def backend(kind: str, vllm_python: str, target: Path) -> Iterator[str]:
-    """The backend's base URL while it runs."""
+def backend(kind: str, vllm_python: str, target: Path, first_ms: float = 0.0) -> Iterator[str]:
+    """The backend's base URL while it runs (``first_ms``: the instant backend's wait before a first event)."""
     if kind == "vllm":
         from specprefill_lab.vllm_server import VLLMServer
 
@@ -133,7 +133,7 @@ def backend(kind: str, vllm_python: str, target: Path) -> Iterator[str]:
         finally:
             server.stop()
         return
-    with launched_instant_backend() as (url, _):
+    with launched_instant_backend(first_ms=first_ms) as (url, _):
         yield url
 
 
@@ -202,6 +202,12 @@ def main() -> None:
         default=0,
         help="an agent's turn: this many tools and tool calls so far between the system prompt and the question",
     )
+    parser.add_argument(
+        "--first-event-ms",
+        type=float,
+        default=0.0,
+        help="--backend fast: its streams wait this long before their first event (an engine's time to it)",
+    )
     parser.add_argument("--tracing", action="store_true", help="also a gateway with its traces sent to a collector")
     parser.add_argument(
         "--profile", metavar="SVG", help="py-spy's flame graph of the gateway (the first) over the rounds, to SVG"
@@ -216,7 +222,7 @@ def main() -> None:
     flags += ["--served-model-name", DEMO_NAME, "--min-prompt-tokens", "1024", "--backend-kind", "vllm"]
     received = {"batches": 0, "bytes": 0}
     with contextlib.ExitStack() as stack:
-        url = stack.enter_context(backend(args.backend, args.vllm_python, root / "target"))
+        url = stack.enter_context(backend(args.backend, args.vllm_python, root / "target", args.first_event_ms))
         gateway_url, process = stack.enter_context(launched_gateway_process(["--backend-url", url, *flags]))
         urls = {"direct": url, "gateway": gateway_url}
         if args.profile:

@@ -1,10 +1,13 @@
 """A backend that answers at once (OpenAI completions and chat, streamed), so a load test measures the gateway.
 
-.venv/bin/python -m specprefill_lab.fast_backend PORT [CHUNKS]
+.venv/bin/python -m specprefill_lab.fast_backend PORT [CHUNKS] [FIRST_MS]
+
+``FIRST_MS``: milliseconds a stream waits before its first event (an engine's time to it; default 0).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
 
@@ -15,8 +18,10 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 
-def make_app(chunks: int = 8) -> Starlette:
+def make_app(chunks: int = 8, first_ms: float = 0.0) -> Starlette:
     async def stream(obj: str, delta):
+        if first_ms:
+            await asyncio.sleep(first_ms / 1e3)
         for i in range(chunks):
             choice = {"index": 0, **delta(i), "finish_reason": "length" if i == chunks - 1 else None}
             chunk = {"id": "x", "object": obj, "created": 0, "model": "fast", "choices": [choice]}
@@ -78,7 +83,7 @@ def make_app(chunks: int = 8) -> Starlette:
 
 if __name__ == "__main__":
     uvicorn.run(
-        make_app(int(sys.argv[2]) if len(sys.argv) > 2 else 8),
+        make_app(int(sys.argv[2]) if len(sys.argv) > 2 else 8, float(sys.argv[3]) if len(sys.argv) > 3 else 0.0),
         host="127.0.0.1",
         port=int(sys.argv[1]),
         log_level="warning",

@@ -234,10 +234,11 @@ def launched_gateway_process(args: list[str], cwd: Path | None = None) -> Iterat
 
 
 @contextlib.contextmanager
-def launched_instant_backend(chunks: int = 8) -> Iterator[tuple[str, subprocess.Popen]]:
+def launched_instant_backend(chunks: int = 8, first_ms: float = 0.0) -> Iterator[tuple[str, subprocess.Popen]]:
     """A backend that answers every request at once (``specprefill_lab.fast_backend``): what a load test then
-    measures is the gateway and the client."""
-    with served(lambda port: [sys.executable, "-m", "specprefill_lab.fast_backend", str(port), str(chunks)]) as both:
+    measures is the gateway and the client. ``first_ms``: its streams wait that long before their first event."""
+    command = [sys.executable, "-m", "specprefill_lab.fast_backend"]
+    with served(lambda port: [*command, str(port), str(chunks), str(first_ms)]) as both:
         yield both
 
 
