@@ -18,15 +18,20 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 
+async def _events(obj: str, delta, chunks: int, first_ms: float):
+    """``chunks`` events of an ``obj`` stream, then [DONE], after ``first_ms`` milliseconds."""
+    if first_ms:
+        await asyncio.sleep(first_ms / 1e3)
+    for i in range(chunks):
+        choice = {"index": 0, **delta(i), "finish_reason": "length" if i == chunks - 1 else None}
+        chunk = {"id": "x", "object": obj, "created": 0, "model": "fast", "choices": [choice]}
+        yield f"data: {json.dumps(chunk)}\n\n"
+    yield "data: [DONE]\n\n"
+
+
 def make_app(chunks: int = 8, first_ms: float = 0.0) -> Starlette:
-    async def stream(obj: str, delta):
-        if first_ms:
-            await asyncio.sleep(first_ms / 1e3)
-        for i in range(chunks):
-            choice = {"index": 0, **delta(i), "finish_reason": "length" if i == chunks - 1 else None}
-            chunk = {"id": "x", "object": obj, "created": 0, "model": "fast", "choices": [choice]}
-            yield f"data: {json.dumps(chunk)}\n\n"
-        yield "data: [DONE]\n\n"
+    def stream(obj: str, delta):
+        return _events(obj, delta, chunks, first_ms)
 
     async def completions(request: Request):
         body = await request.json()
