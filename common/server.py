@@ -104,15 +104,18 @@ class GuardMiddleware:
 
         self.in_flight += 1
         self.requests.add(request)
+        # the request's own task: the drain cancels it here (a task of its own for the app was a task more a request)
+        request.task = asyncio.current_task()
         try:
-            request.task = asyncio.ensure_future(self.app(scope, limited_receive, _tracking(send, request)))
-            await request.task
+            await self.app(scope, limited_receive, _tracking(send, request))
         except _BodyTooLarge:
             if not request.started:
                 await _send_error(send, *self._too_large())
         except asyncio.CancelledError:
             if not request.cut:
                 raise
+            if request.task is not None:
+                request.task.uncancel()  # the drain's: answered below, nothing after it is cancelled
             await _cut_off(send, request)
         finally:
             self.requests.discard(request)

@@ -12,6 +12,7 @@ from starlette.types import Receive, Scope, Send
 from common.cancellation import DisconnectWatch
 from common.errors import APIError, as_api_error
 from common.json_wire import dumps
+from common.ready_runs import in_runs
 
 SSE_DONE = b"data: [DONE]\n\n"
 
@@ -127,31 +128,40 @@ async def sse_body(
 class EventStreamResponse(StreamingResponse):
     """An event stream (``sse_body``'s frames) as an HTTP response, with what Starlette's ``StreamingResponse``
     spends on every stream left out: under an ASGI server of spec 2.3 (uvicorn) it runs the stream in an anyio
-    task group beside a task that listens for the disconnect, and it ends every response with an empty message,
-    one more write to the socket. Here one ``DisconnectWatch`` cancels the stream when its client leaves (the
-    backend's request is closed by the stream's ``finally``), and ``[DONE]``, the last frame by the protocol,
-    ends the response in its own write. A named stream (no ``[DONE]``) ends with the empty message."""
+    task group beside a task that listens for the disconnect, writes every frame on its own, and ends every
+    response with an empty message, one more write to the socket. Here one ``DisconnectWatch`` cancels the stream
+    when its client leaves (the backend's request is closed by the stream's ``finally``); the frames that are ready
+    one after another (a backend read that held several events) go out in one write, made before the next frame is
+    waited for (``in_runs``); and ``[DONE]``, the last frame by the protocol, ends the response in its write. A
+    named stream (no ``[DONE]``) ends with its last run, or an empty message."""
 
     media_type = "text/event-stream"
+    watch: DisconnectWatch | None = None  # the handler's, handed over (``with_cancellation``): one a request
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await super().__call__(scope, receive, send)
             return
-        async with DisconnectWatch(receive) as watch:
+        async with self.watch or DisconnectWatch(receive) as watch:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             ended = False
-            async for chunk in self.body_iterator:
+
+            async def write(run: list[Any], last: bool) -> None:
+                nonlocal ended
                 if ended:
-                    continue  # nothing follows [DONE] on the wire
-                if not isinstance(chunk, bytes | memoryview):
-                    chunk = chunk.encode(self.charset)
-                ended = chunk == SSE_DONE
-                if ended:
+                    return  # nothing follows [DONE] on the wire
+                frames = [chunk.encode(self.charset) if isinstance(chunk, str) else bytes(chunk) for chunk in run]
+                if SSE_DONE in frames:
+                    del frames[frames.index(SSE_DONE) + 1 :]
+                    ended = True
+                if ended or last:
                     watch.closing()
-                await send({"type": "http.response.body", "body": chunk, "more_body": not ended})
-            if not ended:
-                watch.closing()
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                elif not frames:
+                    return
+                ended = ended or last
+                body = frames[0] if len(frames) == 1 else b"".join(frames)
+                await send({"type": "http.response.body", "body": body, "more_body": not ended})
+
+            await in_runs(aiter(self.body_iterator), write)
         if self.background is not None and not watch.gone:
             await self.background()

@@ -84,16 +84,33 @@ def _stream_app(stream, messages: list[dict]):
     return app
 
 
-def test_done_ends_the_response_in_its_own_message_and_nothing_follows():
-    """[DONE] is the last frame by the protocol: it carries the end of the body (no empty message after it, one
-    write to the socket fewer a stream); the client reads every frame."""
+def test_frames_ready_together_go_in_one_write_and_done_ends_the_response():
+    """The first frame goes at once; the frames ready one after another behind it in one write; [DONE] is the last
+    frame by the protocol: its write carries the end of the body (no empty message after it); the client reads
+    every frame."""
     messages: list[dict] = []
     with serve(_stream_app(_chunks, messages)) as url:
         body = httpx.get(url).text
     assert body == 'data: {"n":1}\n\ndata: {"n":2}\n\ndata: [DONE]\n\n'
     bodies = [m for m in messages if m["type"] == "http.response.body"]
-    assert [m["body"] for m in bodies][-1] == SSE_DONE and not bodies[-1]["more_body"]
-    assert all(m["more_body"] for m in bodies[:-1]) and all(m["body"] for m in bodies)
+    assert [m["body"] for m in bodies] == [b'data: {"n":1}\n\n', b'data: {"n":2}\n\ndata: [DONE]\n\n']
+    assert bodies[0]["more_body"] and not bodies[1]["more_body"]
+
+
+def test_a_frame_that_waits_splits_the_writes():
+    """A frame that is not ready yet: what was ready is written before it is waited for, then the rest."""
+
+    async def paced():
+        yield {"n": 1}
+        await asyncio.sleep(0.01)
+        yield {"n": 2}
+
+    messages: list[dict] = []
+    with serve(_stream_app(paced, messages)) as url:
+        body = httpx.get(url).text
+    assert body == 'data: {"n":1}\n\ndata: {"n":2}\n\ndata: [DONE]\n\n'
+    bodies = [m["body"] for m in messages if m["type"] == "http.response.body"]
+    assert bodies == [b'data: {"n":1}\n\n', b'data: {"n":2}\n\ndata: [DONE]\n\n']
 
 
 async def test_a_client_that_leaves_ends_its_stream_at_once():
