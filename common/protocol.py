@@ -23,6 +23,8 @@ from common.max_tokens import OutputLimit
 
 logger = logging.getLogger("specprefill")
 
+MAX_TOKENS, MAX_COMPLETION_TOKENS = OutputLimit("max_tokens"), OutputLimit("max_completion_tokens")  # frozen: shared
+
 
 class WireModel(BaseModel):
     """Base of the request models: unknown fields are tolerated (and logged), as OpenAI clients send many."""
@@ -82,7 +84,7 @@ class SamplingFields(WireModel):
     @property
     def output_limit(self) -> OutputLimit:
         """The field the client asked for tokens with, and whether one past the room is lowered or refused."""
-        return self._output_limit or OutputLimit("max_tokens")
+        return self._output_limit or MAX_TOKENS
 
     def lower_max_tokens(self, tokens: int) -> None:
         """Asks for ``tokens`` instead (a Messages request's room left)."""
@@ -212,7 +214,7 @@ class ChatCompletionRequest(SamplingFields):
     @property
     def output_limit(self) -> OutputLimit:
         if self._output_limit is None and self.max_completion_tokens is not None:
-            return OutputLimit("max_completion_tokens")
+            return MAX_COMPLETION_TOKENS
         return super().output_limit
 
     def lower_max_tokens(self, tokens: int) -> None:

@@ -66,9 +66,9 @@ class EngineLoad:
         self._idle_since: float | None = clock()
         self._started = True  # no request yet: the time since the gateway started is no gap between requests
         self._gaps: collections.deque[float] = collections.deque(maxlen=history)
-        self._typical: collections.deque[float] = collections.deque(maxlen=32)  # clean foreground seconds
+        self._typical = RecentMedian(32)  # clean foreground seconds
         # measured/expected of recent foreground requests, by whether they were sent into a busy engine
-        self._slowdowns = {busy: collections.deque[float](maxlen=32) for busy in (True, False)}
+        self._slowdowns = {busy: RecentMedian(32) for busy in (True, False)}
         self._changed = asyncio.Event()
         self._watcher: asyncio.Task[Any] | None = None
         self._ended: collections.deque[float] = collections.deque(maxlen=64)  # when recent tickets ended
@@ -174,7 +174,7 @@ class EngineLoad:
     def typical_s(self) -> float | None:
         """The median time from the send of a recent request, alone at the engine, to its first event (None:
         none seen yet)."""
-        return statistics.median(self._typical) if self._typical else None
+        return self._typical.median()
 
     def wait_s(self) -> float:
         """Predicted seconds before the engine starts on a new foreground request: the prefill left of every
@@ -202,7 +202,7 @@ class EngineLoad:
         recent = self._slowdowns[busy]
         if len(recent) < 4:
             return 1.0
-        return min(20.0, max(1.0, float(statistics.median(recent))))
+        return min(20.0, max(1.0, float(recent.median() or 1.0)))
 
     def _idle_wait(self) -> float:
         # when the engine is done with this gateway's prefills, each begun after those sent before it are done
@@ -216,7 +216,7 @@ class EngineLoad:
                 free = max(free, ticket.first_event)
             else:
                 free = max(free, ticket.started) + ticket.predicted_s
-        typical = statistics.median(self._typical) if self._typical else 0.0
+        typical = (self._typical.median() or 0.0) if self.external else 0.0
         return max(0.0, free - now) + self.external * typical
 
     def snapshot(self) -> Snapshot:
@@ -253,3 +253,25 @@ class EngineLoad:
         if self._watcher is not None:
             self._watcher.cancel()
             await asyncio.gather(self._watcher, return_exceptions=True)
+
+
+class RecentMedian:
+    """The last ``size`` values and their median, found again only after a value is added (a price reads it for
+    every request; ``statistics.median`` sorts a copy each time)."""
+
+    def __init__(self, size: int) -> None:
+        self._values: collections.deque[float] = collections.deque(maxlen=size)
+        self._median: float | None = None
+
+    def append(self, value: float) -> None:
+        self._values.append(value)
+        self._median = None
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def median(self) -> float | None:
+        """None when empty."""
+        if self._median is None and self._values:
+            self._median = statistics.median(self._values)
+        return self._median

@@ -80,11 +80,23 @@ class CostModel:
         self._shortfalls: list[tuple[list[float], float, float, float]] = []
         self.resets = 0  # times the fit was found wrong and started again
 
+    @property
+    def coefficients(self) -> np.ndarray:
+        return self._coefficients
+
+    @coefficients.setter
+    def coefficients(self, value: np.ndarray) -> None:
+        self._coefficients = np.asarray(value, dtype=float)
+        self._values: tuple[float, ...] = tuple(self._coefficients.tolist())  # a price is 4 products: no array
+
+    def _priced(self, features: Sequence[float]) -> float:
+        return float(sum(c * f for c, f in zip(self._values, features)))
+
     def predict(self, new: int, cached: int) -> float:
         """Seconds to process ``new`` tokens after ``cached`` ones (0 for nothing new)."""
         if new <= 0:
             return 0.0
-        return float(np.dot(self.coefficients, self.features(new, cached)))
+        return self._priced(self.features(new, cached))
 
     def observe(self, new: int, cached: int, seconds: float, *, probe: bool = False) -> None:
         if self.fixed or new <= 0 or not math.isfinite(seconds) or seconds <= 0:
@@ -110,9 +122,9 @@ class CostModel:
     def _mispriced(self, new: int, features: list[float], seconds: float) -> bool:
         """Whether this timing makes ``RESET_AFTER`` prefills in a row that took over ``OUTLIER`` times the
         prediction (they are remembered meanwhile, as any timing)."""
-        predicted = float(np.dot(self.coefficients, features))
         if new < RESET_MIN_NEW:
-            return False  # neither evidence for nor against: the streak goes on
+            return False
+        predicted = self._priced(features)  # neither evidence for nor against: the streak goes on
         if seconds <= OUTLIER * max(predicted, 1e-9):
             self._shortfalls.clear()
             return False
