@@ -7,6 +7,7 @@ import asyncio
 
 from common.cancellation import DisconnectWatch, with_cancellation
 from common.streams import EventStreamResponse, sse_body
+from tests.common.test_streams import stalling
 
 
 class _Client:
@@ -29,22 +30,13 @@ class _Request:
         self.receive = receive
 
 
-async def _stream(state: dict):
-    try:
-        yield {"n": 1}
-        await asyncio.sleep(60)
-        yield {"n": 2}
-    finally:
-        state["closed"] = True
-
-
 async def test_the_handlers_watch_goes_on_to_its_stream_one_watcher_a_request():
     client, state, sent = _Client(), {}, []
     await client.receive()  # the body, read by the app before the handler
 
     @with_cancellation
     async def handler(raw_request):
-        return EventStreamResponse(sse_body(_stream(state)))
+        return EventStreamResponse(sse_body(stalling(state)))
 
     tasks_before = len(asyncio.all_tasks())
     response = await handler(raw_request=_Request(client.receive))
@@ -68,7 +60,7 @@ async def test_a_client_gone_between_the_handler_and_its_response_ends_the_strea
 
     @with_cancellation
     async def handler(raw_request):
-        return EventStreamResponse(sse_body(_stream(state)))
+        return EventStreamResponse(sse_body(stalling(state)))
 
     response = await handler(raw_request=_Request(client.receive))
     client.left.set()

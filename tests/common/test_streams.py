@@ -19,6 +19,16 @@ async def _chunks(fail_with: Exception | None = None):
         raise fail_with
 
 
+async def stalling(state: dict):
+    """An event, then a wait for the next that outlasts any test; ``state["closed"]`` once its ``finally`` ran."""
+    try:
+        yield {"n": 1}
+        await asyncio.sleep(60)
+        yield {"n": 2}
+    finally:
+        state["closed"] = True
+
+
 async def _collect(stream) -> list[bytes]:
     return [frame async for frame in stream]
 
@@ -117,16 +127,7 @@ async def test_a_client_that_leaves_ends_its_stream_at_once():
     """The stream waits for its next event when the client leaves: the watch cancels it there, and its
     ``finally`` (where the gateway closes its backend request) runs within a second."""
     state = {"closed": False}
-
-    async def stalling():
-        try:
-            yield {"n": 1}
-            await asyncio.sleep(60)
-            yield {"n": 2}
-        finally:
-            state["closed"] = True
-
-    with serve(_stream_app(stalling, [])) as url:
+    with serve(_stream_app(lambda: stalling(state), [])) as url:
         async with httpx.AsyncClient(timeout=10) as client, client.stream("GET", url) as response:
             async for line in response.aiter_lines():
                 if line.startswith("data:"):
