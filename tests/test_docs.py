@@ -95,6 +95,7 @@ def test_the_readme_quickstart_runs_against_a_live_gateway(make_serve_gateway, t
     readme = (ROOT / "README.md").read_text()
     example = re.search(r"```python\n(.*?)```", readme, re.DOTALL).group(1)
     assert 'base_url="http://127.0.0.1:8000/v1"' in example
+    assert "temperature=0," in example  # greedy: sampled at OpenAI's default of 1, one run in many answered nonsense
     # about 6,000 tokens: at 2,400 the cost planner sends it whole on cores where the whole 0.5B drafting a prompt
     # costs half the target's reading of it (measured 5.3 s compressed at keep 0.3 against 6.3 s whole: too close)
     prose = list(paragraphs()[:100])
