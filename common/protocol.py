@@ -114,7 +114,13 @@ class SamplingFields(WireModel):
         return found
 
     def _sampling_params(self) -> dict[str, Any]:
-        params: dict[str, Any] = {"temperature": self.temperature, "top_p": self.top_p, "stream": self.stream}
+        """The sampling fields of an equivalent completion. Temperature and top_p only where the client set them:
+        an engine fills the rest with its own defaults (vLLM with the model's ``generation_config.json``), as it
+        does for the client's body sent whole, so a compressed request is sampled as the whole one is."""
+        params: dict[str, Any] = {
+            name: getattr(self, name) for name in ("temperature", "top_p") if name in self.model_fields_set
+        }
+        params["stream"] = self.stream
         if self.seed is not None:
             params["seed"] = self.seed
         if self.ignore_eos:

@@ -20,10 +20,14 @@ def test_stop_reads_back_as_a_list(model):
             model(model="m", prompt="x", stop=bad)
 
 
-def test_an_unset_stop_is_not_forwarded():
+def test_unset_stop_and_sampling_fields_are_not_forwarded():
+    """A compressed request's completion leaves the engine's defaults where the client did (vLLM samples with the
+    model's generation_config.json when the body has no temperature), as the client's body sent whole does."""
     request = CompletionRequest(model="m", prompt="x")
     assert "stop" not in request.model_dump(exclude_unset=True)
-    assert "stop" not in request.completion_params()
+    assert not {"stop", "temperature", "top_p"} & set(request.completion_params())
+    chat = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], temperature=0, top_p=0.5)
+    assert {"temperature": 0, "top_p": 0.5}.items() <= chat.completion_params().items()
 
 
 def test_prompt_token_ids(tokenizer):
