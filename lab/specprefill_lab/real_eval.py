@@ -405,6 +405,25 @@ def wilson(successes: int, total: int, z: float = 1.96) -> tuple[float, float]:
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
+def mcnemar(lost: int, gained: int) -> float:
+    """The exact two-sided McNemar p-value of paired answers: ``lost`` right on the whole prompt and wrong here,
+    ``gained`` the reverse; under no difference each discordant pair goes either way with probability 1/2."""
+    n = lost + gained
+    tail = sum(math.comb(n, k) for k in range(min(lost, gained) + 1)) / 2**n
+    return min(1.0, 2 * tail)
+
+
+def paired(group: list[dict], full: dict[int, bool]) -> dict | None:
+    """A cell's answers against the whole prompt's on the same haystacks (by index): how many of those pairs, the
+    answers it lost and gained, and ``mcnemar``'s p (None without a pair: rows without an index)."""
+    pairs = [(full[r["index"]], bool(r["correct"])) for r in group if r.get("index") in full]
+    if not pairs:
+        return None
+    lost = sum(w and not c for w, c in pairs)
+    gained = sum(c and not w for w, c in pairs)
+    return {"pairs": len(pairs), "lost": lost, "gained": gained, "paired_p": mcnemar(lost, gained)}
+
+
 def summarize(rows: list[dict]) -> list[dict]:
     """One cell per task, length, draft and keep rate (the full prompt as draft ``full``, keep 1): accuracy with
     its 95% interval, and for the rule task how often the answer obeyed it."""
@@ -437,9 +456,15 @@ def summarize(rows: list[dict]) -> list[dict]:
             cell["obeyed"] = sum(bool(r["obeys"]) for r in group) / len(group)
         out.append(cell)
     full = {(c["task"], c["length"]): c["accuracy"] for c in out if c["variant"] == "full"}
+    whole: dict[tuple, dict[int, bool]] = {}
+    for r in (r for key, group in cells.items() if key[2] == "full" for r in group if "index" in r):
+        whole.setdefault((r["task"], r["length"]), {})[r["index"]] = bool(r["correct"])
     for c in out:
         base = full.get((c["task"], c["length"]))
         c["of_full"] = c["accuracy"] / base if base else None
+        group = cells[c["task"], c["length"], c["variant"], c["keep"]]
+        if c["variant"] != "full" and (pair := paired(group, whole.get((c["task"], c["length"]), {}))):
+            c |= pair
     return out
 
 
@@ -555,7 +580,8 @@ def _variant_order(variant: str) -> tuple[int, int, str]:
 
 def markdown_summary(cells: list[dict]) -> Iterator[str]:
     """The tables as the quality page shows them: one per task and length, a row per draft, accuracy with its 95%
-    interval (and for the rule, how often the answer obeyed it)."""
+    interval, against the whole prompt on the same haystacks (``−lost +gained (p …)``, ``paired``), and for the
+    rule how often the answer obeyed it."""
     for task in [t for t in TASK_ORDER if any(c["task"] == t for c in cells)]:
         for length in sorted({c["length"] for c in cells if c["task"] == task}):
             mine = [c for c in cells if c["task"] == task and c["length"] == length]
@@ -564,6 +590,8 @@ def markdown_summary(cells: list[dict]) -> Iterator[str]:
 
             def cell(c: dict) -> str:
                 text = f"{c['accuracy']:.0%} [{c['low']:.0%}–{c['high']:.0%}]"
+                if "lost" in c:  # against the whole prompt on the same haystacks
+                    text += f"; −{c['lost']} +{c['gained']} (p {c['paired_p']:.2f})"
                 text += f", rate {c['applied']:.2f} ± {c['applied_sd']:.2f}" if "applied" in c else ""
                 return text + (f", obeyed {c['obeyed']:.0%}" if "obeyed" in c else "")
 

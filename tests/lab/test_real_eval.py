@@ -231,3 +231,22 @@ def test_auto_cells_follow_the_fixed_rates_with_the_rates_applied():
     assert keep_request(1.0)[0] == {"x-specprefill": "off"} and _key(8000, 3, "fact", "0.5b", "auto@0.8").endswith(
         "/auto@0.8"
     )
+
+
+def test_cells_are_paired_with_the_whole_prompt_on_the_same_haystacks():
+    """Lost and gained answers against the whole prompt's on the same haystacks, with the exact McNemar p: the
+    cells share haystacks, so the pairs say more than two intervals side by side."""
+    from specprefill_lab.real_eval import markdown_summary, mcnemar, summarize
+
+    whole = [True] * 8 + [False] * 2
+    kept = [False] * 5 + [True] * 3 + [True, False]  # 5 lost, 1 gained
+    rows = [
+        {"task": "code", "length": 16000, "index": i, "variant": v, "keep": k, "correct": c, "tokens": 16000, "kept": n}
+        for v, k, n, answers in (("full", 1.0, 16000, whole), ("0.5b/w16", 0.1, 1600, kept))
+        for i, c in enumerate(answers)
+    ]
+    (cell,) = [c for c in summarize(rows) if c["variant"] != "full"]
+    assert (cell["pairs"], cell["lost"], cell["gained"]) == (10, 5, 1)
+    assert cell["paired_p"] == mcnemar(5, 1) == 2 * 7 / 64
+    assert mcnemar(0, 0) == 1.0 and mcnemar(3, 3) == 1.0 and mcnemar(0, 6) == 2 / 64
+    assert "40% [17%–69%]; −5 +1 (p 0.22)" in "\n".join(markdown_summary(summarize(rows)))
