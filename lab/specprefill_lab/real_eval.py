@@ -468,6 +468,14 @@ def summarize(rows: list[dict]) -> list[dict]:
     return out
 
 
+def _console_cell(c: dict) -> str:
+    """Accuracy, its interval, and against the whole prompt on the same haystacks (``-lost+gained p``)."""
+    text = f"{c['accuracy']:>6.0%} [{c['low']:.0%}-{c['high']:.0%}]"
+    if "lost" in c:
+        text += f" -{c['lost']}+{c['gained']} p{c['paired_p']:.2f}"
+    return text.rjust(30)
+
+
 def format_summary(cells: list[dict]) -> Iterator[str]:
     for task in dict.fromkeys(c["task"] for c in cells):
         for length in sorted({c["length"] for c in cells if c["task"] == task}):
@@ -480,15 +488,10 @@ def format_summary(cells: list[dict]) -> Iterator[str]:
                 else "full prompt not asked"
             )
             keeps = sorted({c["keep"] for c in mine if c["variant"] != "full"}, key=keep_order)
-            yield f"{'':>10} " + " ".join(f"{'keep ' + keep_label(k):>18}" for k in keeps)
+            yield f"{'':>10} " + " ".join(f"{'keep ' + keep_label(k):>30}" for k in keeps)
             for variant in dict.fromkeys(c["variant"] for c in mine if c["variant"] != "full"):
                 row = {c["keep"]: c for c in mine if c["variant"] == variant}
-                yield f"{variant:>10} " + " ".join(
-                    f"{row[k]['accuracy']:>6.0%} [{row[k]['low']:.0%}-{row[k]['high']:.0%}]".rjust(18)
-                    if k in row
-                    else " " * 18
-                    for k in keeps
-                )
+                yield f"{variant:>10} " + " ".join(_console_cell(row[k]) if k in row else " " * 30 for k in keeps)
             yield ""
 
 
