@@ -96,15 +96,23 @@ def test_the_readme_quickstart_runs_against_a_live_gateway(make_serve_gateway, t
     example = re.search(r"```python\n(.*?)```", readme, re.DOTALL).group(1)
     assert 'base_url="http://127.0.0.1:8000/v1"' in example
     assert "temperature=0," in example  # greedy: sampled at OpenAI's default of 1, one run in many answered nonsense
-    # about 6,000 tokens: at 2,400 the cost planner sends it whole on cores where the whole 0.5B drafting a prompt
-    # costs half the target's reading of it (measured 5.3 s compressed at keep 0.3 against 6.3 s whole: too close)
-    prose = list(paragraphs()[:100])
-    prose.insert(50, "The pass key is 31415. Remember it. 31415 is the pass key.")
-    (tmp_path / "long_document.txt").write_text("\n\n".join(prose))
+    example = example.replace("http://127.0.0.1:8000/v1", f"{make_serve_gateway}/v1")
+    assert '{"x-keep-rate": "0.3"}' in example
     monkeypatch.chdir(tmp_path)
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        exec(compile(example.replace("http://127.0.0.1:8000/v1", f"{make_serve_gateway}/v1"), "README.md", "exec"), {})
-    first = out.getvalue().splitlines()[0].split()
-    assert first[0] == "compressed" and int(first[1]) < int(first[3]), out.getvalue()
-    assert "31415" in out.getvalue(), out.getvalue()  # the target found the key in what the draft kept
+    # as written, keep 0.3, then at keep 0.1 on another document (the engine holds the first one whole, where it went
+    # whole): about 6,500 tokens each. At keep 0.3 the planner sent the first compressed on some 2-core machines and
+    # whole on others (CI's, 2026-12-06), priced within --plan-slack of compressing: the first line says which, and
+    # why. (At 2,400 tokens it went whole on cores where the 0.5B drafting costs half the target's reading.)
+    for rate, start, key in (("0.3", 0, "31415"), ("0.1", 100, "27182")):
+        prose = list(paragraphs()[start : start + 100])
+        prose.insert(50, f"The pass key is {key}. Remember it. {key} is the pass key.")
+        (tmp_path / "long_document.txt").write_text("\n\n".join(prose))
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            exec(compile(example.replace('"0.3"', f'"{rate}"'), "README.md", "exec"), {})
+        first = out.getvalue().splitlines()[0].split()
+        if rate != "0.3" or first[0] == "compressed":
+            assert first[0] == "compressed" and int(first[1]) < int(first[3]), (rate, out.getvalue())
+        else:
+            assert first[0] == "bypassed" and first[1] == first[3] and first[4:] == ["cheaper_whole"], out.getvalue()
+        assert key in out.getvalue(), (rate, out.getvalue())  # the target found the key in what it read
