@@ -421,7 +421,14 @@ def paired(group: list[dict], full: dict[int, bool]) -> dict | None:
         return None
     lost = sum(w and not c for w, c in pairs)
     gained = sum(c and not w for w, c in pairs)
-    return {"pairs": len(pairs), "lost": lost, "gained": gained, "paired_p": mcnemar(lost, gained)}
+    whole = sum(w for w, _ in pairs)
+    return {
+        "pairs": len(pairs),
+        "lost": lost,
+        "gained": gained,
+        "paired_p": mcnemar(lost, gained),
+        "of_whole_paired": (whole - lost + gained) / whole if whole else None,
+    }
 
 
 def summarize(rows: list[dict]) -> list[dict]:
@@ -464,7 +471,10 @@ def summarize(rows: list[dict]) -> list[dict]:
         c["of_full"] = c["accuracy"] / base if base else None
         group = cells[c["task"], c["length"], c["variant"], c["keep"]]
         if c["variant"] != "full" and (pair := paired(group, whole.get((c["task"], c["length"]), {}))):
+            # the share of the whole prompt's right answers on the same haystacks, where the answers pair up (a cell
+            # asked on fewer haystacks than the whole prompt is not set against other haystacks' answers)
             c |= pair
+            c["of_full"] = pair.pop("of_whole_paired")
     return out
 
 

@@ -250,3 +250,8 @@ def test_cells_are_paired_with_the_whole_prompt_on_the_same_haystacks():
     assert cell["paired_p"] == mcnemar(5, 1) == 2 * 7 / 64
     assert mcnemar(0, 0) == 1.0 and mcnemar(3, 3) == 1.0 and mcnemar(0, 6) == 2 / 64
     assert "40% [17%–69%]; −5 +1 (p 0.22)" in "\n".join(markdown_summary(summarize(rows)))
+    # the share of the whole prompt's answers is read on the haystacks both asked: the whole prompt asked on 4 more,
+    # all wrong, does not move it
+    more = [{**rows[0], "index": 10 + i, "correct": False} for i in range(4)]
+    (cell,) = [c for c in summarize(rows + more) if c["variant"] != "full"]
+    assert cell["of_full"] == 4 / 8 and cell["pairs"] == 10
