@@ -210,6 +210,14 @@ class GatewaySettings(ServerOptions, DeviceOptions, ScoringOptions):
         None, gt=0, description="the engine's prefix-cache block size (default: asked from the engine)"
     )
     calibrate: bool = Field(True, description="time a few probe prompts at start-up to calibrate the cost models")
+    reuse_calibration: bool = Field(
+        True,
+        description="fit the cost models on the probe an earlier start made with the same models, settings and "
+        "machine, kept under the cache folder, instead of probing again (an engine and a draft in process only)",
+    )
+    calibration_dir: str | None = Field(
+        None, description="where the probes are kept (default: $SPECPREFILL_CACHE_DIR/calibration)"
+    )
     cost_coefficients: dict[str, list[float]] | None = Field(None, description=coefficients_help())
     api_key: SecretStr | None = Field(None, description="clients must send this as a Bearer token")
     draft_timeout: float = Field(30.0, gt=0, description="seconds before a draft falls back to the full prompt")

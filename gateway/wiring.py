@@ -24,6 +24,7 @@ from gateway.planning.costs import cost_models
 from gateway.planning.draft import DraftClient, LocalDraft, RemoteDraft
 from gateway.planning.plan import Plan
 from gateway.planning.planner import Planner
+from gateway.planning.probe_record import ProbeRecord
 from gateway.planning.score_cache import MemoryScoreCache, RedisScoreCache, ScoreCache
 from gateway.planning.scores import ScoreProvider
 from gateway.planning.token_mapping import MappedDraft, TokenMapping
@@ -50,6 +51,7 @@ async def build_serving(
             "`specprefill serve` without either serves the default real pair"
         )
     tokenizer = load_tokenizer(settings.target_model)
+    own_parts = draft is None and backend is None  # as the settings say: a probe of them can be kept
     draft = draft or await _draft(settings, tokenizer, metrics)
     served = settings.served_model_name or settings.target_model
     backends = [backend] if backend is not None else _backends(settings, served)
@@ -78,9 +80,13 @@ async def build_serving(
     for replica in replicas:
         replica.warmer = _warmer(settings, planner, replica, metrics)
     if settings.calibrate and settings.cost_coefficients is None:  # replicas of one model: the first stands for all
-        vocab = sorted(set(range(len(tokenizer))) - set(tokenizer.all_special_ids))
-        first = _sender(replicas[0].backend)
-        await calibrate(planner, lambda ids: first(ids, None), vocab, limit=prompt_limit(settings, tokenizer))
+        record = ProbeRecord.for_settings(settings) if own_parts else None
+        if record is None or not record.restore(planner):
+            vocab = sorted(set(range(len(tokenizer))) - set(tokenizer.all_special_ids))
+            first = _sender(replicas[0].backend)
+            limit = prompt_limit(settings, tokenizer)
+            if await calibrate(planner, lambda ids: first(ids, None), vocab, limit=limit) and record is not None:
+                record.save(planner)
     if settings.engine_poll_interval > 0 and kind.reads_tokens:
         for replica in replicas:
             replica.load.watch(replica.backend.load, settings.engine_poll_interval)

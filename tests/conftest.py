@@ -59,6 +59,19 @@ def long_pair(tmp_path_factory, tokenizer) -> Path:
 
 
 @pytest.fixture(scope="session", autouse=True)
+def _probes_of_this_session(tmp_path_factory):
+    """Gateways started here keep their start-up probes for this session only: a run never fits its cost models on
+    timings another run took (on a machine then busier or idler)."""
+    previous = os.environ.get("SPECPREFILL_CALIBRATION_DIR")
+    os.environ["SPECPREFILL_CALIBRATION_DIR"] = str(tmp_path_factory.mktemp("probes"))
+    yield
+    if previous is None:
+        os.environ.pop("SPECPREFILL_CALIBRATION_DIR", None)
+    else:
+        os.environ["SPECPREFILL_CALIBRATION_DIR"] = previous
+
+
+@pytest.fixture(scope="session", autouse=True)
 def _close_sdk_clients():
     yield
     while OPEN_CLIENTS:

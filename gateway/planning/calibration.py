@@ -98,15 +98,17 @@ async def calibrate(
     reads: int = 2,
     limit: int | None = None,
     grow_below_s: float = 0.5,
-) -> None:
+) -> bool:
     """The planner's cost models calibrated through ``complete(token_ids)`` (the target, one token: its completion
-    answer) and its draft (the module's docstring)."""
+    answer) and its draft (the module's docstring). Whether the probe ran to its end."""
     room = max(1, min(planner.draft.max_prompt_tokens, limit or 1 << 31) - sum(extensions))
     probed = sorted({min(n, room) for n in sizes})
     probe = Probe(planner, complete, vocab)
+    whole = True
     try:
         await probe.run(probed, extensions, reads, room, grow_below_s)
     except Exception as exc:  # a refused probe never stops the gateway from starting
+        whole = False
         logger.warning("cost-model probe stopped: %s", type(exc).__name__ + (f": {exc}" if str(exc) else ""))
     logger.info(
         "cost models calibrated on prompts up to %d tokens: target %s, draft %s",
@@ -121,3 +123,4 @@ async def calibrate(
             "gateway then learns the engine's costs from its own guesses of what the cache held, "
             "and cannot tell how good they are"
         )
+    return whole

@@ -114,6 +114,18 @@ class CostModel:
                 return
         self.refit()
 
+    @property
+    def probe_timings(self) -> list[tuple[list[float], float]]:
+        """The start-up probe's timings (features, seconds), as the fit keeps them."""
+        return [(list(features), seconds) for features, seconds in self._probe]
+
+    def restore_probe(self, timings: Sequence[tuple[Sequence[float], float]]) -> None:
+        """An earlier probe's timings in place of probing again: fitted as the probe's own would have been."""
+        if self.fixed:
+            return
+        self._probe = [([float(f) for f in features], float(seconds)) for features, seconds in timings]
+        self.refit()
+
     def _remember(self, features: list[float], seconds: float) -> None:
         row = self._seen % len(self._y)
         self._x[row], self._y[row] = features, seconds

@@ -18,8 +18,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from common.cache_folder import default_cache_dir
 from common.models import RANDOM_WEIGHTS
-from specprefill.real_models.checkpoint import default_cache_dir
 
 DEMO_VERSION = "v3"  # v2: the chat template renders tools; v3: 131,072 positions (a coding agent's prompts)
 DEMO_POSITIONS = 131_072  # random weights need no training at any length

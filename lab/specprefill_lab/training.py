@@ -18,7 +18,7 @@ from transformers import AttentionInterface, GenerationConfig, LlamaConfig, Llam
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from specprefill.real_models.checkpoint import default_cache_dir
+from common.cache_folder import default_cache_dir
 from specprefill_lab.retrieval import QUESTION_LEN, TASK_VERSION, make_bpe_tokenizer, make_sample, make_tokenizer
 
 TRAIN_ATTENTION = "specprefill_train_sdpa"

@@ -19,17 +19,11 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+from common.cache_folder import default_cache_dir
 from specprefill.real_models.catalog import RealModel
 from specprefill.real_models.gguf_files import RealModelError, check_disk, gguf_file, part_files
 
 DONE = "specprefill-real-model.json"  # written last: its presence says the checkpoint is whole
-
-
-def default_cache_dir() -> Path:
-    root = os.environ.get("SPECPREFILL_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "specprefill"
-    )
-    return Path(root)
 
 
 def checkpoint_dir(model: RealModel, cache_dir: str | Path | None = None) -> Path:
