@@ -80,7 +80,8 @@ class ProbeRecord:
         try:
             record = json.loads(self.path.read_text())
             timings = {name: [(list(f), float(s)) for f, s in record[name]] for name in ("target", "draft")}
-            assert record["ingredients"] == self.ingredients and all(timings.values())
+            if record["ingredients"] != self.ingredients or not all(timings.values()):
+                raise ValueError("another gateway's record, or an empty one")
         except FileNotFoundError:
             return False
         except Exception as exc:  # unreadable, or not this gateway's: probed again, and replaced
