@@ -5,6 +5,8 @@
     .venv/bin/python lab/benchmarks/loadtest.py --concurrency 100 --workers 1,2 --rounds 3 --slice 5   (workers)
     .venv/bin/python lab/benchmarks/loadtest.py --concurrency 50 --rounds 4 --slice 2 --against /tmp/old
         (before and after: another checkout's gateway beside this one's, after git worktree add /tmp/old REV)
+    .venv/bin/python lab/benchmarks/loadtest.py --concurrency 50 --rounds 4 --slice 2 --floor
+        (the floor: a bare proxy of the same parts, uvicorn and aiohttp, beside the gateway in the same rounds)
 
 The backend answers at once (``specprefill_lab.fast_backend``), so the numbers are the gateway's own cost.
 Prompts are short (they bypass compression: the gateway tokenizes, renders the chat template and proxies).
@@ -68,6 +70,13 @@ def _arguments() -> argparse.Namespace:
         "same arguments in front of the same backend; the three paths take turns (with --slice, slice by slice), "
         "and its CPU per request, requests/s and TTFT are printed against this checkout's, round by round",
     )
+    parser.add_argument(
+        "--floor",
+        action="store_true",
+        help="a bare streaming proxy (specprefill_lab.bare_proxy: uvicorn in, aiohttp out, nothing between) in "
+        "front of the same backend takes turns with the gateway: the least a proxy of the gateway's parts costs, "
+        "its CPU a request printed beside the gateway's, round by round",
+    )
     parser.add_argument("--out", type=Path, help="write every round's numbers to this JSON file")
     return parser.parse_args()
 
@@ -106,10 +115,10 @@ def main() -> None:
 def _measure(args: argparse.Namespace, workers: int) -> dict:
     """One stack with ``workers`` gateway processes: the sequential rounds, the loaded ones, the memory."""
     print(f"\n== {workers} gateway worker{'s' if workers > 1 else ''}{' (Redis)' if workers > 1 or args.redis else ''}")
-    paths = ("direct", "gateway", "against") if args.against else ("direct", "gateway")
-    with instant_stack(args.pin, workers, args.redis, args.against) as stack:
+    paths = ("direct", "gateway", *(["against"] if args.against else []), *(["floor"] if args.floor else []))
+    with instant_stack(args.pin, workers, args.redis, args.against, args.floor) as stack:
         for path in paths[1:]:
-            asyncio.run(closed_loop(stack.url(path)[0], "demo", 4, 2.0))  # warm-up
+            asyncio.run(closed_loop(*stack.url(path), 4, 2.0))  # warm-up
         gateway_pid = stack.pids["gateway"]
         rss_before = tree_rss_mib(gateway_pid)
         sequential = {
@@ -166,6 +175,22 @@ def _report(args: argparse.Namespace, sequential: dict[str, Round], loaded: list
         )
     if "against" in by_path:
         _compared(args, sequential, by_path)
+    if "floor" in by_path:
+        _floor(by_path)
+
+
+def _floor(by_path: dict[str, list[Round]]) -> None:
+    """The gateway's CPU a request against the bare proxy's, round by round (they took turns)."""
+    pairs = list(zip(by_path["gateway"], by_path["floor"]))
+    each = ", ".join(f"{g.cpu_ms['gateway']:.3f} / {f.cpu_ms['gateway']:.3f}" for g, f in pairs)
+    ratios = [g.cpu_ms["gateway"] / f.cpu_ms["gateway"] for g, f in pairs]
+    above = [g.cpu_ms["gateway"] - f.cpu_ms["gateway"] for g, f in pairs]
+    print(f"\nthe gateway against the bare proxy (specprefill_lab.bare_proxy), CPU ms a request, each round: {each}")
+    print(
+        f"  gateway over floor, median {statistics.median(ratios):.2f}; the gateway's own part (above the floor) "
+        f"{statistics.median(above):.3f} ms; requests/s "
+        f"{statistics.median(g.rps for g, _ in pairs):.0f} against {statistics.median(f.rps for _, f in pairs):.0f}"
+    )
 
 
 def _compared(args: argparse.Namespace, sequential: dict[str, Round], by_path: dict[str, list[Round]]) -> None:

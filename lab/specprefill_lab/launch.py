@@ -243,6 +243,14 @@ def launched_instant_backend(chunks: int = 8, first_ms: float = 0.0) -> Iterator
 
 
 @contextlib.contextmanager
+def launched_bare_proxy(backend_url: str) -> Iterator[tuple[str, subprocess.Popen]]:
+    """The floor of a Python streaming proxy (``specprefill_lab.bare_proxy``) in front of ``backend_url``."""
+    command = [sys.executable, "-m", "specprefill_lab.bare_proxy"]
+    with served(lambda port: [*command, str(port), backend_url]) as both:
+        yield both
+
+
+@contextlib.contextmanager
 def served(command: Callable[[int], list[str]], cwd: Path | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
     """``command(port)`` started on a free port (in ``cwd``); its base URL and process once it answers
     ``/health``."""

@@ -24,7 +24,7 @@ import aiohttp
 
 from common.process import rss_mib
 from specprefill_lab.demo_models import ensure_demo_models
-from specprefill_lab.launch import launched_gateway_process, launched_instant_backend
+from specprefill_lab.launch import launched_bare_proxy, launched_gateway_process, launched_instant_backend
 from specprefill_lab.load import percentile
 
 BODY = {"messages": [{"role": "user", "content": "Hello there, how are you?"}], "max_tokens": 8, "stream": True}
@@ -32,7 +32,7 @@ BODY = {"messages": [{"role": "user", "content": "Hello there, how are you?"}], 
 
 @dataclass
 class Round:
-    path: str  # "direct", "gateway", or "against" (another checkout's gateway)
+    path: str  # "direct", "gateway", "against" (another checkout's gateway) or "floor" (the bare proxy)
     requests: int
     errors: int
     seconds: float
@@ -69,26 +69,30 @@ class Round:
 class InstantStack:
     backend_url: str
     gateway_url: str
-    pids: dict[str, int]  # "gateway", "backend", and "against" where another checkout's gateway stands beside
+    pids: dict[str, int]  # "gateway", "backend", "against" where another checkout's gateway stands beside, "floor"
     against_url: str | None = None
+    floor_url: str | None = None  # the bare proxy in front of the same backend
 
     def url(self, path: str) -> tuple[str, str]:
         """Where a round on ``path`` sends its requests, and the model it names."""
         if path == "direct":
             return self.backend_url, "fast"
+        if path == "floor":
+            return self.floor_url or "", "fast"
         return (self.against_url if path == "against" else self.gateway_url) or "", "demo"
 
 
 @contextlib.contextmanager
 def instant_stack(
-    pin: bool = False, workers: int = 1, redis: bool = False, against: Path | None = None
+    pin: bool = False, workers: int = 1, redis: bool = False, against: Path | None = None, floor: bool = False
 ) -> Iterator[InstantStack]:
     """The demo gateway in front of the instant backend. ``pin``: the gateway on one core, this process (the
     client) and the backend on the others. ``workers``: the gateway as that many worker processes on its port
     (``specprefill serve --workers``, sharing state through the Redis at ``SPECPREFILL_TEST_REDIS_URL``, or
     the local one; ``redis``: one worker with it too); every number of the gateway's is then summed over its
     parent and workers. ``against``: another checkout's gateway too, the same arguments, in front of the same
-    backend (path "against"), so that two versions are measured at the machine's same speed."""
+    backend (path "against"), so that two versions are measured at the machine's same speed. ``floor``: the bare
+    proxy too (``specprefill_lab.bare_proxy``, path "floor"): the least a proxy of the same parts costs."""
     root = ensure_demo_models()
     args = [
         "--backend-url",
@@ -115,16 +119,21 @@ def instant_stack(
             if against is not None:
                 against_url, other = gateways.enter_context(launched_gateway_process(args, against))
                 pids["against"] = other.pid
+            floor_url = None
+            if floor:
+                floor_url, bare = gateways.enter_context(launched_bare_proxy(backend_url))
+                pids["floor"] = bare.pid
             for name in ("gateway", "against"):
                 if workers > 1 and name in pids:
                     _until_workers_serve(pids[name], workers)
             if pin:
                 cores = sorted(os.sched_getaffinity(0))
-                for pid in [*tree(gateway.pid), *(tree(pids["against"]) if against else [])]:
+                proxies = [pids[name] for name in ("gateway", "against", "floor") if name in pids]
+                for pid in [each for proxy in proxies for each in tree(proxy)]:
                     os.sched_setaffinity(pid, cores[:1])
                 for pid in (0, backend.pid):
                     os.sched_setaffinity(pid, cores[1:] or cores)
-            yield InstantStack(backend_url, gateway_url, pids, against_url)
+            yield InstantStack(backend_url, gateway_url, pids, against_url, floor_url)
 
 
 def _until_workers_serve(parent: int, count: int, timeout: float = 300.0) -> None:
@@ -234,8 +243,8 @@ async def closed_loop(url: str, model: str, concurrency: int, duration: float, p
 
 
 def measured_round(stack: InstantStack, path: str, concurrency: int, duration: float) -> Round:
-    """One round on ``path`` ("direct", "gateway" or "against") with each process's CPU per request and the steal
-    (``cpu_ms["gateway"]``: the gateway that served the round)."""
+    """One round on ``path`` ("direct", "gateway", "against" or "floor") with each process's CPU per request and the
+    steal (``cpu_ms["gateway"]``: the gateway, or the bare proxy, that served the round)."""
     url, model = stack.url(path)
     before = {name: tree_cpu_seconds(pid) for name, pid in stack.pids.items()} | {"client": time.process_time()}
     total_before, steal_before = machine_times()
@@ -246,12 +255,12 @@ def measured_round(stack: InstantStack, path: str, concurrency: int, duration: f
     result.cpu_ms = {name: (after[name] - before[name]) / done * 1e3 for name in after}
     # a gateway that did not serve the round idled: its CPU then is not per request of anything
     served = result.cpu_ms.pop(path, None)
-    for name in ("gateway", "against"):
+    for name in ("gateway", "against", "floor"):
         result.cpu_ms.pop(name, None)
     if served is not None:
         result.cpu_ms["gateway"] = served
     result.steal = (steal_after - steal_before) / max(1, total_after - total_before)
-    result.gateway_rss_mib = tree_rss_mib(stack.pids["against" if path == "against" else "gateway"])
+    result.gateway_rss_mib = tree_rss_mib(stack.pids[path if path in ("against", "floor") else "gateway"])
     return result
 
 
