@@ -21,6 +21,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from common.errors import error_response, to_api_error
 from common.protocol import ChatCompletionRequest, CompletionRequest, WireModel
+from common.request_body import request_body
 from gateway.entrypoints import chat, completions
 from gateway.entrypoints.http import key_accepted
 
@@ -39,7 +40,7 @@ def takes(scope: Scope) -> bool:
 async def serve(app: FastAPI, scope: Scope, receive: Receive, send: Send, whole: Handler) -> None:
     """The request served by its route's handler, or by ``whole`` (FastAPI's path) with its body replayed."""
     model, handler = ROUTES[scope["path"]]
-    body = await _body(receive)
+    body = await request_body(receive)
     if body is None:  # the client left before its body was in: no one to answer
         return
     scope["app"] = app
@@ -64,17 +65,6 @@ def _parsed(model: type[WireModel], body: bytes, raw_request: Request) -> WireMo
         return model.model_validate(orjson.loads(body))
     except (orjson.JSONDecodeError, ValidationError, RecursionError):
         return None
-
-
-async def _body(receive: Receive) -> bytes | None:
-    chunks = []
-    while True:
-        message = await receive()
-        if message["type"] != "http.request":
-            return None
-        chunks.append(message.get("body", b""))
-        if not message.get("more_body"):
-            return b"".join(chunks)
 
 
 def _replayed(body: bytes, receive: Receive) -> Receive:

@@ -15,6 +15,8 @@ import sys
 import aiohttp
 import uvicorn
 
+from common.request_body import request_body
+
 
 def make_app(backend_url: str):
     session: aiohttp.ClientSession | None = None
@@ -35,12 +37,9 @@ def make_app(backend_url: str):
             await send({"type": "http.response.start", "status": 200, "headers": []})
             await send({"type": "http.response.body", "body": b"ok"})
             return
-        body = b""
-        while True:
-            message = await receive()
-            body += message.get("body", b"")
-            if not message.get("more_body"):
-                break
+        body = await request_body(receive)
+        if body is None:  # the client left
+            return
         headers = {"content-type": "application/json"}
         async with session.post(backend_url + scope["path"], data=body, headers=headers) as answer:
             kind = answer.headers.get("content-type", "application/json").encode()

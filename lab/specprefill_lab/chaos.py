@@ -53,6 +53,7 @@ from pathlib import Path
 import httpx
 
 from common.process import free_port, quiet_openmp, rss_mib, wait_healthy
+from common.request_body import request_body
 from common.swap import KEPT_KEY, MISMATCH_CODE, SWAP_PARAM
 from gateway.planning.costs import target_features
 from specprefill_lab.bench import parse_server_timing, predicted_cached
@@ -120,12 +121,9 @@ class FaultProxy:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return
-        body = b""
-        while True:
-            message = await receive()
-            body += message.get("body", b"")
-            if not message.get("more_body"):
-                break
+        body = await request_body(receive)
+        if body is None:  # the client left
+            return
         path = scope["path"] + (f"?{scope['query_string'].decode()}" if scope["query_string"] else "")
         parsed = _json(body) if scope["method"] == "POST" else None
         if self.refuse_swaps and parsed and (parsed.get("vllm_xargs") or {}).get(KEPT_KEY) is not None:

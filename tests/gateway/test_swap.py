@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from common.models import load_causal_lm, load_tokenizer
+from common.request_body import request_body
 from gateway.app import create_app
 from specprefill_lab.bench import parse_server_timing
 from tests.helpers import (
@@ -178,12 +179,7 @@ class _RefusesSwapsMidStream:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] != "POST":
             return await self.app(scope, receive, send)
-        body = b""
-        while True:
-            message = await receive()
-            body += message.get("body", b"")
-            if not message.get("more_body"):
-                break
+        body = await request_body(receive)
         parsed = json.loads(body) if body else {}
         if parsed.get("stream") and "kept_token_ids" in (parsed.get("vllm_xargs") or {}):
             self.refused += 1
