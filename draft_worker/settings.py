@@ -54,6 +54,12 @@ class ScoringOptions(BaseSettings):
     chunk_size: int = Field(
         _DEFAULTS.chunk_size, description="tokens are kept in contiguous chunks of this size (1: single tokens)"
     )
+    max_chunks: int = Field(
+        _DEFAULTS.max_chunks,
+        ge=0,
+        description="a selection keeps at most about this many chunks: where the keep rate buys more chunks of "
+        "--chunk-size, the chunks double until it does not (0: off, always --chunk-size, the paper's)",
+    )
     protect_first: int = Field(_DEFAULTS.protect_first, description="the first N tokens are always kept (0: off)")
     protect_last: int = Field(_DEFAULTS.protect_last, description="the last N tokens are always kept (0: off)")
     cuda_graphs: bool = Field(
@@ -83,6 +89,7 @@ class ScoringOptions(BaseSettings):
             propagate_layer=self.propagate_layer,
             propagate_rate=self.propagate_rate,
             chunk_size=self.chunk_size,
+            max_chunks=self.max_chunks,
             protect_first=self.protect_first,
             protect_last=self.protect_last,
         )

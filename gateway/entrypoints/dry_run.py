@@ -74,6 +74,7 @@ class DryRunAPI:
                 "reason": plan.reason,
                 "plan": plan.kind,
                 "kept": runs(plan.sent_position_ids()),
+                "chunk_size": config.chunk_for(len(prompt.token_ids), rate),
             }
             if plan.status != "compressed" and rate < 1:  # sent whole: what the rule would have dropped
                 shown["selected"] = runs(select_tokens(prompt.token_ids, scores, rate, config, special, prompt.keep))
@@ -89,7 +90,7 @@ class DryRunAPI:
             token_pieces(serving.tokenizer, prompt.token_ids),
             scores,
             protected,
-            config.chunk_size,
+            config.chunk_for(len(prompt.token_ids), shown_rate),
             shown_rate,
             plans,
             draft_ms=draft_ms,

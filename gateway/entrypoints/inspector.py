@@ -57,8 +57,9 @@ def inspection(
     }
 
 
-def selections(select: Callable[[float], list[int]]) -> dict[float, dict[str, Any]]:
-    """The grid's plans from a selection rule alone (``specprefill score``: no planner, no bypasses)."""
+def selections(select: Callable[[float], list[int]], chunk_for: Callable[[float], int]) -> dict[float, dict[str, Any]]:
+    """The grid's plans from a selection rule alone (``specprefill score``: no planner, no bypasses); ``chunk_for``:
+    the chunk size each rate's selection is cut in (``SelectionConfig.chunk_for``)."""
     plans = {}
     for rate in KEEP_RATES:
         kept = select(rate)
@@ -67,6 +68,7 @@ def selections(select: Callable[[float], list[int]]) -> dict[float, dict[str, An
             "reason": None if rate < 1 else "keep_rate_one",
             "plan": "fresh" if rate < 1 else "whole",
             "kept": runs(kept),
+            "chunk_size": chunk_for(rate),
         }
     return plans
 

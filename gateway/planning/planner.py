@@ -330,7 +330,7 @@ class Planner:
         engine holds. Held tokens past the cached ones are read anew, as the whole prompt reads them. An
         extension of ``earlier`` reads its kept tokens below where the prompts part from the engine's cache:
         ``head_cached`` of them (None: all)."""
-        chunk = self.draft.config.chunk_size
+        chunk = self.draft.config.chunk_for(n - held, options.keep_rate)
         kept = min(n, held + math.ceil(math.ceil((n - held) / chunk) * options.keep_rate) * chunk)
         served = min(held, cached)
         least = self.target_cost.predict(kept - served, served)
@@ -381,7 +381,7 @@ class Planner:
             if (
                 start > 0
                 and selection.keep_rate >= keep_rate
-                and self._covers(scores, selection.kept, reference, start)
+                and self._covers(scores, selection.kept, reference, start, keep_rate)
             ):
                 extended = extend_selection(
                     token_ids,
@@ -400,9 +400,12 @@ class Planner:
                 )
         return candidates
 
-    def _covers(self, scores: torch.Tensor, reused: tuple[int, ...], fresh: list[int], end: int) -> bool:
-        """Whether the earlier selection keeps, below ``end``, enough of what a fresh one would keep there."""
-        chunk = self.draft.config.chunk_size
+    def _covers(
+        self, scores: torch.Tensor, reused: tuple[int, ...], fresh: list[int], end: int, keep_rate: float
+    ) -> bool:
+        """Whether the earlier selection keeps, below ``end``, enough of what a fresh one would keep there (in the
+        fresh selection's chunks)."""
+        chunk = self.draft.config.chunk_for(scores.numel(), keep_rate)
         wanted = kept_importance(scores, fresh, end, chunk)
         return wanted == 0 or kept_importance(scores, reused, end, chunk) >= self.settings.reuse_threshold * wanted
 

@@ -96,7 +96,8 @@ def run_score(options: Score) -> int:
     print(render_kept(worker.tokenizer, token_ids, kept, color=sys.stdout.isatty()))
     print(
         f"\nkept {len(kept)} of {len(token_ids)} tokens ({len(kept) / len(token_ids):.1%}; "
-        f"keep rate {rate:g}{' (auto)' if options.keep_rate == 'auto' else ''}, chunks of {config.chunk_size})",
+        f"keep rate {rate:g}{' (auto)' if options.keep_rate == 'auto' else ''}, "
+        f"chunks of {config.chunk_for(len(token_ids), rate)})",
         file=sys.stderr,
     )
     return 0
@@ -110,12 +111,15 @@ def write_html(
     from common.tokenize import token_pieces
     from gateway.entrypoints.inspector import inspection, page, selections
 
-    plans = selections(lambda rate: select_tokens(token_ids, scores, rate, config, special))
+    plans = selections(
+        lambda rate: select_tokens(token_ids, scores, rate, config, special),
+        lambda rate: config.chunk_for(len(token_ids), rate),
+    )
     data = inspection(
         token_pieces(tokenizer, token_ids),
         scores,
         always_kept(token_ids, config, special),
-        config.chunk_size,
+        config.chunk_for(len(token_ids), keep_rate),
         round(keep_rate, 2),
         plans,
         model=model,

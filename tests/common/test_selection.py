@@ -9,6 +9,7 @@ import torch
 from common.selection import (
     AutoKeepRate,
     ConfigError,
+    SelectionConfig,
     applied_keep_rate,
     fill_blocks,
     protected_mask,
@@ -75,6 +76,37 @@ def test_kept_tokens_meet_the_budget_and_overshoot_by_less_than_a_chunk(seed):
         assert bool(torch.isin(protected.nonzero().squeeze(1), kept).all())
 
 
+@pytest.mark.parametrize(
+    ("length", "rate", "chunk"),
+    [
+        (2000, 0.3, 32),  # 19 chunks of 32: within 64
+        (8000, 0.1, 32),  # 25
+        (16003, 0.1, 32),  # 51
+        (8003, 0.3, 64),  # 76 of 32, 38 of 64
+        (16003, 0.3, 128),  # 151 of 32, 76 of 64, 38 of 128
+        (32000, 0.1, 64),  # 100 of 32, 50 of 64
+        (16003, 1.0, 32),  # the whole prompt: no chunks
+    ],
+)
+def test_max_chunks_doubles_the_chunks_while_the_budget_buys_more(length, rate, chunk):
+    config = SelectionConfig(max_chunks=64)
+    assert config.chunk_for(length, rate) == chunk
+    assert SelectionConfig().chunk_for(length, rate) == 32  # off by default: the paper's chunks
+
+
+def test_a_capped_selection_is_the_plain_rule_in_the_longer_chunks():
+    """``select_tokens`` with ``max_chunks`` keeps what the plain rule keeps in chunks of the size it chose, and at
+    most about ``max_chunks`` runs of them."""
+    scores = torch.rand(8003, generator=torch.Generator().manual_seed(1))
+    ids = list(range(8003))
+    capped = SelectionConfig(max_chunks=48, protect_first=0, protect_last=0)
+    kept = select_tokens(ids, scores, 0.3, capped)
+    assert kept == select_chunks(scores, 0.3, 64, protected_mask(8003, 0, 1)).tolist()
+    starts = [i for i in kept if i % 64 == 0]
+    assert len(starts) <= 48 and all(i % 64 == 0 for i in starts)
+    assert kept != select_tokens(ids, scores, 0.3, SelectionConfig(protect_first=0, protect_last=0))
+
+
 def test_protection_wins_over_a_small_budget():
     protected = protected_mask(100, protect_first=10, protect_last=10)
     kept = select_chunks(torch.rand(100), 0.01, 1, protected).tolist()
@@ -106,6 +138,7 @@ def test_bad_keep_rates(rate):
         {"propagate_layer": -1},
         {"propagate_rate": 0.0},
         {"propagate_rate": 1.5},
+        {"max_chunks": -1},
     ],
 )
 def test_bad_scoring_config(kwargs):

@@ -13,8 +13,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 from common.models import load_tokenizer
+from common.selection import select_tokens
 from common.tokenize import token_pieces
 from gateway.app import create_app
 from gateway.entrypoints.inspector import page, runs
@@ -107,6 +109,26 @@ def test_bad_input_is_a_400_that_says_what_to_change(gateway_url, body, headers,
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == param and words in error["message"], error
+
+
+def test_a_gateway_with_max_chunks_sends_and_shows_the_longer_chunks(model_pair, engine_backend):
+    """``--max-chunks``: the gateway sends the one rule's selection in the chunks it chose, the inspector says which."""
+    settings = gateway_settings(model_pair, backend_url=engine_backend[0], backend_kind="reference", max_chunks=2)
+    config = settings.scoring_config()
+    with serve(create_app(settings)) as url:
+        sent = compress(url, LONG_DOC, 0.3, return_scores=True)
+        data = httpx.post(
+            f"{url}/v1/specprefill/inspect", json={"prompt": LONG_DOC}, headers={"x-keep-rate": "0.3"}, timeout=60
+        ).json()
+    n = sent["original_tokens"]
+    grid = {entry["keep_rate"]: entry for entry in data["keep_rates"]}
+    assert grid[0.3]["chunk_size"] == config.chunk_for(n, 0.3) > config.chunk_size  # LONG_DOC buys > 2 chunks
+    assert grid[1.0]["chunk_size"] == config.chunk_size
+    assert [i for a, b in grid[0.3]["kept"] for i in range(a, b)] == kept_positions(sent)
+    ids = load_tokenizer(str(model_pair / "target"))(LONG_DOC).input_ids
+    assert len(ids) == n
+    rule = select_tokens(ids, torch.tensor(sent["scores"]), 0.3, config)
+    assert rule == kept_positions(sent)
 
 
 def test_page_and_data_are_behind_the_api_key(model_pair, engine_backend):
