@@ -35,7 +35,9 @@ class VLLMServer:
             **quiet_openmp(),
             "VLLM_TARGET_DEVICE": "cpu",
             "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
-            "VLLM_CACHE_ROOT": str(Path(python).parents[1] / "compile-cache"),
+            # one compile cache for the plugin's servers and one for stock vLLM's: neither loads a graph the other
+            # compiled (a warm run once saw their top logprobs 0.003 apart)
+            "VLLM_CACHE_ROOT": str(Path(python).parents[1] / "compile-cache" / ("plugin" if plugin else "stock")),
         }
         if not pinned:
             env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
