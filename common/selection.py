@@ -35,6 +35,11 @@ class SelectionConfig:
     chunks double until it does not (``chunk_for``), so a long prompt at a high keep rate is read in fewer, longer
     runs. 0: off, every selection in chunks of ``chunk_size`` (the paper's). This project's option, measured on
     the quality page, not the paper's."""
+    min_chunks: int = 0
+    """A selection keeps at least about this many chunks: where the budget buys fewer chunks of ``chunk_size``,
+    the chunks halve (down to single tokens) until it does not, so a short prompt at a low keep rate is read in
+    more places. 0: off. With ``max_chunks``, at most half of it (one chunk size always fits between them). This
+    project's option, measured on the quality page, not the paper's."""
 
     def __post_init__(self) -> None:
         if self.chunk_size < 1:
@@ -43,14 +48,27 @@ class SelectionConfig:
             raise ConfigError("protect_first and protect_last must be >= 0")
         if self.max_chunks < 0:
             raise ConfigError(f"max_chunks must be >= 0 (0: off), got {self.max_chunks}")
+        if self.min_chunks < 0:
+            raise ConfigError(f"min_chunks must be >= 0 (0: off), got {self.min_chunks}")
+        if self.min_chunks and self.max_chunks and 2 * self.min_chunks > self.max_chunks:
+            raise ConfigError(
+                f"min_chunks ({self.min_chunks}) must be at most half of max_chunks ({self.max_chunks}), so that "
+                "a chunk size fits between them: lower min_chunks or raise max_chunks"
+            )
 
     def chunk_for(self, length: int, keep_rate: float) -> int:
         """The chunk size a selection of ``keep_rate`` of a ``length``-token prompt is cut in: ``chunk_size``,
-        doubled while the budget (``chunk_budget``) buys more than ``max_chunks`` chunks of it."""
+        doubled while the budget (``chunk_budget``) buys more than ``max_chunks`` chunks of it, or halved while it
+        buys fewer than ``min_chunks``."""
         chunk = self.chunk_size
-        if self.max_chunks and keep_rate < 1.0:
+        if keep_rate >= 1.0:
+            return chunk
+        if self.max_chunks:
             while chunk < length and chunk_budget(length, chunk, keep_rate) > self.max_chunks:
                 chunk *= 2
+        if self.min_chunks:
+            while chunk > 1 and chunk_budget(length, chunk, keep_rate) < self.min_chunks:
+                chunk //= 2
         return chunk
 
 

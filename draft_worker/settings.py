@@ -60,6 +60,12 @@ class ScoringOptions(BaseSettings):
         description="a selection keeps at most about this many chunks: where the keep rate buys more chunks of "
         "--chunk-size, the chunks double until it does not (0: off, always --chunk-size, the paper's)",
     )
+    min_chunks: int = Field(
+        _DEFAULTS.min_chunks,
+        ge=0,
+        description="a selection keeps at least about this many chunks: where the keep rate buys fewer chunks of "
+        "--chunk-size, the chunks halve until it does not (0: off; at most half of --max-chunks)",
+    )
     protect_first: int = Field(_DEFAULTS.protect_first, description="the first N tokens are always kept (0: off)")
     protect_last: int = Field(_DEFAULTS.protect_last, description="the last N tokens are always kept (0: off)")
     cuda_graphs: bool = Field(
@@ -90,6 +96,7 @@ class ScoringOptions(BaseSettings):
             propagate_rate=self.propagate_rate,
             chunk_size=self.chunk_size,
             max_chunks=self.max_chunks,
+            min_chunks=self.min_chunks,
             protect_first=self.protect_first,
             protect_last=self.protect_last,
         )

@@ -94,6 +94,35 @@ def test_max_chunks_doubles_the_chunks_while_the_budget_buys_more(length, rate, 
     assert SelectionConfig().chunk_for(length, rate) == 32  # off by default: the paper's chunks
 
 
+@pytest.mark.parametrize(
+    ("length", "rate", "chunk"),
+    [
+        (2000, 0.1, 8),  # 7 chunks of 32, 13 of 16, 25 of 8
+        (2000, 0.3, 32),  # 19 of 32: within 16 to 64
+        (2000, 0.05, 4),  # 4, 7, 13, 25 of 4
+        (8000, 0.1, 32),  # 25
+        (16003, 0.1, 32),  # 51
+        (16003, 0.3, 128),  # the cap above still doubles
+        (40, 0.1, 1),  # 4 tokens of 40: single tokens, never below
+        (2000, 1.0, 32),  # the whole prompt: no chunks
+    ],
+)
+def test_min_chunks_halves_the_chunks_while_the_budget_buys_fewer(length, rate, chunk):
+    config = SelectionConfig(min_chunks=16, max_chunks=64)
+    assert config.chunk_for(length, rate) == chunk
+    assert SelectionConfig(min_chunks=16).chunk_for(length, rate) == min(chunk, 32)
+
+
+def test_a_floored_selection_is_the_plain_rule_in_the_shorter_chunks():
+    scores = torch.rand(2000, generator=torch.Generator().manual_seed(2))
+    config = SelectionConfig(min_chunks=16, protect_first=0, protect_last=0)
+    kept = select_tokens(list(range(2000)), scores, 0.1, config)
+    assert kept == select_chunks(scores, 0.1, 8, protected_mask(2000, 0, 1)).tolist()
+    assert len(kept) == 201 and kept != select_tokens(  # 25 chunks of 8 and the last token
+        list(range(2000)), scores, 0.1, SelectionConfig(protect_first=0, protect_last=0)
+    )
+
+
 def test_a_capped_selection_is_the_plain_rule_in_the_longer_chunks():
     """``select_tokens`` with ``max_chunks`` keeps what the plain rule keeps in chunks of the size it chose, and at
     most about ``max_chunks`` runs of them."""
@@ -139,6 +168,8 @@ def test_bad_keep_rates(rate):
         {"propagate_rate": 0.0},
         {"propagate_rate": 1.5},
         {"max_chunks": -1},
+        {"min_chunks": -1},
+        {"min_chunks": 40, "max_chunks": 64},  # no chunk size need fit between them
     ],
 )
 def test_bad_scoring_config(kwargs):
