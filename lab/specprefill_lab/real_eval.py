@@ -83,7 +83,8 @@ class EvalPair:
             name += f"-{pair.draft_layers}"
         elif self.draft is None:
             name = "target"
-        return name + (f"/w{pair.observation_window}" if pair.observation_window > 1 else "")
+        name += f"/w{pair.observation_window}" if pair.observation_window > 1 else ""
+        return name + (f"/cap{pair.max_chunks}" if pair.max_chunks else "")
 
     @property
     def rule(self) -> str:
@@ -115,9 +116,15 @@ def variants(
     out |= {
         f"{name}/w{n}": [*args, "--observation-window", str(n)] for name, args in list(out.items()) for n in windows
     }
-    base, _, window = pair.default_variant.partition("/w")
-    if window and base in out:  # the served default's window is always one of the rows too
-        out.setdefault(pair.default_variant, [*out[base], "--observation-window", window])
+    base, *rest = pair.default_variant.split("/")
+    if rest and base in out:  # the served default's window and chunks are always one of the rows too
+        flags = [*out[base]]
+        if pair.pair.observation_window > 1:
+            flags += ["--observation-window", str(pair.pair.observation_window)]
+            out.setdefault(f"{base}/w{pair.pair.observation_window}", [*flags])
+        if pair.pair.max_chunks:
+            flags += ["--max-chunks", str(pair.pair.max_chunks)]
+        out.setdefault(pair.default_variant, flags)
     out |= {kind: ["--draft-model", f"baseline:{kind}"] for kind in ("random", "head", "tail")}
     return out
 

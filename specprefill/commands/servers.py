@@ -69,7 +69,8 @@ class Serve(GatewaySettings):
     def with_default_models(self) -> GatewaySettings:
         """Without --target-model and --draft-model: the real pair that --real-pair names, each model made on
         first use from the GGUF files PyPI packages ship (``specprefill.real_models``), served under its name
-        and the names clients send for it, with the pair's draft layers and observation window (where not set)."""
+        and the names clients send for it, with the pair's draft layers, observation window and cap on the
+        count of chunks (where not set)."""
         if self.target_model is not None or self.draft_model is not None:
             return self
         from specprefill.real_models.catalog import real_pair
@@ -92,6 +93,7 @@ class Serve(GatewaySettings):
                 "observation_window": self.observation_window
                 if "observation_window" in self.model_fields_set
                 else pair.observation_window,
+                "max_chunks": self.max_chunks if "max_chunks" in self.model_fields_set else pair.max_chunks,
                 "served_model_name": name,
                 "model_alias": [*self.model_alias, *(a for a in aliases if a not in self.model_alias)],
             }

@@ -61,7 +61,9 @@ def test_a_draft_with_an_observation_window_is_its_own_variant_and_row(qwen, smo
     drafts = variants(qwen, (4,), (12,), windows=(16,))
     assert drafts["0.5b"] == ["--draft-model", str(qwen.draft)]
     assert drafts["0.5b-12/w16"] == [*drafts["0.5b-12"], "--observation-window", "16"]
-    assert qwen.default_variant in drafts
+    assert qwen.default_variant == "0.5b/w16/cap64"  # what `make serve` runs, one of the rows
+    assert drafts[qwen.default_variant] == [*drafts["0.5b/w16"], "--max-chunks", "64"]
+    assert variants(qwen, (4,))["0.5b/w16"] == [*drafts["0.5b"], "--observation-window", "16"]
     rows = [
         {
             "task": "fact",

@@ -41,7 +41,9 @@ def test_make_serve_serves_the_pair_under_the_names_clients_send():
     assert (settings.draft_layers, settings.observation_window) == (pair.draft_layers, pair.observation_window)
     assert settings.served_model_name == "Qwen2.5-Coder-1.5B-Instruct"
     assert {"Qwen/Qwen2.5-Coder-1.5B-Instruct", "qwen2.5-coder:1.5b"} <= set(settings.model_alias)
+    assert settings.max_chunks == pair.max_chunks == 64
     assert Serve(port=0, observation_window=1).with_default_models().observation_window == 1  # asked for: kept
+    assert Serve(port=0, max_chunks=0).with_default_models().max_chunks == 0  # the paper's fixed chunks, asked for
     small = Serve(port=0, real_pair="smollm2").with_default_models()
     assert (small.served_model_name, small.draft_layers, small.observation_window) == ("SmolLM2-135M-Instruct", 8, 16)
     assert small.draft_model == small.target_model
