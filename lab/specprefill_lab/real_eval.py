@@ -3,7 +3,7 @@ facts planted in the standard library's prose and about its code (``specprefill_
 gateways, with each draft and at each keep rate.
 
 Every draft is one ``specprefill serve`` process serving the pair's target on the in-process reference engine,
-asked with the OpenAI SDK as a user would (``x-keep-rate`` per request, greedy, 24 tokens):
+asked with the OpenAI SDK as a user would (``x-keep-rate`` per request, greedy, up to 64 tokens):
 
 - ``target``: the target as its own draft (the paper's upper bound);
 - ``self-K``: the target's first K layers with its final norm and head (``--draft-layers K``);
@@ -52,7 +52,7 @@ KEEP_RATES = (0.3, 0.1, 0.05)
 LENGTHS = (2000, 8000, 16000)
 SELF_LAYERS = (4, 8, 12)
 CROSS_DRAFT = Path(__file__).resolve().parent / "data" / "retrieval-pair" / "draft-bpe"
-MAX_TOKENS = 24
+MAX_TOKENS = 64  # the longest answer: 24 until 2026-12-07, which cut some wordy answers before their value
 
 
 @dataclass(frozen=True)
@@ -215,7 +215,14 @@ def _done(path: Path) -> dict[str, dict]:
     # a draft's answer from a prompt that went whole because its draft failed measured nothing: asked again; one
     # that went whole because the draft cannot read that many tokens would go whole again: kept
     rows = [r for r in rows if r["variant"] == "full" or r["status"] == "compressed" or r.get("reason") in FINAL]
+    rows = [r for r in rows if not cut_short(r)]
     return {_key(r["length"], r["index"], r["task"], r["variant"], r["keep"]): r for r in rows}
+
+
+def cut_short(row: dict, max_tokens: int = MAX_TOKENS) -> bool:
+    """Whether an answer is asked again: it was wrong where its answer ran into a lower limit of tokens than
+    ``max_tokens`` (greedy: the longer answer begins with it, so a right one stays right and needs no asking)."""
+    return row.get("finish") == "length" and not row["correct"] and row.get("max_tokens", max_tokens) < max_tokens
 
 
 def _ask(client: openai.OpenAI, model: str, item: Item, variant: str, keep: Keep) -> dict:
@@ -228,7 +235,8 @@ def _ask(client: openai.OpenAI, model: str, item: Item, variant: str, keep: Keep
         extra_headers=headers,
         extra_body=body,
     )
-    text = raw.parse().choices[0].message.content or ""
+    choice = raw.parse().choices[0]
+    text = choice.message.content or ""
     return {
         "length": item.length,
         "index": item.index,
@@ -241,6 +249,8 @@ def _ask(client: openai.OpenAI, model: str, item: Item, variant: str, keep: Keep
         "reason": raw.headers.get("x-specprefill-reason"),  # why it went whole, where it did
         "applied": float(raw.headers["x-specprefill-keep-rate"]),  # the rate applied (auto: the one chosen)
         "answer": text,
+        "max_tokens": MAX_TOKENS,
+        "finish": choice.finish_reason,  # "length": cut at max_tokens
         "expected": item.sample.answer,
         "correct": item.sample.correct(text),
         "obeys": item.sample.obeys(text),

@@ -203,6 +203,21 @@ def test_a_resume_asks_again_only_what_could_go_otherwise(tmp_path):
     assert sorted(r["index"] for r in _done(tmp_path / "answers.jsonl").values()) == [0, 1, 3]
 
 
+def test_a_resume_asks_again_a_wrong_answer_cut_at_a_lower_limit(tmp_path):
+    from specprefill_lab.real_eval import MAX_TOKENS, _done
+
+    base = {"length": 2000, "task": "code", "keep": 0.1, "variant": "0.5b", "status": "compressed"}
+    rows = [
+        {**base, "index": 0, "max_tokens": 24, "finish": "length", "correct": False},  # asked again
+        {**base, "index": 1, "max_tokens": 24, "finish": "length", "correct": True},  # the longer one begins so
+        {**base, "index": 2, "max_tokens": 24, "finish": "stop", "correct": False},  # it had ended
+        {**base, "index": 3, "max_tokens": MAX_TOKENS, "finish": "length", "correct": False},  # at today's limit
+        {**base, "index": 4, "correct": False},  # not known to be cut
+    ]
+    (tmp_path / "answers.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert sorted(r["index"] for r in _done(tmp_path / "answers.jsonl").values()) == [1, 2, 3, 4]
+
+
 def test_auto_cells_follow_the_fixed_rates_with_the_rates_applied():
     from specprefill_lab.real_eval import _key, keep_request, markdown_summary, summarize
 
