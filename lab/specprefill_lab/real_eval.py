@@ -204,18 +204,20 @@ def answered(paths: Iterable[Path]) -> list[dict]:
     one question, the later file's answer)."""
     done: dict[str, dict] = {}
     for path in paths:
-        done |= _done(path)
+        done |= _done(path, redo_cut=False)
     return list(done.values())
 
 
-def _done(path: Path) -> dict[str, dict]:
+def _done(path: Path, redo_cut: bool = True) -> dict[str, dict]:
+    """The answers a resume keeps, by question; ``redo_cut``: without the answers it asks again (``cut_short``),
+    which the tables still count as they stand until they are."""
     if not path.exists():
         return {}
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     # a draft's answer from a prompt that went whole because its draft failed measured nothing: asked again; one
     # that went whole because the draft cannot read that many tokens would go whole again: kept
     rows = [r for r in rows if r["variant"] == "full" or r["status"] == "compressed" or r.get("reason") in FINAL]
-    rows = [r for r in rows if not cut_short(r)]
+    rows = [r for r in rows if not (redo_cut and cut_short(r))]
     return {_key(r["length"], r["index"], r["task"], r["variant"], r["keep"]): r for r in rows}
 
 
@@ -409,7 +411,7 @@ def run_real_eval(
             jobs = _jobs(everything, drafts, keep_rates, done, order, counts)
             for future in [pool.submit(answer, job) for job in jobs]:
                 future.result()
-    return list(done.values())
+    return answered([answers])
 
 
 def wilson(successes: int, total: int, z: float = 1.96) -> tuple[float, float]:

@@ -204,7 +204,7 @@ def test_a_resume_asks_again_only_what_could_go_otherwise(tmp_path):
 
 
 def test_a_resume_asks_again_a_wrong_answer_cut_at_a_lower_limit(tmp_path):
-    from specprefill_lab.real_eval import MAX_TOKENS, _done
+    from specprefill_lab.real_eval import MAX_TOKENS, _done, answered
 
     base = {"length": 2000, "task": "code", "keep": 0.1, "variant": "0.5b", "status": "compressed"}
     rows = [
@@ -216,6 +216,8 @@ def test_a_resume_asks_again_a_wrong_answer_cut_at_a_lower_limit(tmp_path):
     ]
     (tmp_path / "answers.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert sorted(r["index"] for r in _done(tmp_path / "answers.jsonl").values()) == [1, 2, 3, 4]
+    # the tables count it as it stands (wrong) until it is asked again
+    assert sorted(r["index"] for r in answered([tmp_path / "answers.jsonl"])) == [0, 1, 2, 3, 4]
 
 
 def test_auto_cells_follow_the_fixed_rates_with_the_rates_applied():
