@@ -28,6 +28,7 @@ from common.models import load_tokenizer
 from specprefill.real_models.catalog import DEFAULT_PAIR, real_pair
 from specprefill_lab.launch import launched_gateway
 from specprefill_lab.real_eval import (
+    MAX_TOKENS,
     EvalPair,
     Keep,
     gateway_args,
@@ -66,7 +67,7 @@ def plan_row(client: httpx.Client, url: str, tokenizer, name: str, item, keep: K
     headers, extension = keep_request(keep)
     reply = client.post(
         f"{url}/v1/specprefill/compress",
-        json={"messages": messages, "max_tokens": 24, **(extension or {})},
+        json={"messages": messages, "max_tokens": MAX_TOKENS, **(extension or {})},
         headers=headers,
     )
     reply.raise_for_status()

@@ -30,7 +30,7 @@ from common.models import eos_token_ids, load_causal_lm, load_tokenizer
 from engine.runner import decode_one, prefill
 from specprefill.real_models.catalog import DEFAULT_PAIR, real_pair
 from specprefill_lab.launch import launched_gateway
-from specprefill_lab.real_eval import EvalPair, gateway_args, items, keep_request, variants
+from specprefill_lab.real_eval import MAX_TOKENS, EvalPair, gateway_args, items, keep_request, variants
 
 HEAD, QUESTION = 32, 80  # the chat's first tokens and the last ones (the question), kept by every variant
 
@@ -55,7 +55,7 @@ def selection(mode: str, kept: list[int], at: int, total: int) -> tuple[list[int
     return chosen, chosen
 
 
-def greedy(model, tokens: list[int], positions: list[int], eos: set[int], steps: int = 12) -> list[int]:
+def greedy(model, tokens: list[int], positions: list[int], eos: set[int], steps: int = MAX_TOKENS) -> list[int]:
     """The target's greedy answer to ``tokens`` at ``positions`` (its answer continues after the last)."""
     with torch.inference_mode():
         logits, cache = prefill(model, torch.tensor([tokens]), torch.tensor([positions]), capacity=len(tokens) + steps)
@@ -101,7 +101,7 @@ def main() -> None:
     with launched_gateway([*gateway_args(pair, "cpu"), *variants(pair)[draft]]) as url, httpx.Client(timeout=1800) as c:
         headers, extension = keep_request(args.keep)
         for item in asked:
-            body = {"messages": item.sample.messages, "max_tokens": 24, **(extension or {})}
+            body = {"messages": item.sample.messages, "max_tokens": MAX_TOKENS, **(extension or {})}
             reply = c.post(f"{url}/v1/specprefill/compress", json=body, headers=headers)
             reply.raise_for_status()
             plans.append(reply.json())
