@@ -16,9 +16,10 @@ breaks one part at a time and then several together:
             must be refused at once, ``/health`` must keep answering, and the memory they used must be given back
   burst     the load's rate five times over: past ``--max-queue-wait``, requests are shed with a 503 and
             ``Retry-After``; the ones admitted must still meet the time the gateway predicted for them
-and at the end a SIGTERM to the gateway while it serves (and warms): the short requests in flight finish, long
-ones still generating when the drain's limit runs out are ended in their API's shape (a 503 with ``Retry-After``,
-or an error event and ``[DONE]`` on a stream), and a request sent after the signal gets a 503.
+and at the end a SIGTERM to the gateway while it serves (and warms): the short requests in flight finish (where the
+machine answers within the drain's limit), long ones still generating when the limit runs out are ended in their
+API's shape (a 503 with ``Retry-After``, or an error event and ``[DONE]`` on a stream), none before it, and a
+request sent after the signal gets a 503.
 
 ``/health`` is asked every 100 ms throughout, and its slowest answer kept per phase. Between the gateway and the
 engine sits a recording proxy (``FaultProxy``), which also keeps each failure of its own connection to the engine
@@ -79,6 +80,7 @@ PRICED = ((1500, 0), (450, 0), (64, 1000))
 BURST = 5  # the burst's rate over the load's
 BIG_BODIES = ((5_000_000, "/v1/chat/completions"), (15_000_000, "/v1/completions"), (5_000_000, "/v1/messages"))
 DRAIN_S = 5.0  # the gateway's --drain-timeout: the SIGTERM's long requests are cut off at it
+CUT_OFF_FIELDS = ("number", "api", "stream", "status", "cause", "shaped", "retry_after", "done", "seconds")
 WARMING = re.compile(r'^specprefill_warming_total\{outcome="(\w+)"\} (\S+)$', re.MULTILINE)
 
 
@@ -536,6 +538,7 @@ class ChaosRun:
         ]
         self.samples.extend(terms)
         bodies = [self.load(s.number)[3] for s in terms]
+        long_answers = [sample.number for sample in terms[1::2]]
         for sample, body in list(zip(terms, bodies))[1::2]:
             sample.api, bodies[sample.number - first] = _long(sample.api, body)
         gateway = self.url["gateway"]
@@ -550,11 +553,8 @@ class ChaosRun:
         return {
             "sent_around_the_signal": len(finished),
             "statuses": dict(Counter(str(s.status) for s in finished)),
-            "cut_off": [
-                {key: getattr(s, key) for key in ("api", "stream", "status", "cause", "shaped", "retry_after", "done")}
-                for s in finished
-                if s.status != 200
-            ],
+            "long_answers": long_answers,
+            "cut_off": [{key: getattr(s, key) for key in CUT_OFF_FIELDS} for s in finished if s.status != 200],
             "sent_after_the_signal": refused.status,
             "exit_status": await asyncio.to_thread(self.gateway.process.wait, 60),
         }
@@ -680,8 +680,12 @@ async def _check_answers(report: ChaosReport, proxy: FaultProxy, root: Path, por
                 )
                 report.answers_checked += 1
                 user = body.get("user")
-                got = by_user[user].answer if user in by_user else text
-                if expected != text or got != text:
+                sample = by_user.get(user)  # None: the gateway's own request (warming), no client's
+                got = text if sample is None else sample.answer
+                # a client answered with an error (a drain's cut, a fault's 502) got no answer to compare: its
+                # status is judged on its own; the engine may still have finished the request after the cut
+                delivered = sample is None or sample.status == 200
+                if expected != text or (delivered and got != text):
                     report.wrong_answers.append({"user": user, "engine": text, "client": got, "oracle": expected})
     finally:
         oracle.kill()

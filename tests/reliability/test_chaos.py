@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from specprefill_lab.chaos import FAULTS, format_chaos, run_chaos
+from specprefill_lab.chaos import DRAIN_S, FAULTS, format_chaos, run_chaos
 from specprefill_lab.demo_models import ensure_demo_models
 
 
@@ -58,13 +58,20 @@ def test_faults_under_load_lose_nothing_and_change_no_answer(tmp_path):
     assert all(
         0.5 <= price <= 2 for phase, prices in summary["target_prices"].items() if phase != "start" for price in prices
     ), summary["target_prices"]
-    # the drain: short requests finish; long ones are ended at its limit, in shape (a 503 with Retry-After, or
-    # an error event and [DONE] on a stream); a request after the signal gets a 503
+    # the drain: long answers are ended at its limit, none before it, in shape (a 503 with Retry-After, or an error
+    # event and [DONE] on a stream); short ones finish where this machine answers within half the limit (its
+    # slowest answer in the calm, the yardstick: 2 AVX2 cores took 3-5 s a request there, and a short one was cut at
+    # the 5 s limit); a request after the signal gets a 503
     sigterm = summary["sigterm"]
-    assert sigterm["statuses"].get("200", 0) >= 2 and sigterm["sent_after_the_signal"] == 503, sigterm
-    assert len(sigterm["cut_off"]) == 4, sigterm
-    for cut in sigterm["cut_off"]:
+    assert sigterm["sent_after_the_signal"] == 503, sigterm
+    cut_off = {cut["number"]: cut for cut in sigterm["cut_off"]}
+    assert set(sigterm["long_answers"]) <= set(cut_off), sigterm
+    calm_slowest = max(s.seconds for s in report.samples if s.phase == "calm" and s.status == 200)
+    if calm_slowest <= DRAIN_S / 2:
+        assert sigterm["statuses"].get("200", 0) >= 2, (sigterm, calm_slowest)
+    for cut in cut_off.values():
         assert cut["shaped"] and cut["cause"] == "overloaded_error", cut
+        assert cut["seconds"] >= DRAIN_S, cut
         assert (cut["status"] == 503 and cut["retry_after"]) or (
             cut["stream"] and cut["status"] == 500 and cut["done"]
         ), cut
