@@ -59,6 +59,9 @@ class Probe:
         served = cached if served is None else served  # an engine that does not say: as sent
         if measured:
             planner.target_cost.observe(len(prompt) - served, served, seconds, probe=True)
+        logger.debug(
+            "probe: %d tokens (%d cached): the draft %.2f s, the target %.2f s", len(prompt), served, drafted, seconds
+        )
         if (cache := planner.replicas[0].cache) is not None:
             await cache.record(prompt, None)
         return max(seconds, drafted)
@@ -104,6 +107,13 @@ async def calibrate(
     room = max(1, min(planner.draft.max_prompt_tokens, limit or 1 << 31) - sum(extensions))
     probed = sorted({min(n, room) for n in sizes})
     probe = Probe(planner, complete, vocab)
+    logger.info(
+        "timing the cost models' start-up probe: prompts of %s tokens (longer where both read those within %g s) "
+        "through the draft and the target: seconds on a GPU, minutes on CPU cores",
+        ", ".join(f"{n:,}" for n in probed),
+        grow_below_s,
+    )
+    started = time.perf_counter()
     whole = True
     try:
         await probe.run(probed, extensions, reads, room, grow_below_s)
@@ -111,8 +121,9 @@ async def calibrate(
         whole = False
         logger.warning("cost-model probe stopped: %s", type(exc).__name__ + (f": {exc}" if str(exc) else ""))
     logger.info(
-        "cost models calibrated on prompts up to %d tokens: target %s, draft %s",
+        "cost models calibrated on prompts up to %d tokens in %.1f s: target %s, draft %s",
         probed[-1],
+        time.perf_counter() - started,
         planner.target_cost.describe(),
         planner.draft_cost.describe(),
     )

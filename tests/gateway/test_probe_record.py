@@ -34,12 +34,14 @@ def _start(settings, caplog) -> tuple[dict, dict, str]:
 def test_a_second_start_fits_the_first_starts_probe_and_probes_nothing(model_pair, tmp_path, caplog):
     settings = gateway_settings(model_pair, calibrate=True, calibration_dir=str(tmp_path))
     target, draft, log = _start(settings, caplog)
-    assert "cost models calibrated on prompts up to" in log
+    assert "timing the cost models' start-up probe" in log and "cost models calibrated on prompts up to" in log
     [path] = tmp_path.glob("*.json")
     record = json.loads(path.read_text())
     assert len(record["target"]) >= 8 and len(record["draft"]) >= 8  # every probe prompt's timing
     again_target, again_draft, log = _start(settings, caplog)
-    assert "cost models calibrated" not in log and "fitted on the start-up probe" in log
+    assert (
+        "start-up probe:" not in log and "cost models calibrated" not in log and "fitted on the start-up probe" in log
+    )
     assert again_target == target and again_draft == draft  # fitted as the probe's own were
     # settings that change nothing a probe times keep the record; one that does, and other models, do not
     relabelled = gateway_settings(
