@@ -218,6 +218,12 @@ def test_a_resume_asks_again_a_wrong_answer_cut_at_a_lower_limit(tmp_path):
     assert sorted(r["index"] for r in _done(tmp_path / "answers.jsonl").values()) == [1, 2, 3, 4]
     # the tables count it as it stands (wrong) until it is asked again
     assert sorted(r["index"] for r in answered([tmp_path / "answers.jsonl"])) == [0, 1, 2, 3, 4]
+    # a run in another dtype would not make the cut answer longer, but draw another: it asks again only its own
+    computed = {0: "bfloat16", 1: "float32", 2: "float32", 3: "float32"}
+    typed = [{**r, "dtype": computed[r["index"]]} for r in rows if r["index"] in computed]
+    (tmp_path / "answers.jsonl").write_text("".join(json.dumps(r) + "\n" for r in typed))
+    assert sorted(r["index"] for r in _done(tmp_path / "answers.jsonl", dtype="float32").values()) == [0, 1, 2, 3]
+    assert sorted(r["index"] for r in _done(tmp_path / "answers.jsonl", dtype="bfloat16").values()) == [1, 2, 3]
 
 
 def test_auto_cells_follow_the_fixed_rates_with_the_rates_applied():
