@@ -150,6 +150,9 @@ class Eval(BaseSettings):
         return [validate_keep_rate(rate) for rate in value]
 
     def cli_cmd(self) -> None:
+        from specprefill_lab.launch import end_on_sigterm
+
+        end_on_sigterm()
         raise SystemExit(run_eval(self))
 
 

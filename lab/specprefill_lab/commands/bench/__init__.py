@@ -39,6 +39,9 @@ class Bench(BaseSettings):
     merge: CliSubCommand[Merge] = Field(description="several sweeps' bench.json as one table")
 
     def cli_cmd(self) -> None:
+        from specprefill_lab.launch import end_on_sigterm
+
+        end_on_sigterm()
         if get_subcommand(self, is_required=False) is None:
             raise SystemExit(Sweep().run())
         CliApp.run_subcommand(self)
