@@ -1,14 +1,40 @@
-"""Helpers for services started as separate processes: free ports, waiting until they answer, their memory."""
+"""Helpers for services started as separate processes: free ports, waiting until they answer, their memory; and
+this process's own end on SIGTERM."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
 import subprocess
+import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+
+
+@contextlib.contextmanager
+def sigterm_unwinds() -> Iterator[None]:
+    """While the block runs, a SIGTERM raises ``SystemExit(143)`` in it, as Ctrl-C raises ``KeyboardInterrupt``:
+    its ``finally`` and ``with`` blocks run (temporary folders removed, launched servers stopped). Python's default
+    ends the process at once and leaves them. The handler before it is back after the block (a server's own, such
+    as uvicorn's graceful drain, is untouched); only the main thread can set one, elsewhere the block runs as is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _exit_on_signal)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _exit_on_signal(number: int, _frame: object) -> None:
+    sys.exit(128 + number)
 
 
 def quiet_openmp() -> dict[str, str]:

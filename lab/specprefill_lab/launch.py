@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import signal
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -217,12 +216,6 @@ def launched_router(urls: list[str], policy: str) -> Iterator[str]:
         yield url
     finally:
         _stop([process])
-
-
-def end_on_sigterm() -> None:
-    """A SIGTERM ends this command as Ctrl-C does: ``SystemExit`` unwinds its ``with`` blocks, which stop the servers
-    it launched. Python's default ends the process at once and leaves them running."""
-    signal.signal(signal.SIGTERM, lambda sig, _frame: sys.exit(128 + sig))
 
 
 @contextlib.contextmanager

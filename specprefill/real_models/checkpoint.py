@@ -20,6 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from common.cache_folder import default_cache_dir
+from common.process import sigterm_unwinds
 from specprefill.real_models.catalog import RealModel
 from specprefill.real_models.gguf_files import RealModelError, check_disk, gguf_file, part_files
 
@@ -37,20 +38,21 @@ def ensure_checkpoint(model: RealModel, cache_dir: str | Path | None = None) -> 
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     check_disk(model, final.parent, part_files(model))
-    staging = Path(tempfile.mkdtemp(prefix=f".{model.key}-", dir=final.parent))
-    scratch = Path(tempfile.mkdtemp(prefix=f".{model.key}-gguf-", dir=final.parent))
-    try:
-        with gguf_file(model, scratch) as source:
-            convert(model, source, staging)
+    with sigterm_unwinds():  # a SIGTERM meanwhile (a container stopped) leaves no gigabytes of half-made files
+        staging = Path(tempfile.mkdtemp(prefix=f".{model.key}-", dir=final.parent))
+        scratch = Path(tempfile.mkdtemp(prefix=f".{model.key}-gguf-", dir=final.parent))
         try:
-            staging.rename(final)
-        except OSError:  # another process finished first, or a folder without DONE is in the way
-            if not (final / DONE).exists():
-                shutil.rmtree(final, ignore_errors=True)
+            with gguf_file(model, scratch) as source:
+                convert(model, source, staging)
+            try:
                 staging.rename(final)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-        shutil.rmtree(scratch, ignore_errors=True)
+            except OSError:  # another process finished first, or a folder without DONE is in the way
+                if not (final / DONE).exists():
+                    shutil.rmtree(final, ignore_errors=True)
+                    staging.rename(final)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+            shutil.rmtree(scratch, ignore_errors=True)
     return final
 
 

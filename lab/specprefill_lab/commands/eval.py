@@ -150,10 +150,11 @@ class Eval(BaseSettings):
         return [validate_keep_rate(rate) for rate in value]
 
     def cli_cmd(self) -> None:
-        from specprefill_lab.launch import end_on_sigterm
+        from common.process import sigterm_unwinds
 
-        end_on_sigterm()
-        raise SystemExit(run_eval(self))
+        with sigterm_unwinds():  # the servers it launched stopped on a SIGTERM too
+            code = run_eval(self)
+        raise SystemExit(code)
 
 
 def run_eval(options: Eval) -> int:

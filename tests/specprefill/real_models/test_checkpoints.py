@@ -5,6 +5,9 @@ family's 0.5B drafting; SmolLM2-135M one flag away."""
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
 
 import openai
 import pytest
@@ -31,6 +34,37 @@ def test_the_checkpoints_are_plain_of_one_family_and_made_once(monkeypatch):
     assert len(AutoTokenizer.from_pretrained(target)) == 151936  # the GGUF names every row of the embedding
     monkeypatch.setattr(checkpoint, "convert", lambda *a: pytest.fail("converted again"))
     assert ensure_checkpoint(QWEN_CODER_15B) == target
+
+
+# a first make whose conversion is under way (faked: the folders' making is what is tested) when a SIGTERM comes
+STOPPED_MAKE = """
+import contextlib, sys, time
+from specprefill.real_models import checkpoint
+from specprefill.real_models.catalog import QWEN_CODER_05B
+
+@contextlib.contextmanager
+def gguf_file(model, scratch):
+    (scratch / "model.gguf").write_bytes(bytes(1 << 20))
+    yield scratch / "model.gguf"
+
+def convert(model, source, out):
+    (out / "model.safetensors").write_bytes(bytes(1 << 20))
+    print("converting", flush=True)
+    time.sleep(120)
+
+checkpoint.check_disk, checkpoint.part_files = (lambda *a: None), (lambda model: [])
+checkpoint.gguf_file, checkpoint.convert = gguf_file, convert
+checkpoint.ensure_checkpoint(QWEN_CODER_05B, sys.argv[1])
+"""
+
+
+def test_a_sigterm_while_a_model_is_made_leaves_nothing_half_made(tmp_path):
+    with subprocess.Popen([sys.executable, "-c", STOPPED_MAKE, str(tmp_path)], stdout=subprocess.PIPE) as make:
+        assert make.stdout is not None and make.stdout.readline() == b"converting\n"
+        assert len(list(tmp_path.iterdir())) == 2  # the staging folder and the GGUF's scratch
+        make.send_signal(signal.SIGTERM)
+        assert make.wait(timeout=60) == 128 + signal.SIGTERM
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_make_serve_serves_the_pair_under_the_names_clients_send():

@@ -39,12 +39,12 @@ class Bench(BaseSettings):
     merge: CliSubCommand[Merge] = Field(description="several sweeps' bench.json as one table")
 
     def cli_cmd(self) -> None:
-        from specprefill_lab.launch import end_on_sigterm
+        from common.process import sigterm_unwinds
 
-        end_on_sigterm()
-        if get_subcommand(self, is_required=False) is None:
-            raise SystemExit(Sweep().run())
-        CliApp.run_subcommand(self)
+        with sigterm_unwinds():  # the servers it launched stopped on a SIGTERM too
+            if get_subcommand(self, is_required=False) is None:
+                raise SystemExit(Sweep().run())
+            CliApp.run_subcommand(self)
 
 
 __all__ = ["Agents", "Bench", "Chaos", "Load", "Merge", "Sweep", "Trace", "Workloads"]
