@@ -4,6 +4,8 @@ On the first SIGTERM (or SIGINT) the server keeps listening but answers new requ
 too, so load balancers take it out), lets in-flight requests and streams finish for up to
 ``drain_timeout`` seconds, then ends what is still in flight in its API's shape (a 503 with ``Retry-After``, or a
 stream's error event) and stops: with status 0 where nothing had to be ended. A second signal stops it at once.
+A signal before it serves (loading models, the start-up probe) stops it at once too, with status 128 + the
+signal's number: there is nothing to drain.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import ctypes.util
 import gc
 import json
 import logging
+import os
 import socket
 import time
 from collections.abc import Callable
@@ -250,6 +253,12 @@ class DrainingServer(uvicorn.Server):
             self.on_serving()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if not self.started:  # still starting (models, the start-up probe: minutes on CPU cores): nothing to drain
+            logger.warning("stopping: a signal before the server was up (nothing served, nothing to drain)")
+            logging.shutdown()
+            # at once: uvicorn would stop only once the start-up had finished, and unwinding it waits for the forward
+            # a thread is in (seconds on CPU cores) and logs the lifespan's cancellation as a failure
+            os._exit(128 + sig)
         if self.guard.draining:  # a second signal: stop now
             return super().handle_exit(sig, frame)
         self.guard.draining = True

@@ -6,7 +6,9 @@ import asyncio
 import json
 import re
 import signal
+import socket
 import subprocess
+import sys
 import time
 
 import httpx
@@ -137,6 +139,33 @@ def test_backend_killed_mid_stream_then_restarted(model_pair):
     finally:
         engine.kill()
         engine.wait()
+
+
+def test_a_signal_during_the_start_up_stops_the_gateway_at_once(model_pair):
+    # a backend that takes the start-up probe's first request and never answers: the gateway is starting (on CPU
+    # cores the probe of the real pair takes minutes), and a Ctrl-C or a SIGTERM then stopped it only once the
+    # start-up had ended
+    with socket.create_server(("127.0.0.1", 0)) as backend:
+        backend_url = f"http://127.0.0.1:{backend.getsockname()[1]}"
+        args = ["serve", "--port", str(free_port()), "--backend-url", backend_url, "--backend-kind", "vllm"]
+        args += ["--target-model", str(model_pair / "target"), "--draft-model", str(model_pair / "draft")]
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with subprocess.Popen(
+                [sys.executable, "-m", "specprefill", *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+            ) as gateway:
+                backend.settimeout(120)
+                connection, _ = backend.accept()  # the gateway's first request to the backend: it is starting
+                gateway.send_signal(sig)
+                try:
+                    _, err = gateway.communicate(timeout=30)
+                except subprocess.TimeoutExpired:
+                    gateway.kill()
+                    raise
+                finally:
+                    connection.close()
+            assert gateway.returncode == 128 + sig, err.decode()[-2000:]
+            assert b"stopping: a signal before the server was up" in err, err.decode()[-2000:]
+            assert b"Traceback" not in err, err.decode()[-2000:]
 
 
 def test_sigterm_drains_in_flight_streams_and_refuses_new_requests(model_pair):
